@@ -1,0 +1,19 @@
+"""Process gangs: the root, data-, tensor- and expert-parallel groups of a job."""
+
+from gangs.fake import FakeGang
+from gangs.gang import Gang, GangError, ReduceOperation
+from gangs.process_group import ProcessGroupGang, default_device, setup_root_gang
+from gangs.setup import Gangs, check_sizes, setup_gangs
+
+__all__ = [
+    "FakeGang",
+    "Gang",
+    "GangError",
+    "Gangs",
+    "ProcessGroupGang",
+    "ReduceOperation",
+    "check_sizes",
+    "default_device",
+    "setup_gangs",
+    "setup_root_gang",
+]
