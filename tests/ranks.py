@@ -92,7 +92,9 @@ def run_ranks(
                 try:
                     status, value = pickle.loads(conn.recv_bytes())
                 except EOFError:
-                    raise RankFailed(f"rank {rank} died (exit code {procs[rank].exitcode})")
+                    raise RankFailed(
+                        f"rank {rank} died (exit code {procs[rank].exitcode})"
+                    ) from None
                 if status == "error":
                     raise RankFailed(f"rank {rank} raised:\n{value}")
                 results[rank] = value

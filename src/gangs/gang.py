@@ -74,7 +74,7 @@ class Gang(ABC):
     def as_process_group(self) -> ProcessGroup:
         """The torch `ProcessGroup` behind the gang, for DDP, FSDP2 and DCP."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional hook)
         """Release what the gang holds; the default holds nothing."""
 
     def __repr__(self) -> str:

@@ -1,0 +1,62 @@
+"""Gradient normalisation, clipping and the optimizer step, without a host sync.
+
+The unit returns a SUM loss and its target count. Backward runs on the sums; then every
+gradient is multiplied once by `dp_size / global_count` (DDP and FSDP2 have already
+averaged over `dp_size` ranks), so the step's gradient is that of the mean loss over every
+target of the global batch, however the targets were spread.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from gangs import Gang, ReduceOperation
+
+
+def global_target_count(local_count: Tensor | int, dp: Gang, device: torch.device) -> Tensor | int:
+    """The step's target count over the DP gang: an int when it is known on the host for free
+    (one process, integer counts), else a 0-dim tensor on `device` (no host sync)."""
+    if dp.size == 1:
+        return local_count
+    count = torch.as_tensor(local_count, dtype=torch.float64, device=device).reshape(1)
+    dp.all_reduce(count, ReduceOperation.SUM)  # every rank enters, even with 0 targets
+    return count[0]
+
+
+def scale_gradients(grads: list[Tensor], dp_size: int, global_count: Tensor | int) -> None:
+    if not grads:
+        return
+    if isinstance(global_count, int):
+        if global_count > 0 and global_count != dp_size:
+            torch._foreach_mul_(grads, dp_size / global_count)
+        return
+    factor = dp_size / global_count.clamp(min=1)  # 0 targets: gradients stay 0, step skipped
+    torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+
+
+def gradient_norm(params: list[Tensor], max_norm: float | None) -> Tensor:
+    """Global L2 norm of the gradients (DTensor-aware), clipping to `max_norm` if given."""
+    if not params:
+        return torch.zeros(())
+    return torch.nn.utils.clip_grad_norm_(
+        params, max_norm if max_norm is not None else float("inf"), foreach=True
+    )
+
+
+def supports_device_skip(optimizer: Optimizer) -> bool:
+    """Fused optimizers (e.g. `AdamW(fused=True)`) can skip a step on the device, reading a
+    `found_inf` flag the way `torch.amp.GradScaler` hands it to them: no host sync."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused", False) for group in optimizer.param_groups
+    )
+
+
+def step_with_device_skip(optimizer: Optimizer, skip: Tensor) -> None:
+    """`optimizer.step()` that leaves parameters and state untouched where `skip` is true."""
+    optimizer.found_inf = skip.to(torch.float32)  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]

@@ -1,0 +1,26 @@
+"""Metric recorders: where the trainer's published metrics go (rank 0 only).
+
+JSONL always, TensorBoard, W&B when installed, and the console. The trainer talks to one
+:class:`CompositeRecorder` holding them all. Heavy imports (TensorBoard's writer, wandb)
+happen only when such a recorder is created.
+"""
+
+from trainer.recorders.base import CompositeRecorder, MetricRecorder
+from trainer.recorders.console import ConsoleRecorder, format_record, format_value
+from trainer.recorders.jsonl import JsonlRecorder, read_jsonl, section_file_name
+from trainer.recorders.tensorboard import TensorBoardRecorder
+from trainer.recorders.wandb import WandbRecorder, wandb_available
+
+__all__ = [
+    "CompositeRecorder",
+    "ConsoleRecorder",
+    "JsonlRecorder",
+    "MetricRecorder",
+    "TensorBoardRecorder",
+    "WandbRecorder",
+    "format_record",
+    "format_value",
+    "read_jsonl",
+    "section_file_name",
+    "wandb_available",
+]

@@ -1,0 +1,428 @@
+"""The `Trainer`: a model-agnostic loop that drives a `TrainUnit`.
+
+One step reads as the story of training: draw `num_accumulate` micro-batches, forward and
+backward each, normalise the gradients by the step's global target count, clip, step the
+optimizer and the LR scheduler; then publish metrics, validate, checkpoint, maybe stop.
+Everything else (gradients, validation, recorders, checkpoints, early stopping, loss
+scaling) lives in its own module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Generic, Literal
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from gangs import FakeGang, Gangs, ReduceOperation, setup_gangs
+from gangs.parallel import is_data_parallel
+from trainer import gradients
+from trainer.early_stoppers import EarlyStopper
+from trainer.recorders import (
+    CompositeRecorder,
+    ConsoleRecorder,
+    JsonlRecorder,
+    MetricRecorder,
+    TensorBoardRecorder,
+    WandbRecorder,
+)
+from trainer.result import TrainResult
+from trainer.seeding import seed_everything
+from trainer.stop_signal import StopSignal
+from trainer.validator import Validator
+from units import EvalUnit, MetricBag, TrainUnit
+from units.unit import BatchT
+
+log = logging.getLogger("gangtrain")
+
+Precision = Literal["fp32", "bf16", "fp16"]
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Trainer(Generic[BatchT]):
+    def __init__(
+        self,
+        unit: TrainUnit[BatchT],
+        data_reader: Iterable[BatchT],
+        optimizer: Optimizer,
+        *,
+        output_dir: str | Path,
+        gangs: Gangs | None = None,
+        lr_scheduler: LRScheduler | None = None,
+        valid_units: Sequence[EvalUnit[Any]] = (),
+        valid_data_readers: Sequence[Iterable[Any]] = (),
+        max_num_steps: int | None = None,
+        max_num_data_epochs: int | None = None,
+        num_accumulate: int = 1,
+        validate_every_n_steps: int | None = None,
+        validate_at_start: bool = False,
+        validate_at_end: bool = True,
+        checkpoint_every_n_steps: int | None = None,
+        keep_last_n_checkpoints: int | None = None,
+        keep_best_n_checkpoints: int | None = None,
+        score_metric: str | None = None,
+        lower_better: bool = True,
+        early_stopper: EarlyStopper | None = None,
+        publish_metrics_every_n_steps: int = 10,
+        max_gradient_norm: float | None = None,
+        amp: bool = True,
+        dtype: Precision = "fp32",
+        fp16_loss_scale: tuple[float, float] = (2.0**15, 1e-4),
+        anomaly_detection: bool = False,
+        seed: int | None = 2,
+        resume: bool = True,
+        recorders: Sequence[MetricRecorder] | None = None,
+        wandb_project: str | None = None,
+        progress: bool = True,
+        compile_model: bool = False,
+    ) -> None:
+        self.unit = unit
+        self.data_reader = data_reader
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.output_dir = Path(output_dir)
+        self.gangs = gangs if gangs is not None else setup_gangs(FakeGang())
+        self.max_num_steps = max_num_steps
+        self.max_num_data_epochs = max_num_data_epochs
+        self.num_accumulate = num_accumulate
+        self.validate_every_n_steps = validate_every_n_steps
+        self.validate_at_start = validate_at_start
+        self.validate_at_end = validate_at_end
+        self.checkpoint_every_n_steps = checkpoint_every_n_steps
+        self.keep_last_n_checkpoints = keep_last_n_checkpoints
+        self.keep_best_n_checkpoints = keep_best_n_checkpoints
+        self.lower_better = lower_better
+        self.early_stopper = early_stopper
+        self.publish_every = publish_metrics_every_n_steps
+        self.max_gradient_norm = max_gradient_norm
+        self.dtype = dtype
+        self.amp = amp
+        self.fp16_loss_scale = fp16_loss_scale
+        self.anomaly_detection = anomaly_detection
+        self.seed = seed
+        self.resume = resume
+        self.compile_model = compile_model
+        self._check_settings()
+        self.validator = Validator(valid_units, valid_data_readers, self.gangs, score_metric)
+        self._check_validation_settings(score_metric)
+        self._check_model_wrapped()
+
+        self.device = self.gangs.device
+        self.metrics = MetricBag(self.device)
+        self.recorder = self._build_recorders(recorders, wandb_project, progress)
+        self._console = next(
+            (r for r in getattr(self.recorder, "recorders", ()) if isinstance(r, ConsoleRecorder)),
+            None,
+        )
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._device_skip = gradients.supports_device_skip(optimizer)
+
+        # Progress, restored on resume.
+        self.step_nr = 0
+        self.epoch_nr = 0  # completed epochs
+        self.score_history: list[tuple[int, float]] = []
+        self._data_iter: Iterator[BatchT] | None = None
+        self._data_ended = False
+        self._epoch_batches = 0
+        self._num_skipped_total = 0
+        self._last_published: dict[str, float] = {}
+        self._reset_window()
+
+    # -- construction checks --------------------------------------------------------
+    def _check_settings(self) -> None:
+        positive = {
+            "max_num_steps": self.max_num_steps,
+            "max_num_data_epochs": self.max_num_data_epochs,
+            "num_accumulate": self.num_accumulate,
+            "validate_every_n_steps": self.validate_every_n_steps,
+            "checkpoint_every_n_steps": self.checkpoint_every_n_steps,
+            "publish_metrics_every_n_steps": self.publish_every,
+            "keep_last_n_checkpoints": self.keep_last_n_checkpoints,
+            "keep_best_n_checkpoints": self.keep_best_n_checkpoints,
+        }
+        for name, value in positive.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_gradient_norm is not None and self.max_gradient_norm <= 0:
+            raise ValueError(f"max_gradient_norm must be > 0, got {self.max_gradient_norm}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    def _check_validation_settings(self, score_metric: str | None) -> None:
+        validates = bool(self.validator) and (
+            self.validate_every_n_steps is not None or self.validate_at_end
+        )
+        for name, value in (("keep_best_n_checkpoints", self.keep_best_n_checkpoints),
+                            ("early_stopper", self.early_stopper)):
+            if value is None:
+                continue
+            if not validates:
+                raise ValueError(f"{name} needs validation: give valid_units and "
+                                 "valid_data_readers and set validate_every_n_steps")
+            if score_metric is None:
+                raise ValueError(f"{name} needs a score_metric (e.g. 'valid/loss')")
+        if self.validator and score_metric is None and self.keep_best_n_checkpoints:
+            raise ValueError("keep_best_n_checkpoints needs a score_metric")
+
+    def _check_model_wrapped(self) -> None:
+        if self.gangs.dp.size > 1 and not is_data_parallel(self.unit.model):
+            raise ValueError(
+                f"the unit's model is not wrapped for data parallelism over "
+                f"{self.gangs.dp.size} ranks: call `model = gangs.parallel.data_parallel("
+                "model, gangs)` before building the optimizer and give the unit that model"
+            )
+
+    def _build_recorders(
+        self, recorders: Sequence[MetricRecorder] | None, wandb_project: str | None,
+        progress: bool,
+    ) -> MetricRecorder:
+        if self.gangs.root.rank != 0:
+            return CompositeRecorder([])
+        if recorders is None:
+            recorders = [
+                JsonlRecorder(self.output_dir),
+                TensorBoardRecorder(self.output_dir / "tb"),
+                ConsoleRecorder(self.max_num_steps, show_progress=progress),
+            ]
+            if wandb_project is not None:
+                recorders.append(WandbRecorder(wandb_project, None, self.output_dir))
+        return CompositeRecorder(list(recorders))
+
+    # -- the run -------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        if self.seed is not None:
+            seed_everything(self.seed, self.gangs.root.rank)
+        if self.compile_model:
+            _inner_module(self.unit.model).compile()
+        self.unit.model.train()
+        anomaly = (torch.autograd.detect_anomaly() if self.anomaly_detection
+                   else contextlib.nullcontext())
+        with StopSignal() as stop, anomaly:
+            try:
+                reason = self._loop(stop)
+            finally:
+                self.recorder.close()
+        return TrainResult(
+            num_steps=self.step_nr,
+            stop_reason=reason,
+            best_score=self._best()[1],
+            best_step=self._best()[0],
+            score_history=list(self.score_history),
+            num_skipped_steps=self._num_skipped_total,
+            last_metrics=self._last_published,
+        )
+
+    def _loop(self, stop: StopSignal) -> str:
+        if self.validate_at_start and self.step_nr == 0 and self.validator:
+            if self._validate():
+                return "early_stop"
+        reason = None
+        while reason is None:
+            if self.max_num_steps is not None and self.step_nr >= self.max_num_steps:
+                reason = "max_num_steps"
+                break
+            batches = self._draw_micro_batches()
+            if not batches:
+                reason = "end_of_data" if self._data_ended else "max_num_data_epochs"
+                break
+            self.step_nr += 1
+            self._train_step(batches)
+            if self._console is not None:
+                self._console.advance(self.step_nr)
+
+            sync_point = False
+            if self.step_nr % self.publish_every == 0:
+                self._publish()
+                sync_point = True
+            if self._due(self.validate_every_n_steps) and self.validator:
+                if self._validate():
+                    reason = "early_stop"
+                sync_point = True
+            if sync_point and reason is None and self._stop_agreed(stop):
+                reason = "signal"
+        self._finish(reason)
+        return reason
+
+    def _finish(self, reason: str) -> None:
+        if self._window_steps > 0:
+            self._publish()
+        validated_now = self._due(self.validate_every_n_steps) or reason == "early_stop"
+        if self.validate_at_end and self.validator and not validated_now and self.step_nr > 0:
+            self._validate()
+
+    def _due(self, every: int | None) -> bool:
+        return every is not None and self.step_nr > 0 and self.step_nr % every == 0
+
+    # -- one step ------------------------------------------------------------------
+    def _draw_micro_batches(self) -> list[BatchT]:
+        """Up to `num_accumulate` micro-batches. A window never spans two epochs, so the
+        last window of an epoch may be short; normalisation stays exact."""
+        batches: list[BatchT] = []
+        while len(batches) < self.num_accumulate and not self._data_ended:
+            if self._data_iter is None:
+                if (self.max_num_data_epochs is not None
+                        and self.epoch_nr >= self.max_num_data_epochs):
+                    break
+                self._data_iter = iter(self.data_reader)
+                self._epoch_batches = 0
+            try:
+                batches.append(next(self._data_iter))
+                self._epoch_batches += 1
+            except StopIteration:
+                self._data_iter = None
+                if self._epoch_batches == 0:  # an epoch with no batch: the data is spent
+                    self._data_ended = True
+                    break
+                self.epoch_nr += 1
+                if batches:
+                    break
+        return batches
+
+    def _train_step(self, batches: list[BatchT]) -> None:
+        self.unit.set_step_nr(self.step_nr)
+        model = self.unit.model
+        loss_sum: torch.Tensor | None = None
+        local_count: torch.Tensor | int = 0
+        last = len(batches) - 1
+        for i, batch in enumerate(batches):
+            # DDP reduces gradients only on the last micro-batch of the window.
+            no_sync = model.no_sync() if isinstance(model, DDP) and i < last else _NULL
+            with no_sync:
+                with self._autocast():
+                    loss, num_targets = self.unit(batch, self.metrics)
+                if num_targets is None:  # the unit returned a mean: each micro-batch counts 1
+                    num_targets = 1
+                loss.backward()
+            detached = loss.detach()
+            loss_sum = detached if loss_sum is None else loss_sum + detached
+            local_count = local_count + num_targets
+
+        count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        gradients.scale_gradients(grads, self.gangs.dp.size, count)
+
+        publish_step = self.step_nr % self.publish_every == 0
+        if self.max_gradient_norm is not None or publish_step:
+            self._grad_norm = gradients.gradient_norm(self._params, self.max_gradient_norm)
+        self._optimizer_step(count)
+        self.optimizer.zero_grad(set_to_none=True)
+
+        self._window_loss = loss_sum if self._window_loss is None else self._window_loss + loss_sum
+        self._window_count = self._window_count + local_count
+        self._window_steps += 1
+
+    def _optimizer_step(self, count: torch.Tensor | int) -> None:
+        """Step unless the step's global target count is 0 (then skip, with a warning)."""
+        if isinstance(count, torch.Tensor) and self._device_skip:
+            skip = count == 0  # decided on the device; reported at the next publish
+            gradients.step_with_device_skip(self.optimizer, skip)
+            self._window_skipped = self._window_skipped + skip.to(torch.int64)
+        else:
+            # A non-fused optimizer cannot skip on the device: one host read a step.
+            n = count if isinstance(count, int) else count.item()
+            if n == 0:
+                log.warning("step %d has no targets on any rank: skipped", self.step_nr)
+                self._num_skipped_total += 1
+                return
+            self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.dtype == "fp32" or not self.amp:
+            return _NULL
+        return torch.autocast(self.device.type, dtype=_DTYPES[self.dtype])
+
+    # -- publish, validate, stop -----------------------------------------------------
+    def _reset_window(self) -> None:
+        self._window_loss: torch.Tensor | None = None
+        self._window_count: torch.Tensor | int = 0
+        self._window_steps = 0
+        self._window_skipped: torch.Tensor | int = 0
+        self._window_start = time.perf_counter()
+        self._grad_norm: torch.Tensor | None = None
+
+    def _publish(self) -> None:
+        """Sync the window's metrics over DP (the only host copy) and record them."""
+        bag = self.metrics
+        if self._window_loss is not None:
+            bag.update_total("loss", self._window_loss, self._window_count)
+            bag.update_sum("num_targets", self._window_count)
+        if self._grad_norm is not None:
+            bag.update_max("grad_norm", self._grad_norm)
+        bag.update_sum("num_skipped_steps", self._window_skipped)
+        values = bag.sync_and_compute(self.gangs.dp)
+        self.unit.derive_metrics(values)
+
+        skipped = int(values.pop("num_skipped_steps", 0))
+        if skipped and self._device_skip:
+            log.warning("%d step(s) up to step %d had no targets on any rank: skipped",
+                        skipped, self.step_nr)
+        self._num_skipped_total += skipped
+        elapsed = time.perf_counter() - self._window_start
+        values["num_skipped_steps"] = self._num_skipped_total
+        values["lr"] = self.optimizer.param_groups[0]["lr"]
+        values["steps_per_s"] = self._window_steps / elapsed
+        values["targets_per_s"] = values.get("num_targets", 0.0) / elapsed
+        values["epoch"] = self.epoch_nr
+        self.recorder.record("train", self.step_nr, values)
+        self._last_published = values
+        bag.reset()
+        self._reset_window()
+
+    def _validate(self) -> bool:
+        """Validate, record the score; True when the early stopper says stop."""
+        values = self.validator.run()
+        sections: dict[str, dict[str, float]] = {}
+        for key, value in values.items():
+            section, _, name = key.rpartition("/")
+            sections.setdefault(section, {})[name] = value
+        for section, section_values in sections.items():
+            self.recorder.record(section, self.step_nr, section_values)
+        score = self.validator.score(values)
+        if score is None:
+            return False
+        self.score_history.append((self.step_nr, score))
+        if self.early_stopper is None:
+            return False
+        decision = [False]
+        if self.gangs.root.rank == 0:
+            decision[0] = bool(self.early_stopper(self.step_nr, score))
+        self.gangs.root.broadcast_objects(decision, source_rank=0)
+        if decision[0] and self.gangs.root.rank == 0:
+            log.info("early stop at step %d (score %s)", self.step_nr, score)
+        return decision[0]
+
+    def _stop_agreed(self, stop: StopSignal) -> bool:
+        """A stop signal seen by any rank stops every rank, at the same step."""
+        if self.gangs.root.size == 1:
+            return stop.requested
+        flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
+        self.gangs.root.all_reduce(flag, ReduceOperation.MAX)
+        return bool(flag.item())
+
+    def _best(self) -> tuple[int | None, float | None]:
+        scored = [(s, v) for s, v in self.score_history if not math.isnan(v)]
+        if not scored:
+            return None, None
+        pick = min if self.lower_better else max
+        step, score = pick(scored, key=lambda sv: (sv[1], -sv[0]) if self.lower_better
+                           else (sv[1], sv[0]))
+        return step, score
+
+
+_NULL = contextlib.nullcontext()
+
+
+def _inner_module(model: torch.nn.Module) -> torch.nn.Module:
+    """Compile the module inside DDP, not DDP itself (DDP(torch.compile(m)) is the one
+    that runs compiled)."""
+    return model.module if isinstance(model, DDP) else model

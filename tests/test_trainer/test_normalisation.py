@@ -1,0 +1,143 @@
+"""Semantic 1: the step's gradient is that of the mean loss over every target of the global
+batch, whatever num_accumulate, DP size and spread of targets. Checked against a
+hand-written full-batch loop."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from functools import partial
+
+import pytest
+import torch
+from ranks import run_ranks
+from toy import TokenUnit, collate, make_model, make_samples, reference_run
+
+from gangs import setup_gangs, setup_root_gang
+from gangs.parallel import data_parallel
+from trainer.trainer import Trainer
+
+# Global micro-batches: sizes vary; sample 4 and the whole micro-batch 5 have no targets.
+SIZES = [4, 3, 5, 2, 4, 3, 4]
+ZERO_MICRO_BATCH = 5
+
+
+def global_micro_batches():
+    samples = make_samples(sum(SIZES), seed=1, zero_target_ids={4})
+    out, i = [], 0
+    for k, size in enumerate(SIZES):
+        mb = samples[i : i + size]
+        if k == ZERO_MICRO_BATCH:
+            mb = [(x, torch.full_like(y, -1)) for x, y in mb]
+        out.append(mb)
+        i += size
+    return out
+
+
+def shard(mb, rank, dp):
+    """Uneven shards: rank 0 takes the first ceil(n/2)+(n%3==0) samples."""
+    if dp == 1:
+        return mb
+    cut = min(len(mb) - 1, (len(mb) + 1) // 2 + (len(mb) % 3 == 0))
+    return mb[:cut] if rank == 0 else mb[cut:]
+
+
+def optimizers(kind):
+    if kind == "adamw":
+        return partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    return partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1, fused=True)
+
+
+def run_trainer(num_accumulate, opt_kind, mean=False):
+    root = setup_root_gang()
+    gangs = setup_gangs(root)
+    model = data_parallel(make_model(0), gangs)
+    opt = optimizers(opt_kind)(model.parameters())
+    reader = [collate(shard(mb, gangs.dp.rank, gangs.dp.size)) for mb in global_micro_batches()]
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(TokenUnit(model, mean=mean), reader, opt, output_dir=out, gangs=gangs,
+                          num_accumulate=num_accumulate, max_num_data_epochs=1,
+                          publish_metrics_every_n_steps=2, progress=False, recorders=[])
+        result = trainer.run()
+    inner = model.module if hasattr(model, "module") else model
+    return ({k: v.detach().clone() for k, v in inner.state_dict().items()},
+            result.num_steps, result.num_skipped_steps)
+
+
+def reference(num_accumulate, opt_kind, mean=False):
+    mbs = global_micro_batches()
+    steps = [mbs[i : i + num_accumulate] for i in range(0, len(mbs), num_accumulate)]
+    return reference_run(steps, optimizers(opt_kind), mean_of_means=mean), len(steps)
+
+
+def assert_same(params, expected):
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("opt_kind", ["adamw", "adamw_fused"])
+@pytest.mark.parametrize("num_accumulate", [1, 3])
+def test_single_process_matches_full_batch_loop(num_accumulate, opt_kind):
+    params, num_steps, _ = run_trainer(num_accumulate, opt_kind)
+    expected, expected_steps = reference(num_accumulate, opt_kind)
+    assert num_steps == expected_steps  # 7 micro-batches: with 3 a short last window of 1
+    assert_same(params, expected)
+
+
+@pytest.mark.parametrize("opt_kind", ["adamw", "adamw_fused"])
+@pytest.mark.parametrize("num_accumulate", [1, 3])
+def test_two_ranks_match_full_batch_loop(num_accumulate, opt_kind):
+    results = run_ranks(partial(run_trainer, num_accumulate, opt_kind), world_size=2)
+    expected, _ = reference(num_accumulate, opt_kind)
+    for params, _, _ in results:
+        assert_same(params, expected)
+
+
+@pytest.mark.parametrize("opt_kind", ["adamw", "adamw_fused"])
+def test_step_without_targets_is_skipped_with_warning(opt_kind, caplog):
+    # num_accumulate=1: step 6 is micro-batch 5, which has no target at all.
+    with caplog.at_level(logging.WARNING, logger="gangtrain"):
+        params, num_steps, skipped = run_trainer(1, opt_kind)
+    assert skipped == 1 and num_steps == len(SIZES)
+    assert any("no targets" in r.message for r in caplog.records)
+    expected, _ = reference(1, opt_kind)
+    assert_same(params, expected)
+    # The reference without the skip would differ: AdamW moves weights on a zero gradient.
+    mbs = global_micro_batches()
+    naive = reference_run([[mb] for mb in mbs], optimizers(opt_kind), skip_empty=False)
+    assert not torch.allclose(naive["2.weight"], expected["2.weight"])
+
+
+def test_mean_of_means_when_unit_returns_none():
+    mbs = [mb for k, mb in enumerate(global_micro_batches()) if k != ZERO_MICRO_BATCH]
+    mbs = [[s for s in mb if (s[1] != -1).any()] for mb in mbs]
+
+    root = setup_root_gang()
+    gangs = setup_gangs(root)
+    model = make_model(0)
+    opt = optimizers("adamw")(model.parameters())
+    with tempfile.TemporaryDirectory() as out:
+        Trainer(TokenUnit(model, mean=True), [collate(mb) for mb in mbs], opt, output_dir=out,
+                gangs=gangs, num_accumulate=3, max_num_data_epochs=1, recorders=[]).run()
+    steps = [mbs[i : i + 3] for i in range(0, len(mbs), 3)]
+    expected = reference_run(steps, optimizers("adamw"), mean_of_means=True)
+    assert_same(model.state_dict(), expected)
+    # ... and that differs from the mean over all targets, so the test can tell them apart.
+    per_target = reference_run(steps, optimizers("adamw"))
+    assert not torch.allclose(per_target["2.weight"], expected["2.weight"])
+
+
+def _unwrapped_fails():
+    gangs = setup_gangs(setup_root_gang())
+    model = make_model(0)
+    try:
+        Trainer(TokenUnit(model), [], torch.optim.SGD(model.parameters(), lr=0.1),
+                output_dir=tempfile.mkdtemp(), gangs=gangs, recorders=[])
+    except ValueError as ex:
+        return str(ex)
+    return None
+
+
+def test_unwrapped_model_with_dp_fails_at_construction():
+    for msg in run_ranks(_unwrapped_fails, world_size=2):
+        assert msg is not None and "data_parallel(" in msg and "2 ranks" in msg

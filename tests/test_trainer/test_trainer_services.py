@@ -1,0 +1,257 @@
+"""The loop's services as a user sees them: validation scores, early stopping on every
+rank, recorded metrics read back from real files, no host sync in the hot loop, and
+settings checked at construction."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from ranks import run_ranks
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from toy import TokenUnit, collate, make_model, make_samples
+
+from gangs import setup_gangs, setup_root_gang
+from gangs.parallel import data_parallel
+from trainer.early_stoppers import patience
+from trainer.recorders import JsonlRecorder, TensorBoardRecorder, WandbRecorder
+from trainer.trainer import Trainer
+from units import EvalUnit, MetricBag
+
+
+class ScriptedEval(EvalUnit):
+    """Reports a scripted score per validation, so early stopping can be checked exactly."""
+
+    metric_names = ("loss",)
+
+    def __init__(self, model, scores):
+        self._model = model
+        self.scores = list(scores)
+        self.calls = 0
+
+    @property
+    def model(self):
+        return self._model
+
+    def __call__(self, batch, metrics: MetricBag) -> None:
+        metrics.update_mean("loss", self.scores[self.calls])
+        self.calls += 1
+
+
+def reader(n=40, seed=3):
+    samples = make_samples(n * 2, seed=seed)
+    return [collate(samples[i : i + 2]) for i in range(0, len(samples), 2)]
+
+
+def make_trainer(out, scores=None, model=None, gangs=None, **kwargs):
+    model = model if model is not None else make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    valid = {}
+    if scores is not None:
+        valid = dict(valid_units=[ScriptedEval(model, scores)], valid_data_readers=[[None]])
+        kwargs.setdefault("score_metric", "valid/loss")
+    kwargs.setdefault("recorders", [])
+    return Trainer(TokenUnit(model), reader(), opt, output_dir=out, gangs=gangs, **valid,
+                   **kwargs)
+
+
+SCORES = [1.0, 0.8, 0.795, 0.79, 0.792, 0.5, 0.4]  # patience(3, 0.01) stops at the 5th
+
+
+def test_plugin_stopper_sees_each_step_and_score(tmp_path):
+    seen = []
+
+    def stopper(step_nr, score):
+        seen.append((step_nr, score))
+        return False
+
+    result = make_trainer(tmp_path, SCORES, validate_every_n_steps=5, max_num_steps=30,
+                          early_stopper=stopper, validate_at_end=False).run()
+    assert seen == [(5 * (i + 1), pytest.approx(s)) for i, s in enumerate(SCORES[:6])]
+    assert result.score_history == seen and result.stop_reason == "max_num_steps"
+    assert (result.best_step, result.best_score) == (30, pytest.approx(0.5))
+
+
+def test_patience_stops_at_expected_step(tmp_path):
+    result = make_trainer(tmp_path, SCORES, validate_every_n_steps=5, max_num_steps=100,
+                          early_stopper=patience(3, min_delta=0.01)).run()
+    # 0.8 is the last improvement by > 0.01; 0.795, 0.79, 0.792 do not improve enough.
+    assert result.stop_reason == "early_stop"
+    assert result.num_steps == 25
+    assert result.best_step == 20
+
+
+def _early_stop_on_two_ranks():
+    gangs = setup_gangs(setup_root_gang())
+    model = data_parallel(make_model(), gangs)
+    calls = []
+
+    def stopper(step_nr, score):  # only rank 0 may be asked
+        calls.append(step_nr)
+        return step_nr >= 10
+
+    out = tempfile.mkdtemp()
+    result = make_trainer(out, [0.5] * 10, model=model, gangs=gangs, validate_every_n_steps=5,
+                          max_num_steps=100, early_stopper=stopper).run()
+    return gangs.root.rank, result.num_steps, result.stop_reason, calls
+
+
+def test_early_stop_decision_reaches_every_rank():
+    results = run_ranks(_early_stop_on_two_ranks, world_size=2)
+    assert results[0] == (0, 10, "early_stop", [5, 10])
+    assert results[1] == (1, 10, "early_stop", [])  # rank 1 never decides, yet stops at 10
+
+
+def test_metrics_read_back_from_jsonl_tensorboard_and_wandb(tmp_path):
+    recorders = [JsonlRecorder(tmp_path), TensorBoardRecorder(tmp_path / "tb"),
+                 WandbRecorder("gangtrain-test", "t", tmp_path, mode="offline")]
+    result = make_trainer(tmp_path, [2.0, 1.5], validate_every_n_steps=10, max_num_steps=20,
+                          publish_metrics_every_n_steps=10, recorders=recorders).run()
+    lines = [json.loads(s) for s in (tmp_path / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [10, 20]
+    assert lines[-1]["loss"] == pytest.approx(result.last_metrics["loss"])
+    assert all(r["num_targets"] > 0 and r["grad_norm"] > 0 for r in lines)
+    valid = [json.loads(s) for s in (tmp_path / "metrics" / "valid.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in valid] == [(10, 2.0), (20, 1.5)]
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    events = acc.Scalars("train/loss")
+    assert [e.step for e in events] == [10, 20]
+    assert events[1].value == pytest.approx(lines[1]["loss"], rel=1e-6)
+    assert [e.value for e in acc.Scalars("valid/loss")] == [2.0, 1.5]
+
+    assert glob.glob(str(tmp_path / "wandb" / "**" / "*.wandb"), recursive=True)
+
+
+def test_loss_metric_is_the_mean_over_targets(tmp_path):
+    """The published train loss is total NLL / total targets over the window."""
+    model = make_model()
+    batches = reader()[:5]
+    trainer = make_trainer(tmp_path, model=model, max_num_steps=5,
+                           publish_metrics_every_n_steps=5)
+    trainer.data_reader = batches
+    # With lr 0 the parameters stay, so the expected loss is computable up front.
+    for g in trainer.optimizer.param_groups:
+        g["lr"] = 0.0
+        g["weight_decay"] = 0.0
+    total, count = 0.0, 0
+    for x, y in batches:
+        loss, n = TokenUnit(model)((x, y), MetricBag())
+        total += loss.item()
+        count += int(n)
+    result = trainer.run()
+    assert result.last_metrics["loss"] == pytest.approx(total / count, rel=1e-6)
+    assert result.last_metrics["num_targets"] == count
+
+
+class _SyncCounter:
+    """Counts calls of the Tensor methods that copy device values to the host."""
+
+    NAMES = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__", "numpy")
+
+    def __init__(self):
+        self.calls = 0
+        self._saved = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def counting(t, *a, _original=original, **k):
+                self.calls += 1
+                return _original(t, *a, **k)
+
+            setattr(torch.Tensor, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+def test_hot_loop_has_no_host_sync_outside_publish(tmp_path):
+    trainer = make_trainer(tmp_path, max_num_steps=20, publish_metrics_every_n_steps=10)
+    syncs_by_step = {}
+    original_train_step = trainer._train_step
+    original_publish = trainer._publish
+
+    def counted_step(batches):
+        with _SyncCounter() as counter:
+            original_train_step(batches)
+        syncs_by_step[trainer.step_nr] = counter.calls
+
+    publish_syncs = []
+
+    def counted_publish():
+        with _SyncCounter() as counter:
+            original_publish()
+        publish_syncs.append(counter.calls)
+
+    trainer._train_step = counted_step
+    trainer._publish = counted_publish
+    trainer.run()
+    assert len(syncs_by_step) == 20
+    assert set(syncs_by_step.values()) == {0}, syncs_by_step
+    assert len(publish_syncs) == 2 and all(n > 0 for n in publish_syncs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_num_steps=-1), "max_num_steps must be >= 1, got -1"),
+        (dict(num_accumulate=0), "num_accumulate must be >= 1"),
+        (dict(keep_best_n_checkpoints=2), "keep_best_n_checkpoints needs validation"),
+        (dict(early_stopper=patience(2)), "early_stopper needs validation"),
+        (dict(dtype="fp8"), "dtype must be one of"),
+    ],
+)
+def test_invalid_settings_fail_at_construction(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(tmp_path, **kwargs)
+
+
+def test_score_metric_no_unit_reports(tmp_path):
+    with pytest.raises(ValueError, match="score_metric 'valid/accuracy'.*reports \\['loss'\\]"):
+        make_trainer(tmp_path, [1.0], validate_every_n_steps=5, score_metric="valid/accuracy")
+    with pytest.raises(ValueError, match="no valid unit is named 'dev'"):
+        make_trainer(tmp_path, [1.0], validate_every_n_steps=5, score_metric="dev/loss")
+
+
+def test_sigterm_finishes_the_step_and_stops(tmp_path):
+    trainer = make_trainer(tmp_path, max_num_steps=1000, publish_metrics_every_n_steps=1)
+    original = trainer._train_step
+
+    def step_then_signal(batches):
+        original(batches)
+        if trainer.step_nr == 7:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer._train_step = step_then_signal
+    result = trainer.run()
+    assert (result.stop_reason, result.num_steps) == ("signal", 7)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+
+
+def test_epochs_and_end_of_data(tmp_path):
+    r = make_trainer(tmp_path, max_num_data_epochs=2, num_accumulate=3).run()
+    # 40 batches an epoch, windows of 3 never span epochs: 14 steps an epoch.
+    assert (r.stop_reason, r.num_steps) == ("max_num_data_epochs", 28)
+    t = make_trainer(tmp_path, num_accumulate=4)
+    t.data_reader = iter(reader())  # a one-shot iterator: its second epoch is empty
+    r = t.run()
+    assert (r.stop_reason, r.num_steps) == ("end_of_data", 10)
+
+
+def test_output_dir_outputs(tmp_path):
+    Path(tmp_path).mkdir(exist_ok=True)
+    make_trainer(tmp_path, max_num_steps=3, recorders=None, progress=False).run()
+    assert (tmp_path / "metrics" / "train.jsonl").exists()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
