@@ -12,3 +12,7 @@ class UserError(Exception):
     traceback and exit with status 2. Anything that is not the user's fault (a bug) should raise
     another exception type so that its traceback is shown.
     """
+
+
+class NonFiniteLossError(UserError):
+    """The loss (or gradient norm) of a step was NaN or infinite more often than allowed."""

@@ -26,6 +26,7 @@ from gangs import FakeGang, Gangs, ReduceOperation, setup_gangs
 from gangs.parallel import is_data_parallel
 from trainer import gradients
 from trainer.early_stoppers import EarlyStopper
+from trainer.errors import NonFiniteLossError
 from trainer.recorders import (
     CompositeRecorder,
     ConsoleRecorder,
@@ -76,6 +77,7 @@ class Trainer(Generic[BatchT]):
         amp: bool = True,
         dtype: Precision = "fp32",
         fp16_loss_scale: tuple[float, float] = (2.0**15, 1e-4),
+        max_consecutive_non_finite: int = 0,
         anomaly_detection: bool = False,
         seed: int | None = 2,
         resume: bool = True,
@@ -83,6 +85,7 @@ class Trainer(Generic[BatchT]):
         wandb_project: str | None = None,
         progress: bool = True,
         compile_model: bool = False,
+        async_checkpoint: bool = False,
     ) -> None:
         self.unit = unit
         self.data_reader = data_reader
@@ -106,6 +109,8 @@ class Trainer(Generic[BatchT]):
         self.dtype = dtype
         self.amp = amp
         self.fp16_loss_scale = fp16_loss_scale
+        self.max_consecutive_non_finite = max_consecutive_non_finite
+        self.async_checkpoint = async_checkpoint
         self.anomaly_detection = anomaly_detection
         self.seed = seed
         self.resume = resume
@@ -124,6 +129,7 @@ class Trainer(Generic[BatchT]):
         )
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device_skip = gradients.supports_device_skip(optimizer)
+        self._scaler = self._build_loss_scaler()
 
         # Progress, restored on resume.
         self.step_nr = 0
@@ -133,6 +139,9 @@ class Trainer(Generic[BatchT]):
         self._data_ended = False
         self._epoch_batches = 0
         self._num_skipped_total = 0
+        self._step_log: list[tuple[int, Any, Any]] = []  # (step, non-finite, skipped)
+        self._non_finite_run = 0  # consecutive non-finite steps, and where the run began
+        self._non_finite_first = 0
         self._last_published: dict[str, float] = {}
         self._reset_window()
 
@@ -300,7 +309,7 @@ class Trainer(Generic[BatchT]):
                     loss, num_targets = self.unit(batch, self.metrics)
                 if num_targets is None:  # the unit returned a mean: each micro-batch counts 1
                     num_targets = 1
-                loss.backward()
+                (self._scaler.scale_loss(loss) if self._scaler else loss).backward()
             detached = loss.detach()
             loss_sum = detached if loss_sum is None else loss_sum + detached
             local_count = local_count + num_targets
@@ -308,33 +317,97 @@ class Trainer(Generic[BatchT]):
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
         grads = [p.grad for p in self._params if p.grad is not None]
         gradients.scale_gradients(grads, self.gangs.dp.size, count)
+        overflow = self._scaler.unscale_and_check(grads) if self._scaler else False
 
         publish_step = self.step_nr % self.publish_every == 0
         if self.max_gradient_norm is not None or publish_step:
             self._grad_norm = gradients.gradient_norm(self._params, self.max_gradient_norm)
-        self._optimizer_step(count)
+        self._optimizer_step(count, loss_sum, overflow)
         self.optimizer.zero_grad(set_to_none=True)
 
         self._window_loss = loss_sum if self._window_loss is None else self._window_loss + loss_sum
         self._window_count = self._window_count + local_count
         self._window_steps += 1
 
-    def _optimizer_step(self, count: torch.Tensor | int) -> None:
-        """Step unless the step's global target count is 0 (then skip, with a warning)."""
-        if isinstance(count, torch.Tensor) and self._device_skip:
-            skip = count == 0  # decided on the device; reported at the next publish
-            gradients.step_with_device_skip(self.optimizer, skip)
-            self._window_skipped = self._window_skipped + skip.to(torch.int64)
+    def _optimizer_step(self, count: torch.Tensor | int, loss: torch.Tensor, overflow: bool) -> None:
+        """Step, unless the step has no target on any rank, its loss is not finite, or fp16
+        gradients overflowed: then skip the optimizer and LR scheduler on every rank."""
+        non_finite = loss.isfinite().logical_not_()
+        if self._scaler is not None:  # fp16: the scaler's agreed overflow flag decides
+            self._scaler.update(overflow, self.step_nr)
+            skip = overflow or self._host_zero(count)
+            self._step_log.append((self.step_nr, False, skip))
+        elif self._device_skip and not (isinstance(count, int) and count == 0):
+            # Decided on the device, no host sync: the step log is read at the next publish.
+            skip_flag = non_finite if isinstance(count, int) else non_finite | (count == 0)
+            gradients.step_with_device_skip(self.optimizer, skip_flag)
+            self._step_log.append((self.step_nr, non_finite, skip_flag))
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            return
         else:
             # A non-fused optimizer cannot skip on the device: one host read a step.
-            n = count if isinstance(count, int) else count.item()
-            if n == 0:
-                log.warning("step %d has no targets on any rank: skipped", self.step_nr)
-                self._num_skipped_total += 1
-                return
-            self.optimizer.step()
+            bad = bool(non_finite.item())
+            skip = bad or self._host_zero(count)
+            self._step_log.append((self.step_nr, bad, skip))
+            if bad:
+                self._check_step_log()
+        if skip:
+            return
+        self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+    def _host_zero(self, count: torch.Tensor | int) -> bool:
+        n = count if isinstance(count, int) else count.item()
+        if n == 0:
+            log.warning("step %d has no targets on any rank: skipped", self.step_nr)
+        return n == 0
+
+    def _check_step_log(self) -> int:
+        """Read the steps' skip flags (one host copy), count skipped steps, and enforce the
+        non-finite policy: at most `max_consecutive_non_finite` non-finite steps in a row."""
+        if not self._step_log:
+            return 0
+        flat = torch.stack([torch.as_tensor(flag, device=self.device).reshape(())
+                            for _, bad, skip in self._step_log for flag in (bad, skip)])
+        values = flat.tolist()
+        flags = zip(values[0::2], values[1::2])
+        skipped = 0
+        for (step_nr, _, _), (bad, skip) in zip(self._step_log, flags):
+            skipped += int(skip)
+            if skip and not bad and self._device_skip:
+                log.warning("step %d has no targets on any rank: skipped", step_nr)
+            if bad:
+                self._non_finite_run += 1
+                if self._non_finite_run == 1:
+                    self._non_finite_first = step_nr
+                if self._non_finite_run > self.max_consecutive_non_finite:
+                    raise NonFiniteLossError(
+                        f"step {self._non_finite_first}: the loss is not finite (NaN or inf)"
+                        f" for {self._non_finite_run} step(s) in a row; "
+                        f"{self._last_good_checkpoint_text()}. Lower the learning rate, check "
+                        "the data, or set trainer.max_consecutive_non_finite to skip such steps"
+                    )
+                log.warning("step %d: the loss is not finite: step skipped", step_nr)
+            else:
+                self._non_finite_run = 0
+        self._step_log.clear()
+        self._num_skipped_total += skipped
+        return skipped
+
+    def _last_good_checkpoint_text(self) -> str:
+        return "no checkpoint was written"
+
+    def _build_loss_scaler(self):
+        if self.dtype != "fp16":
+            return None
+        from trainer.loss_scaler import LossScaler
+
+        init_scale, min_scale = self.fp16_loss_scale
+        return LossScaler(self.gangs.root, self.gangs.device, init_scale=init_scale,
+                          min_scale=min_scale, dp_size=self.gangs.dp.size,
+                          num_accumulate=self.num_accumulate)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.dtype == "fp32" or not self.amp:
@@ -346,7 +419,6 @@ class Trainer(Generic[BatchT]):
         self._window_loss: torch.Tensor | None = None
         self._window_count: torch.Tensor | int = 0
         self._window_steps = 0
-        self._window_skipped: torch.Tensor | int = 0
         self._window_start = time.perf_counter()
         self._grad_norm: torch.Tensor | None = None
 
@@ -358,21 +430,18 @@ class Trainer(Generic[BatchT]):
             bag.update_sum("num_targets", self._window_count)
         if self._grad_norm is not None:
             bag.update_max("grad_norm", self._grad_norm)
-        bag.update_sum("num_skipped_steps", self._window_skipped)
         values = bag.sync_and_compute(self.gangs.dp)
         self.unit.derive_metrics(values)
 
-        skipped = int(values.pop("num_skipped_steps", 0))
-        if skipped and self._device_skip:
-            log.warning("%d step(s) up to step %d had no targets on any rank: skipped",
-                        skipped, self.step_nr)
-        self._num_skipped_total += skipped
+        self._check_step_log()
         elapsed = time.perf_counter() - self._window_start
         values["num_skipped_steps"] = self._num_skipped_total
         values["lr"] = self.optimizer.param_groups[0]["lr"]
         values["steps_per_s"] = self._window_steps / elapsed
         values["targets_per_s"] = values.get("num_targets", 0.0) / elapsed
         values["epoch"] = self.epoch_nr
+        if self._scaler is not None:
+            values["loss_scale"] = self._scaler.scale
         self.recorder.record("train", self.step_nr, values)
         self._last_published = values
         bag.reset()
@@ -380,7 +449,9 @@ class Trainer(Generic[BatchT]):
 
     def _validate(self) -> bool:
         """Validate, record the score; True when the early stopper says stop."""
+        started = time.perf_counter()
         values = self.validator.run()
+        self._window_start += time.perf_counter() - started  # throughput excludes validation
         sections: dict[str, dict[str, float]] = {}
         for key, value in values.items():
             section, _, name = key.rpartition("/")

@@ -1,0 +1,15 @@
+"""`python -m recipes.lm OUTPUT_DIR [--preset tiny|cpu|gpu] [--set a.b=v ...]`
+
+A byte-level GPT trained on the Python standard library's own source: real data that ships
+with every Python install, and a reference to beat (gzip -9 on the same held-out bytes).
+"""
+
+import sys
+
+from recipes.lm.config import PRESETS, LMConfig
+from recipes.lm.recipe import main
+from trainer.cli import run_recipe
+
+if __name__ == "__main__":
+    sys.exit(run_recipe(LMConfig, PRESETS, main, prog="python -m recipes.lm",
+                        default_preset="cpu"))

@@ -1,0 +1,293 @@
+"""Data of the ``lm`` recipe: the bytes of Python source files, cut into packed windows.
+
+The corpus is a single byte stream: every file's raw bytes, in sorted path order, joined by
+one NUL byte (``SEPARATOR``). NUL never occurs in Python source, so it marks file
+boundaries unambiguously and the model learns to predict a file's first bytes after it.
+
+A sample is a non-overlapping window of ``seq_len + 1`` bytes: sample ``i`` is
+``data[i*seq_len : i*seq_len + seq_len + 1]``, its input the first ``seq_len`` bytes and its
+target the last ``seq_len`` (the input shifted by one).
+
+``ByteWindowReader`` is the training reader. ``batch_size`` is the *global* micro-batch:
+every data-parallel rank computes the same shuffled order of windows and takes its own
+contiguous slice of each global batch, so a run over 1, 2 or 4 processes sees exactly the
+same global batches, and its O(1) state (epoch, batch index) can be resumed on any DP size.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import sysconfig
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from trainer.errors import UserError
+
+__all__ = [
+    "EXCLUDED_DIR_NAMES",
+    "SEPARATOR",
+    "ByteWindowReader",
+    "eval_batches",
+    "find_source_files",
+    "gzip_bits_per_byte",
+    "load_bytes",
+    "split_files",
+]
+
+SEPARATOR = b"\x00"
+"""The byte written between two files in the stream returned by ``load_bytes``."""
+
+# Directory names whose contents are not "library source": CPython's test suites (test/,
+# ctypes/test/, unittest/test/, distutils/tests/, lib2to3/tests/, idlelib/idle_test/, ...)
+# and installed third-party packages.
+EXCLUDED_DIR_NAMES = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+)
+
+Batch = dict[str, torch.Tensor]
+
+
+def find_source_files(root: Path | str | None = None) -> list[Path]:
+    """Return the sorted ``.py`` files under ``root`` (default: this interpreter's stdlib).
+
+    Test suites and site-packages are skipped: any directory *below* ``root`` whose name is
+    in ``EXCLUDED_DIR_NAMES``. Raises ``UserError`` if ``root`` is missing or holds no file.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
+    files: list[Path] = []
+    if root.is_dir():
+        for dir_path, dir_names, file_names in os.walk(root):
+            # Pruning in place keeps os.walk out of site-packages (10k+ files) and tests.
+            dir_names[:] = [d for d in dir_names if d not in EXCLUDED_DIR_NAMES]
+            files.extend(Path(dir_path, f) for f in file_names if f.endswith(".py"))
+    elif root.is_file() and root.suffix == ".py":
+        files.append(root)
+    files = sorted(f for f in files if f.is_file())  # drops dangling symlinks
+    if not files:
+        reason = "" if root.exists() else " (it does not exist)"
+        raise UserError(f"data root '{root}' holds no .py files{reason}")
+    return files
+
+
+def split_files(
+    files: Sequence[Path], valid_fraction: float = 0.05, seed: int = 0
+) -> tuple[list[Path], list[Path]]:
+    """Split ``files`` into (train, valid) by file, deterministically for a given seed.
+
+    At least one file goes to each side; both lists come back sorted.
+    """
+    if not 0.0 < valid_fraction < 1.0:
+        raise UserError(f"valid_fraction must be in (0, 1), got {valid_fraction}")
+    files = sorted(files)  # the split must not depend on the caller's order
+    if len(files) < 2:
+        raise UserError(f"need at least 2 source files to split, got {len(files)}")
+    num_valid = min(len(files) - 1, max(1, round(len(files) * valid_fraction)))
+    generator = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(files), generator=generator).tolist()
+    valid_idx = set(perm[:num_valid])
+    train = [f for i, f in enumerate(files) if i not in valid_idx]
+    valid = [f for i, f in enumerate(files) if i in valid_idx]
+    return train, valid
+
+
+def load_bytes(files: Sequence[Path], max_bytes: int | None = None) -> torch.Tensor:
+    """Read ``files`` into one uint8 tensor, joined by ``SEPARATOR``.
+
+    ``max_bytes`` truncates the stream (files past the cap are not even read), for tiny
+    presets and tests.
+    """
+    if max_bytes is not None and max_bytes <= 0:
+        raise UserError(f"max_bytes must be positive, got {max_bytes}")
+    chunks: list[bytes] = []
+    total = 0
+    for i, path in enumerate(files):
+        if i > 0:
+            chunks.append(SEPARATOR)
+            total += len(SEPARATOR)
+        chunk = Path(path).read_bytes()
+        chunks.append(chunk)
+        total += len(chunk)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    stream = bytearray(b"".join(chunks))  # writable, so frombuffer shares it without a warning
+    if max_bytes is not None:
+        del stream[max_bytes:]
+    if not stream:  # frombuffer rejects an empty buffer
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(stream, dtype=torch.uint8)
+
+
+def _windows(data: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """View ``data`` as ``[num_windows, seq_len + 1]`` non-overlapping windows (no copy)."""
+    if data.dim() != 1:
+        raise ValueError(f"data must be a 1-D tensor of bytes, got shape {tuple(data.shape)}")
+    if seq_len < 1:
+        raise UserError(f"seq_len must be positive, got {seq_len}")
+    num_windows = max(0, (data.numel() - 1) // seq_len)
+    if num_windows == 0:
+        return data.new_empty((0, seq_len + 1))
+    # Consecutive windows share one byte: the last target of window i is the first input of
+    # window i+1, so every byte but the first is a target exactly once.
+    return data[: num_windows * seq_len + 1].unfold(0, seq_len + 1, seq_len)
+
+
+def _to_batch(windows: torch.Tensor) -> Batch:
+    tokens = windows.long()
+    return {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "target_ids": tokens[:, 1:].contiguous(),
+    }
+
+
+class ByteWindowReader:
+    """Training reader: shuffled global batches of packed windows, sliced per DP rank.
+
+    ``iter(reader)`` yields the rest of the current epoch and then stops; the next ``iter``
+    starts the next epoch. The last incomplete global batch of an epoch is dropped. The order
+    of epoch ``e`` is ``randperm(num_windows)`` drawn from a generator seeded ``seed + e``,
+    the same on every rank. ``state_dict()`` is ``{"epoch", "batch_index"}`` (batches already
+    yielded in that epoch, counted in global batches, hence valid for any ``dp_size``).
+
+    Keep one live iterator at a time: all iterators share the reader's position.
+    """
+
+    def __init__(
+        self,
+        data: torch.Tensor,
+        seq_len: int,
+        batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise UserError(f"batch_size must be positive, got {batch_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+        if batch_size % dp_size != 0:
+            raise UserError(
+                f"batch_size {batch_size} (the global micro-batch) is not divisible by "
+                f"the data-parallel size {dp_size}"
+            )
+        self._windows = _windows(data, seq_len)
+        if self.num_windows < batch_size:
+            raise UserError(
+                f"data of {data.numel()} bytes holds {self.num_windows} windows of seq_len "
+                f"{seq_len}, fewer than one global batch of {batch_size}"
+            )
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        local = batch_size // dp_size
+        self._local_slice = slice(dp_rank * local, (dp_rank + 1) * local)
+        self._epoch = 0
+        self._batch_index = 0
+        self._order_epoch = -1
+        self._order = torch.empty(0, dtype=torch.long)
+
+    @property
+    def num_windows(self) -> int:
+        return self._windows.shape[0]
+
+    @property
+    def num_batches_per_epoch(self) -> int:
+        return self.num_windows // self.batch_size
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        # One randperm per epoch (~55k windows for the stdlib: well under a millisecond).
+        if self._order_epoch != epoch:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                self._order = torch.randperm(self.num_windows, generator=generator)
+            else:
+                self._order = torch.arange(self.num_windows)
+            self._order_epoch = epoch
+        return self._order
+
+    def __iter__(self) -> Iterator[Batch]:
+        # The position lives on the reader, not in the generator, so state_dict() is exact at
+        # any point, and load_state_dict() between two batches takes effect at the next one.
+        while self._batch_index < self.num_batches_per_epoch:
+            start = self._batch_index * self.batch_size
+            global_idx = self._epoch_order(self._epoch)[start : start + self.batch_size]
+            batch = _to_batch(self._windows[global_idx[self._local_slice]])
+            self._batch_index += 1  # counted before the yield: the batch is now consumed
+            yield batch
+        self._epoch += 1
+        self._batch_index = 0
+
+    def __len__(self) -> int:
+        """Batches per epoch (the same on every rank)."""
+        return self.num_batches_per_epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "batch_index": self._batch_index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, batch_index = int(state["epoch"]), int(state["batch_index"])
+        if epoch < 0 or not 0 <= batch_index <= self.num_batches_per_epoch:
+            raise UserError(
+                f"data reader state (epoch {epoch}, batch_index {batch_index}) does not fit "
+                f"an epoch of {self.num_batches_per_epoch} batches: did the data, seq_len "
+                "or batch_size change since the checkpoint?"
+            )
+        self._epoch, self._batch_index = epoch, batch_index
+
+
+def eval_batches(
+    data: torch.Tensor,
+    seq_len: int,
+    batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    max_batches: int | None = None,
+) -> list[Batch]:
+    """The validation windows in order, as this rank's share of global batches.
+
+    Global batch ``j`` holds windows ``[j*batch_size, (j+1)*batch_size)`` (the last one may
+    be short); rank ``r`` gets rows ``[r*n//dp_size, (r+1)*n//dp_size)`` of a batch of ``n``.
+    Every window is seen exactly once across ranks, and every rank gets the *same number* of
+    batches (a rank's slice of the short last batch may be empty: 0 rows), so a sharded model
+    whose forward runs collectives (FSDP, TP) cannot hang. The bytes after the last full
+    window (< seq_len) are not scored. ``max_batches`` caps the number of global batches.
+    """
+    if batch_size < 1:
+        raise UserError(f"batch_size must be positive, got {batch_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+    windows = _windows(data, seq_len)
+    if windows.shape[0] == 0:
+        raise UserError(
+            f"validation data of {data.numel()} bytes is shorter than one window of "
+            f"{seq_len + 1} bytes"
+        )
+    batches = []
+    for start in range(0, windows.shape[0], batch_size):
+        if max_batches is not None and len(batches) >= max_batches:
+            break
+        global_batch = windows[start : start + batch_size]
+        n = global_batch.shape[0]
+        batches.append(
+            _to_batch(global_batch[dp_rank * n // dp_size : (dp_rank + 1) * n // dp_size])
+        )
+    return batches
+
+
+def gzip_bits_per_byte(data: bytes | bytearray | torch.Tensor) -> float:
+    """``gzip -9`` size in bits per byte of ``data``: the baseline a model should beat."""
+    if isinstance(data, torch.Tensor):
+        data = data.to(torch.uint8).cpu().numpy().tobytes()
+    if len(data) == 0:
+        raise ValueError("gzip_bits_per_byte of empty data")
+    return 8 * len(gzip.compress(bytes(data), compresslevel=9)) / len(data)

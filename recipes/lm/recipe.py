@@ -1,0 +1,117 @@
+"""Assemble the LM recipe: gangs, data, model, unit, optimizer, schedule, trainer."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from gangs import setup_gangs, setup_root_gang
+from gangs.parallel import data_parallel
+from recipes.lm.config import LMConfig
+from recipes.lm.data import (
+    ByteWindowReader,
+    eval_batches,
+    find_source_files,
+    gzip_bits_per_byte,
+    load_bytes,
+    split_files,
+)
+from recipes.lm.model import GPT, GPTConfig, num_parameters
+from trainer.errors import UserError
+from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int | None,
+                  final_scale: float) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if total is None or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        return final_scale + (1 - final_scale) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
+    from datetime import timedelta
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
+    try:
+        gangs = setup_gangs(root, config.gangs.tp_size, config.gangs.ep_size)
+    except ValueError as ex:
+        raise UserError(f"config 'gangs': {ex}") from None
+    console = Console(stderr=False) if root.rank == 0 else None
+    dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
+
+    # Data: one global order of windows, each DP rank takes its slice of every batch.
+    d = config.data
+    train_files, valid_files = split_files(find_source_files(d.root), d.valid_fraction,
+                                           d.split_seed)
+    train_bytes = load_bytes(train_files, d.max_train_bytes)
+    valid_bytes = load_bytes(valid_files, d.max_valid_bytes)
+    reader = ByteWindowReader(train_bytes, d.seq_len, d.batch_size, dp_rank, dp_size,
+                              seed=d.shuffle_seed)
+    valid_reader = eval_batches(valid_bytes, d.seq_len, d.valid_batch_size, dp_rank, dp_size)
+    scored = valid_bytes[: (len(valid_bytes) - 1) // d.seq_len * d.seq_len + 1]
+    gzip_bpb = gzip_bits_per_byte(scored[1:])
+    if console:
+        console.print(f"data: {len(train_files)} train files ({len(train_bytes):,} bytes), "
+                      f"{len(valid_files)} valid files ({len(valid_bytes):,} bytes)")
+        console.print(f"reference: gzip -9 on the {len(scored) - 1:,} validation bytes: "
+                      f"{gzip_bpb:.3f} bits/byte")
+
+    # Model: the same initial weights on every rank, then wrapped once.
+    m = config.model
+    gpt_config = GPTConfig(seq_len=d.seq_len, dim=m.dim, num_layers=m.num_layers,
+                           num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
+                           num_experts=m.num_experts, top_k=m.top_k,
+                           tie_embeddings=m.tie_embeddings)
+    torch.manual_seed(config.trainer.seed)
+    model = _build_model(gpt_config, gangs, config)
+    if console:
+        console.print(f"model: {num_parameters(model):,} parameters, {asdict(gpt_config)}")
+
+    o = config.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=o.fused)
+    scheduler = warmup_cosine(optimizer, config.lr_scheduler.warmup_steps,
+                              config.trainer.max_num_steps, config.lr_scheduler.final_lr_scale)
+    trainer = config.trainer.build(
+        CausalLMUnit(model, bytes_per_token=1), reader, optimizer, output_dir=output_dir,
+        gangs=gangs, lr_scheduler=scheduler,
+        valid_units=[CausalLMEvalUnit(model, bytes_per_token=1)],
+        valid_data_readers=[valid_reader], resume=resume,
+    )
+    result = trainer.run()
+    if console:
+        _summary(console, result, output_dir, gzip_bpb)
+    gangs.close()
+    return 0
+
+
+def _build_model(gpt_config: GPTConfig, gangs, config: LMConfig) -> torch.nn.Module:
+    model = GPT(gpt_config).to(gangs.device)
+    if gangs.tp.size > 1 or gangs.ep.size > 1 or config.model.num_experts:
+        from recipes.lm.parallelize import parallelize_gpt
+
+        return parallelize_gpt(model, gangs, data_parallel=config.trainer.data_parallel)
+    return data_parallel(model, gangs, config.trainer.data_parallel)
+
+
+def _summary(console: Console, result, output_dir: Path, gzip_bpb: float) -> None:
+    console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
+    if result.best_score is not None:
+        verdict = "beats" if result.best_score < gzip_bpb else "does not beat"
+        console.print(f"best valid bits/byte: {result.best_score:.4f} at step "
+                      f"{result.best_step} ({verdict} gzip -9: {gzip_bpb:.4f})")
+    if result.best_checkpoint is not None:
+        console.print(f"best checkpoint: {result.best_checkpoint}")
+    console.print(f"curves: tensorboard --logdir {output_dir / 'tb'}")
