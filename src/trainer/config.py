@@ -40,6 +40,9 @@ class TrainerConfig(BaseModel):
     amp: bool = True
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     fp16_loss_scale: tuple[float, float] = (2.0**15, 1e-4)
+    """(initial scale, minimum scale) of the dynamic fp16 loss scaler."""
+    fp16_loss_scale_window: PositiveInt | None = None
+    """Clean steps before the scale doubles; default 2**14 / (dp size * num_accumulate)."""
     max_consecutive_non_finite: int = Field(default=0, ge=0)
     anomaly_detection: bool = False
     seed: int = 2

@@ -77,6 +77,7 @@ class Trainer(Generic[BatchT]):
         amp: bool = True,
         dtype: Precision = "fp32",
         fp16_loss_scale: tuple[float, float] = (2.0**15, 1e-4),
+        fp16_loss_scale_window: int | None = None,
         max_consecutive_non_finite: int = 0,
         anomaly_detection: bool = False,
         seed: int | None = 2,
@@ -109,6 +110,7 @@ class Trainer(Generic[BatchT]):
         self.dtype = dtype
         self.amp = amp
         self.fp16_loss_scale = fp16_loss_scale
+        self.fp16_loss_scale_window = fp16_loss_scale_window
         self.max_consecutive_non_finite = max_consecutive_non_finite
         self.async_checkpoint = async_checkpoint
         self.anomaly_detection = anomaly_detection
@@ -406,7 +408,8 @@ class Trainer(Generic[BatchT]):
 
         init_scale, min_scale = self.fp16_loss_scale
         return LossScaler(self.gangs.root, self.gangs.device, init_scale=init_scale,
-                          min_scale=min_scale, dp_size=self.gangs.dp.size,
+                          min_scale=min_scale, growth_interval=self.fp16_loss_scale_window,
+                          dp_size=self.gangs.dp.size,
                           num_accumulate=self.num_accumulate)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:

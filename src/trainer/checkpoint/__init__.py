@@ -1,0 +1,18 @@
+"""Checkpoints: atomic, verified, reshardable saves, retention, and model export."""
+
+from trainer.checkpoint.export import export_best, export_model, load_model, read_model_state
+from trainer.checkpoint.manager import CheckpointError, CheckpointManager
+from trainer.checkpoint.manifest import verify
+from trainer.checkpoint.retention import rank_by_score, steps_to_keep
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "export_best",
+    "export_model",
+    "load_model",
+    "rank_by_score",
+    "read_model_state",
+    "steps_to_keep",
+    "verify",
+]
