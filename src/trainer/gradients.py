@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gangs import Gang, ReduceOperation
@@ -28,6 +29,7 @@ def global_target_count(local_count: Tensor | int, dp: Gang, device: torch.devic
 def scale_gradients(grads: list[Tensor], dp_size: int, global_count: Tensor | int) -> None:
     if not grads:
         return
+    grads = _local(grads)
     if isinstance(global_count, int):
         if global_count > 0 and global_count != dp_size:
             torch._foreach_mul_(grads, dp_size / global_count)
@@ -40,9 +42,32 @@ def gradient_norm(params: list[Tensor], max_norm: float | None) -> Tensor:
     """Global L2 norm of the gradients (DTensor-aware), clipping to `max_norm` if given."""
     if not params:
         return torch.zeros(())
-    return torch.nn.utils.clip_grad_norm_(
-        params, max_norm if max_norm is not None else float("inf"), foreach=True
-    )
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm if max_norm is not None else float("inf"), foreach=True
+        )
+    # Tensor/FSDP2/expert parallelism mix plain tensors and DTensors of several meshes, which
+    # one foreach op refuses: norm each kind apart (a DTensor's norm reduced over its mesh),
+    # then combine. Plain tensors are replicas: their norm is already global.
+    groups: dict[object, list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm is not None:  # as torch.nn.utils.clip_grads_with_norm_, on the local shards
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(_local(grads), coef)
+    return total
+
+
+def _local(grads: list[Tensor]) -> list[Tensor]:
+    """The local shards of DTensor gradients (scaling a shard scales the DTensor), so that
+    one foreach op can take gradients of any layout."""
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
 
 
 def supports_device_skip(optimizer: Optimizer) -> bool:

@@ -26,7 +26,6 @@ from gangs import FakeGang, Gangs, ReduceOperation, setup_gangs
 from gangs.parallel import is_data_parallel
 from trainer import gradients
 from trainer.early_stoppers import EarlyStopper
-from trainer.errors import NonFiniteLossError
 from trainer.recorders import (
     CompositeRecorder,
     ConsoleRecorder,
@@ -37,6 +36,7 @@ from trainer.recorders import (
 )
 from trainer.result import TrainResult
 from trainer.seeding import seed_everything
+from trainer.skipped_steps import SkippedSteps
 from trainer.stop_signal import StopSignal
 from trainer.validator import Validator
 from units import EvalUnit, MetricBag, TrainUnit
@@ -140,10 +140,7 @@ class Trainer(Generic[BatchT]):
         self._data_iter: Iterator[BatchT] | None = None
         self._data_ended = False
         self._epoch_batches = 0
-        self._num_skipped_total = 0
-        self._step_log: list[tuple[int, Any, Any]] = []  # (step, non-finite, skipped)
-        self._non_finite_run = 0  # consecutive non-finite steps, and where the run began
-        self._non_finite_first = 0
+        self.skipped = SkippedSteps(max_consecutive_non_finite, self.device)
         self._last_published: dict[str, float] = {}
         self._reset_window()
 
@@ -227,7 +224,7 @@ class Trainer(Generic[BatchT]):
             best_score=self._best()[1],
             best_step=self._best()[0],
             score_history=list(self.score_history),
-            num_skipped_steps=self._num_skipped_total,
+            num_skipped_steps=self.skipped.total,
             last_metrics=self._last_published,
         )
 
@@ -335,71 +332,28 @@ class Trainer(Generic[BatchT]):
         """Step, unless the step has no target on any rank, its loss is not finite, or fp16
         gradients overflowed: then skip the optimizer and LR scheduler on every rank."""
         non_finite = loss.isfinite().logical_not_()
+        zero = count == 0
         if self._scaler is not None:  # fp16: the scaler's agreed overflow flag decides
             self._scaler.update(overflow, self.step_nr)
-            skip = overflow or self._host_zero(count)
-            self._step_log.append((self.step_nr, False, skip))
-        elif self._device_skip and not (isinstance(count, int) and count == 0):
-            # Decided on the device, no host sync: the step log is read at the next publish.
-            skip_flag = non_finite if isinstance(count, int) else non_finite | (count == 0)
+            skip = overflow or bool(zero)
+            self.skipped.log(self.step_nr, False, skip)
+        elif self._device_skip and zero is not True:
+            # Decided on the device, no host sync: the flags are read at the next publish.
+            skip_flag = non_finite | zero
             gradients.step_with_device_skip(self.optimizer, skip_flag)
-            self._step_log.append((self.step_nr, non_finite, skip_flag))
+            self.skipped.log(self.step_nr, non_finite, skip_flag)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             return
         else:
             # A non-fused optimizer cannot skip on the device: one host read a step.
-            bad = bool(non_finite.item())
-            skip = bad or self._host_zero(count)
-            self._step_log.append((self.step_nr, bad, skip))
-            if bad:
-                self._check_step_log()
+            bad, skip = bool(non_finite), bool(non_finite | zero)
+            self.skipped.log(self.step_nr, bad, skip, check_now=skip)
         if skip:
             return
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-
-    def _host_zero(self, count: torch.Tensor | int) -> bool:
-        n = count if isinstance(count, int) else count.item()
-        if n == 0:
-            log.warning("step %d has no targets on any rank: skipped", self.step_nr)
-        return n == 0
-
-    def _check_step_log(self) -> int:
-        """Read the steps' skip flags (one host copy), count skipped steps, and enforce the
-        non-finite policy: at most `max_consecutive_non_finite` non-finite steps in a row."""
-        if not self._step_log:
-            return 0
-        flat = torch.stack([torch.as_tensor(flag, device=self.device).reshape(())
-                            for _, bad, skip in self._step_log for flag in (bad, skip)])
-        values = flat.tolist()
-        flags = zip(values[0::2], values[1::2])
-        skipped = 0
-        for (step_nr, _, _), (bad, skip) in zip(self._step_log, flags):
-            skipped += int(skip)
-            if skip and not bad and self._device_skip:
-                log.warning("step %d has no targets on any rank: skipped", step_nr)
-            if bad:
-                self._non_finite_run += 1
-                if self._non_finite_run == 1:
-                    self._non_finite_first = step_nr
-                if self._non_finite_run > self.max_consecutive_non_finite:
-                    raise NonFiniteLossError(
-                        f"step {self._non_finite_first}: the loss is not finite (NaN or inf)"
-                        f" for {self._non_finite_run} step(s) in a row; "
-                        f"{self._last_good_checkpoint_text()}. Lower the learning rate, check "
-                        "the data, or set trainer.max_consecutive_non_finite to skip such steps"
-                    )
-                log.warning("step %d: the loss is not finite: step skipped", step_nr)
-            else:
-                self._non_finite_run = 0
-        self._step_log.clear()
-        self._num_skipped_total += skipped
-        return skipped
-
-    def _last_good_checkpoint_text(self) -> str:
-        return "no checkpoint was written"
 
     def _build_loss_scaler(self):
         if self.dtype != "fp16":
@@ -436,9 +390,9 @@ class Trainer(Generic[BatchT]):
         values = bag.sync_and_compute(self.gangs.dp)
         self.unit.derive_metrics(values)
 
-        self._check_step_log()
+        self.skipped.check()
         elapsed = time.perf_counter() - self._window_start
-        values["num_skipped_steps"] = self._num_skipped_total
+        values["num_skipped_steps"] = self.skipped.total
         values["lr"] = self.optimizer.param_groups[0]["lr"]
         values["steps_per_s"] = self._window_steps / elapsed
         values["targets_per_s"] = values.get("num_targets", 0.0) / elapsed

@@ -71,7 +71,7 @@ def _fp16_overflow_on_rank_1():
     state_same = all(torch.equal(snaps[2][1][p][n], snaps[3][1][p][n])
                      for p in snaps[2][1] for n in snaps[2][1][p])
     moved_after = not all(torch.equal(snaps[3][0][k], snaps[4][0][k]) for k in snaps[3][0])
-    return scales, same_after_skip, state_same, moved_after, trainer._num_skipped_total
+    return scales, same_after_skip, state_same, moved_after, trainer.skipped.total
 
 
 def test_fp16_overflow_on_one_rank_skips_everywhere():

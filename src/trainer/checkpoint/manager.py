@@ -170,7 +170,7 @@ class CheckpointManager:
         (tmp_dir / MODEL_OPTIM).mkdir(parents=True, exist_ok=True)
 
         if self.async_save and not blocking:
-            staged = self._get_stager().stage(state)  # a CPU copy, reused across saves
+            staged = self._stage(state)
             future = self._get_executor().submit(
                 self._write_shard, tmp_dir, staged, buffer.getvalue()
             )
@@ -493,6 +493,18 @@ class CheckpointManager:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         return self._executor
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A CPU copy of `state` (DTensors stay DTensors, with CPU local shards)."""
+        try:
+            return self._get_stager().stage(state)
+        except Exception:
+            # torch 2.11's stager fails when reused (KeyError: <class 'type'>); a fresh one
+            # works, at the price of new host buffers.
+            log.debug("checkpoint staging failed with a reused stager; retrying", exc_info=True)
+            self._get_stager().close()
+            self._stager = None
+            return self._get_stager().stage(state)
 
     def _get_stager(self) -> DefaultStager:
         if self._stager is None:
