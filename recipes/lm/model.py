@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gangs import Gang
+from gangs.parallel.expert import MoEFeedForward
+
 __all__ = [
     "GPT",
     "Attention",
@@ -101,22 +104,26 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
-def build_feed_forward(config: GPTConfig) -> nn.Module:
-    """The seam where a block's feed-forward is chosen: dense, or mixture of experts."""
+def build_feed_forward(config: GPTConfig, ep_gang: Gang | None = None) -> nn.Module:
+    """The seam where a block's feed-forward is chosen: dense, or mixture of experts (its
+    experts split over ``ep_gang``, every expert local when None)."""
     if config.num_experts > 0:
-        raise NotImplementedError("MoE feed-forward lands with the parallelism work")
+        return MoEFeedForward(
+            config.dim, config.hidden_dim, config.num_experts, config.top_k, ep_gang,
+            residual_std=0.02 / math.sqrt(2 * config.num_layers),  # as w2 in init_weights
+        )
     return FeedForward(config)
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attention(norm(x))``, then ``x + feed_forward(norm(x))``."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, ep_gang: Gang | None = None) -> None:
         super().__init__()
         self.attention_norm = nn.LayerNorm(config.dim)
         self.attention = Attention(config)
         self.ffn_norm = nn.LayerNorm(config.dim)
-        self.feed_forward = build_feed_forward(config)
+        self.feed_forward = build_feed_forward(config, ep_gang)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,13 +132,15 @@ class TransformerBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, ep_gang: Gang | None = None) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.pos_embeddings = nn.Embedding(config.seq_len, config.dim)
         self.dropout = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, ep_gang) for _ in range(config.num_layers)
+        )
         self.norm = nn.LayerNorm(config.dim)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:

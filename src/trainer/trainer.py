@@ -24,7 +24,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import FakeGang, Gangs, ReduceOperation, setup_gangs
 from gangs.parallel import is_data_parallel
-from trainer import gradients
+from trainer import gradients, progress
+from trainer.checkpoint import CheckpointManager, export_best
 from trainer.early_stoppers import EarlyStopper
 from trainer.recorders import (
     CompositeRecorder,
@@ -141,6 +142,11 @@ class Trainer(Generic[BatchT]):
         self._data_ended = False
         self._epoch_batches = 0
         self.skipped = SkippedSteps(max_consecutive_non_finite, self.device)
+        self.checkpoints = self._build_checkpoints()
+        self._last_saved_step: int | None = None
+        self._resumed = False
+        self._early_stopped = False
+        self._validated_step: int | None = None
         self._last_published: dict[str, float] = {}
         self._reset_window()
 
@@ -215,9 +221,13 @@ class Trainer(Generic[BatchT]):
                    else contextlib.nullcontext())
         with StopSignal() as stop, anomaly:
             try:
+                if self.resume and not self._resumed:
+                    self._resume()
                 reason = self._loop(stop)
             finally:
                 self.recorder.close()
+                if self.checkpoints is not None:
+                    self.checkpoints.close()
         return TrainResult(
             num_steps=self.step_nr,
             stop_reason=reason,
@@ -226,13 +236,68 @@ class Trainer(Generic[BatchT]):
             score_history=list(self.score_history),
             num_skipped_steps=self.skipped.total,
             last_metrics=self._last_published,
+            last_checkpoint=self._checkpoint_path(self._last_saved_step),
+            best_checkpoint=self._checkpoint_path(self._best_checkpoint_step()),
         )
+
+    # -- checkpoints and resume ----------------------------------------------------------
+    def _build_checkpoints(self) -> CheckpointManager | None:
+        if self.checkpoint_every_n_steps is None:
+            for name in ("keep_last_n_checkpoints", "keep_best_n_checkpoints"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs checkpoint_every_n_steps")
+            return None
+        every, validate = self.checkpoint_every_n_steps, self.validate_every_n_steps
+        if self.keep_best_n_checkpoints and (validate is None or every % validate != 0):
+            raise ValueError(
+                f"keep_best_n_checkpoints needs every checkpoint step to be a validated step: "
+                f"checkpoint_every_n_steps ({every}) must be a multiple of "
+                f"validate_every_n_steps ({validate})"
+            )
+        return CheckpointManager(
+            self.output_dir / "checkpoints", self.gangs,
+            keep_last_n=self.keep_last_n_checkpoints, keep_best_n=self.keep_best_n_checkpoints,
+            lower_better=self.lower_better, async_save=self.async_checkpoint,
+        )
+
+    def _resume(self) -> None:
+        self._resumed = True
+        if self.checkpoints is None:
+            return
+        step_nr = self.checkpoints.find_latest()
+        if step_nr is None:
+            return
+        state = self.checkpoints.load(step_nr, self.unit.model, self.optimizer)
+        progress.restore(self, state)
+        self._last_saved_step = step_nr
+        self.skipped.last_good_checkpoint = f"the last good checkpoint is {self._checkpoint_path(step_nr)}"
+        self.recorder.rewind(step_nr)
+        log.info("resumed from %s", self._checkpoint_path(step_nr))
+
+    def _checkpoint(self, blocking: bool | None = None) -> None:
+        score = self.score_history[-1][1] if self.score_history and \
+            self.score_history[-1][0] == self.step_nr else None
+        self.checkpoints.save(self.step_nr, self.unit.model, self.optimizer,
+                              progress.capture(self), score, blocking=blocking)
+        self._last_saved_step = self.step_nr
+        self.skipped.last_good_checkpoint = (
+            f"the last good checkpoint is {self._checkpoint_path(self.step_nr)}")
+
+    def _checkpoint_path(self, step_nr: int | None) -> Path | None:
+        if step_nr is None or self.checkpoints is None:
+            return None
+        return self.checkpoints.dir / f"step_{step_nr}"
+
+    def _best_checkpoint_step(self) -> int | None:
+        if self.checkpoints is None:
+            return None
+        return self.checkpoints.best_step
 
     def _loop(self, stop: StopSignal) -> str:
         if self.validate_at_start and self.step_nr == 0 and self.validator:
             if self._validate():
                 return "early_stop"
-        reason = None
+        reason = "early_stop" if self._early_stopped else None
         while reason is None:
             if self.max_num_steps is not None and self.step_nr >= self.max_num_steps:
                 reason = "max_num_steps"
@@ -253,6 +318,10 @@ class Trainer(Generic[BatchT]):
             if self._due(self.validate_every_n_steps) and self.validator:
                 if self._validate():
                     reason = "early_stop"
+                    self._early_stopped = True
+                sync_point = True
+            if self._due(self.checkpoint_every_n_steps) and self.checkpoints is not None:
+                self._checkpoint()
                 sync_point = True
             if sync_point and reason is None and self._stop_agreed(stop):
                 reason = "signal"
@@ -262,9 +331,15 @@ class Trainer(Generic[BatchT]):
     def _finish(self, reason: str) -> None:
         if self._window_steps > 0:
             self._publish()
-        validated_now = self._due(self.validate_every_n_steps) or reason == "early_stop"
+        validated_now = self._validated_step == self.step_nr
         if self.validate_at_end and self.validator and not validated_now and self.step_nr > 0:
             self._validate()
+        if self.checkpoints is not None and self.step_nr > (self._last_saved_step or 0):
+            self._checkpoint(blocking=True)  # the final save: at the end and on a clean stop
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+            if self.gangs.root.rank == 0 and self.checkpoints.best_step is not None:
+                export_best(self.checkpoints.dir)
 
     def _due(self, every: int | None) -> bool:
         return every is not None and self.step_nr > 0 and self.step_nr % every == 0
@@ -407,6 +482,7 @@ class Trainer(Generic[BatchT]):
     def _validate(self) -> bool:
         """Validate, record the score; True when the early stopper says stop."""
         started = time.perf_counter()
+        self._validated_step = self.step_nr
         values = self.validator.run()
         self._window_start += time.perf_counter() - started  # throughput excludes validation
         sections: dict[str, dict[str, float]] = {}
@@ -419,6 +495,8 @@ class Trainer(Generic[BatchT]):
         if score is None:
             return False
         self.score_history.append((self.step_nr, score))
+        if self.checkpoints is not None:
+            self.checkpoints.record_score(self.step_nr, score)
         if self.early_stopper is None:
             return False
         decision = [False]

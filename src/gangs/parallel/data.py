@@ -1,4 +1,4 @@
-"""Data parallelism over `gangs.dp`: DDP now, FSDP2 (`fully_shard`) alongside it.
+"""Data parallelism over `gangs.dp`: DDP, or FSDP2 (`fully_shard`, see `gangs.parallel.fsdp`).
 
 Wrap once, before the optimizer is built, and give the unit the returned model.
 """
@@ -10,6 +10,7 @@ from typing import Literal
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gangs.parallel.expert import ddp_ignored_names
 from gangs.setup import Gangs
 
 
@@ -23,6 +24,9 @@ def data_parallel(
     if gangs.dp.size == 1:
         return model
     if kind == "ddp":
+        # Expert weights differ per EP rank: `reduce_expert_gradients` reduces them instead.
+        if ignored := ddp_ignored_names(model):
+            DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
         device_ids = [gangs.device.index] if gangs.device.type == "cuda" else None
         return DDP(model, device_ids=device_ids, process_group=gangs.dp.as_process_group(),
                    **kwargs)

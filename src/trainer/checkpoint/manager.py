@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -93,6 +93,15 @@ class _Save:
 
 
 class CheckpointManager:
+    """Saves to and loads from `checkpoint_dir/step_{N}/` (see the module docstring).
+
+    `keep_last_n`, `keep_best_n`, `lower_better`: retention (`retention.steps_to_keep`),
+    applied after every commit and every `record_score`, from the scores stored in the
+    manifests, so a restarted run goes on applying it. `async_save`: see `save`.
+    `config_digest` is recorded in every manifest and not compared here: the trainer may
+    compare it with `manifest(step)["config_digest"]`.
+    """
+
     def __init__(
         self,
         checkpoint_dir: Path,
@@ -179,7 +188,7 @@ class CheckpointManager:
             try:
                 self._write_shard(tmp_dir, state, buffer.getvalue())
                 future.set_result(None)
-            except Exception as ex:  # agreed upon with the other ranks in wait()
+            except (Exception, CheckpointException) as ex:  # agreed upon in wait()
                 future.set_exception(ex)
         self._in_flight = _Save(step_nr, tmp_dir, score, future)
         if future.done():
@@ -219,7 +228,7 @@ class CheckpointManager:
             if self._rank == 0:  # every writer has stopped: the all-reduce was a barrier
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)
             self.gangs.root.barrier()
-            where = f"this rank: {error!r}" if error is not None else "another rank"
+            where = f"this rank: {_describe(error)}" if error is not None else "another rank"
             raise CheckpointError(f"saving step {job.step_nr} failed on {where}") from error
         self._on_rank0(f"committing checkpoint step {job.step_nr}", lambda: self._commit(job))
 
@@ -373,10 +382,9 @@ class CheckpointManager:
                     model, optimizer,
                     model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                 )
-        except Exception as ex:
+        except (Exception, CheckpointException) as ex:  # the latter is a BaseException
             raise UserError(
-                f"checkpoint {step_dir} does not fit the model or optimizer: "
-                f"{_first_line(ex)}"
+                f"checkpoint {step_dir} does not fit the model or optimizer: {_describe(ex)}"
             ) from ex
         return self._load_rank_state(step_dir, manifest)
 
@@ -388,7 +396,7 @@ class CheckpointManager:
         try:
             rank_state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as ex:  # weights_only refuses anything but tensors and plain data
-            raise UserError(f"refusing to load {path}: {_first_line(ex)}") from ex
+            raise UserError(f"refusing to load {path}: {_describe(ex)}") from ex
         if not isinstance(rank_state, dict):
             raise UserError(f"{path} does not hold a rank state dict")
         g = self.gangs
@@ -584,7 +592,12 @@ def _fingerprint(step_dir: Path) -> tuple[Any, ...]:
         return ()
 
 
-def _first_line(ex: BaseException) -> str:
-    text = str(ex).strip() or type(ex).__name__
-    return text.splitlines()[0] if "\n" in text else text
+def _describe(ex: BaseException) -> str:
+    """One line for a user: DCP's `CheckpointException` hides the cause in `failures`."""
+    if isinstance(ex, CheckpointException) and ex.failures:
+        rank, failure = next(iter(sorted(ex.failures.items(), key=lambda kv: kv[0])))
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        return f"{_describe(cause)} (rank {rank})"
+    text = str(ex).strip()
+    return text.splitlines()[0] if text else type(ex).__name__
 

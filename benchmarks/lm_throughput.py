@@ -1,0 +1,247 @@
+"""Training throughput of the `recipes.lm` GPT through the `Trainer`: tokens/s, memory, MFU.
+
+    .venv/bin/python -m benchmarks.lm_throughput [--preset cpu] [--steps 20] [--warmup 3]
+        [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--compile] [--data synthetic|real]
+        [--set model.dim=256 ...]
+
+The model, optimizer (AdamW as the recipe builds it, fused by default) and trainer settings
+(dtype, gradient clipping, publish interval) come from a preset of `recipes.lm.config`,
+merged as the recipe's command line does (`trainer.cli.load_config`); validation and
+checkpoints are off. Batches are random bytes made up front on the device (``--data
+real`` reads the preset's byte windows instead). The first ``--warmup`` steps (compilation,
+allocator, lazy recorder set-up) are not timed; the clock runs from the first timed step to
+the end of the run, after a device synchronisation at both ends.
+
+Prints tokens/s and peak memory (CUDA: ``torch.cuda.max_memory_allocated``; CPU: peak RSS
+and its growth during training), and on CUDA the model FLOP utilisation: tokens/s x
+``recipes.lm.model.flops_per_token`` / the GPU's dense peak for the dtype (a small table by
+GPU name; unknown GPUs print no MFU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import torch
+
+from recipes.lm.config import PRESETS, LMConfig
+from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
+from trainer.cli import load_config
+from trainer.errors import UserError
+from units.causal_lm import CausalLMUnit
+
+Batch = dict[str, torch.Tensor]
+
+# Dense (no sparsity) peak FLOP/s by GPU name substring, first match wins. fp32 is the
+# non-tensor-core rate (PyTorch does not use TF32 for matmuls unless asked to).
+PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),  # SXM / HBM3
+    ("GH200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    ("B200", {"bf16": 2250e12, "fp16": 2250e12, "fp32": 80e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
+    ("A10G", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+    ("L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}),
+    ("RTX 4090", {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}),
+)
+
+
+def peak_flops(device: torch.device, dtype: str) -> tuple[str, float | None]:
+    if device.type != "cuda":
+        return "cpu", None
+    name = torch.cuda.get_device_name(device)
+    for key, table in PEAK_FLOPS:
+        if key in name:
+            return name, table[dtype]
+    return name, None
+
+
+class SyntheticReader:
+    """`num_batches` batches of random bytes, cycling a pool made up front on the device;
+    synchronises the device and stamps the time when batch `timed_from` is drawn."""
+
+    def __init__(self, pool: list[Batch], num_batches: int, timed_from: int,
+                 device: torch.device) -> None:
+        self.pool = pool
+        self.num_batches = num_batches
+        self.timed_from = timed_from
+        self.device = device
+        self.started: float | None = None
+
+    def __iter__(self) -> Iterator[Batch]:
+        for i in range(self.num_batches):
+            if i == self.timed_from:
+                _synchronize(self.device)
+                self.started = time.perf_counter()
+            yield self.pool[i % len(self.pool)]
+
+
+class DeviceReader(SyntheticReader):
+    """The same clock around real batches (host tensors), moved to the device as drawn."""
+
+    def __init__(self, batches: Iterator[Batch], num_batches: int, timed_from: int,
+                 device: torch.device) -> None:
+        super().__init__([], num_batches, timed_from, device)
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        for i in range(self.num_batches):
+            batch = next(self.batches)
+            if i == self.timed_from:
+                _synchronize(self.device)
+                self.started = time.perf_counter()
+            yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _real_batches(config: LMConfig) -> Iterator[Batch]:
+    from recipes.lm.data import ByteWindowReader, find_source_files, load_bytes, split_files
+
+    d = config.data
+    train_files, _ = split_files(find_source_files(d.root), d.valid_fraction, d.split_seed)
+    reader = ByteWindowReader(load_bytes(train_files, d.max_train_bytes), d.seq_len,
+                              d.batch_size, seed=d.shuffle_seed)
+    while True:  # epochs, endlessly
+        yield from reader
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="config override, as the recipe's --set")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if there)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="default: the preset's trainer.dtype")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--data", choices=("synthetic", "real"), default="synthetic")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        config = load_config(LMConfig, PRESETS, args.preset, overrides=args.overrides)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    dtype = args.dtype or config.trainer.dtype
+
+    from gangs import FakeGang, setup_gangs
+
+    gangs = setup_gangs(FakeGang(device=device))
+    m, d, o = config.model, config.data, config.optimizer
+    gpt_config = GPTConfig(seq_len=d.seq_len, dim=m.dim, num_layers=m.num_layers,
+                           num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
+                           num_experts=m.num_experts, top_k=m.top_k,
+                           tie_embeddings=m.tie_embeddings)
+    torch.manual_seed(config.trainer.seed)
+    model = GPT(gpt_config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=o.fused)
+
+    num_batches = args.warmup + args.steps
+    if args.data == "synthetic":
+        generator = torch.Generator(device=device).manual_seed(0)
+        pool = []
+        for _ in range(4):
+            tokens = torch.randint(0, gpt_config.vocab_size, (d.batch_size, d.seq_len + 1),
+                                   generator=generator, device=device)
+            pool.append({"input_ids": tokens[:, :-1].contiguous(),
+                         "target_ids": tokens[:, 1:].contiguous()})
+        reader: SyntheticReader = SyntheticReader(pool, num_batches, args.warmup, device)
+    else:
+        reader = DeviceReader(_real_batches(config), num_batches, args.warmup, device)
+
+    trainer_config = config.trainer.model_copy(update={
+        "max_num_steps": num_batches, "max_num_data_epochs": None,
+        "validate_every_n_steps": None, "validate_at_start": False, "validate_at_end": False,
+        "checkpoint_every_n_steps": None, "keep_last_n_checkpoints": None,
+        "keep_best_n_checkpoints": None, "score_metric": None, "early_stopper": None,
+        "dtype": dtype, "compile_model": args.compile or config.trainer.compile_model,
+        "progress": False, "wandb_project": None,
+    })
+    tokens_per_step = d.batch_size * d.seq_len * trainer_config.num_accumulate
+    print(f"lm {args.preset}: {num_parameters(model) / 1e6:.2f}M parameters, "
+          f"{tokens_per_step} tokens a step ({d.batch_size} x {d.seq_len}"
+          f"{f' x {trainer_config.num_accumulate}' if trainer_config.num_accumulate > 1 else ''}"
+          f"), {dtype}, {'compiled' if trainer_config.compile_model else 'eager'}, "
+          f"AdamW(fused={o.fused}), {args.data} data, device {device}"
+          f"{'' if device.type == 'cuda' else f' ({torch.get_num_threads()} threads)'}",
+          flush=True)
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_before = _rss_mib()
+    with tempfile.TemporaryDirectory(prefix="gangtrain-lm-throughput-") as output_dir:
+        trainer = trainer_config.build(CausalLMUnit(model, bytes_per_token=1), reader,
+                                       optimizer, output_dir=output_dir, gangs=gangs,
+                                       resume=False, recorders=[])
+        result = trainer.run()
+        _synchronize(device)
+        ended = time.perf_counter()
+    if result.num_steps != num_batches or reader.started is None:
+        print(f"error: the trainer ran {result.num_steps} of {num_batches} steps "
+              f"({result.stop_reason})", file=sys.stderr)
+        return 1
+
+    elapsed = ended - reader.started
+    tokens_per_s = args.steps * tokens_per_step / elapsed
+    achieved = tokens_per_s * flops_per_token(gpt_config)
+    loss = result.last_metrics.get("loss", float("nan"))
+    print(f"throughput {args.preset} ({args.steps} steps after {args.warmup} warm-up): "
+          f"{tokens_per_s:,.0f} tokens/s, {elapsed / args.steps * 1e3:.1f} ms/step, "
+          f"model {achieved / 1e12:.3g} TFLOP/s, last loss {loss:.3f}", flush=True)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        print(f"memory {args.preset}: peak allocated {peak:.2f} GiB "
+              f"(torch.cuda.max_memory_allocated)", flush=True)
+        name, peak_rate = peak_flops(device, dtype)
+        if peak_rate is None:
+            print(f"mfu {args.preset}: unknown peak for '{name}' ({dtype})", flush=True)
+        else:
+            print(f"mfu {args.preset}: {achieved / peak_rate:.1%} of {name} {dtype} dense peak "
+                  f"{peak_rate / 1e12:.0f} TFLOP/s", flush=True)
+    else:
+        peak = _peak_rss_mib()
+        print(f"memory {args.preset}: peak RSS {peak:.0f} MiB, growth during training "
+              f"{max(0.0, peak - rss_before):.0f} MiB", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

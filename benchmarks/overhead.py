@@ -1,0 +1,297 @@
+"""What does the `Trainer` cost over a hand-written loop?
+
+    .venv/bin/python -m benchmarks.overhead [--reps 5] [--sizes small,large] [--no-memory]
+
+The same MLP classifier, data and optimizer (AdamW with ``fused=True``: the trainer's
+sync-free path, where a step is skipped on the device instead of after a host read) are
+trained by
+
+* a minimal loop: forward, mean cross-entropy, backward, ``optimizer.step()``,
+  ``zero_grad(set_to_none=True)``;
+* the `Trainer` with its defaults: metrics published every 10 steps to JSONL, TensorBoard
+  and the console recorder (``recorders=None, progress=True``; the bar is live only on a
+  terminal), no validation, ``output_dir`` a temporary directory. Its unit returns
+  ``(loss_sum, num_targets)`` with ``num_targets`` a Python int, so both do the same math.
+
+The two alternate in one process (``--reps`` repetitions after a warm-up, the order
+flipped every repetition). The per-step time is measured between the first and the last
+batch drawn from the data reader, so it is the steady state (publishes included); the
+trainer's fixed cost per run (construction, setup, the last publish, closing recorders)
+is printed apart. Two sizes: ``small`` (~0.5 ms a step) and ``large`` (~20 ms), with one
+intra-op thread by default (``--threads``): on a shared 2-core machine, OpenMP barriers
+turn other processes' load into 10x outliers. For memory, each variant of the large size runs in its own subprocess (peak RSS
+is monotonic): the peak RSS growth during training, with the same modules imported first.
+
+The console recorder's lines go to /dev/null (they are still rendered); ``--show-console``
+lets them through to the terminal, where the progress bar is live too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from trainer.trainer import Trainer
+from units import MetricBag, TrainUnit
+
+Batch = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    batch: int
+    inputs: int
+    hidden: int
+    layers: int  # hidden layers
+    classes: int
+    steps: int  # per repetition
+    target: float  # the trainer/loop ratio we aim for
+
+
+SIZES = {
+    "small": Size("small", batch=64, inputs=64, hidden=128, layers=1, classes=10, steps=1000,
+                  target=1.05),
+    "large": Size("large", batch=128, inputs=512, hidden=1024, layers=2, classes=10, steps=80,
+                  target=1.01),
+}
+NUM_DISTINCT_BATCHES = 16
+
+
+def build_model(size: Size) -> nn.Module:
+    torch.manual_seed(0)
+    modules: list[nn.Module] = [nn.Linear(size.inputs, size.hidden), nn.ReLU()]
+    for _ in range(size.layers - 1):
+        modules += [nn.Linear(size.hidden, size.hidden), nn.ReLU()]
+    modules.append(nn.Linear(size.hidden, size.classes))
+    return nn.Sequential(*modules)
+
+
+def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+
+def build_batches(size: Size) -> list[Batch]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(size.batch, size.inputs, generator=generator),
+         torch.randint(0, size.classes, (size.batch,), generator=generator))
+        for _ in range(NUM_DISTINCT_BATCHES)
+    ]
+
+
+class TimedReader:
+    """Yields `num_batches` batches (cycling a small pool) and stamps the time of each draw."""
+
+    def __init__(self, batches: list[Batch], num_batches: int) -> None:
+        self.batches = batches
+        self.num_batches = num_batches
+        self.stamps: list[float] = []
+
+    def __iter__(self) -> Iterator[Batch]:
+        stamps, batches, pool = self.stamps, self.batches, len(self.batches)
+        for i in range(self.num_batches):
+            stamps.append(time.perf_counter())
+            yield batches[i % pool]
+
+    def per_step_s(self) -> float:
+        """Seconds a step, from the first draw to the last (len - 1 complete steps)."""
+        return (self.stamps[-1] - self.stamps[0]) / (len(self.stamps) - 1)
+
+
+class ClassifierUnit(TrainUnit[Batch]):
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    def __call__(self, batch: Batch, metrics: MetricBag) -> tuple[Tensor, int]:
+        x, y = batch
+        return F.cross_entropy(self._model(x), y, reduction="sum"), y.shape[0]
+
+
+def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer, reader: TimedReader) -> None:
+    model.train()
+    for x, y in reader:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def run_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, reader: TimedReader,
+                show_console: bool) -> None:
+    with tempfile.TemporaryDirectory(prefix="gangtrain-overhead-") as output_dir:
+        with _console_sink(show_console):
+            trainer = Trainer(ClassifierUnit(model), reader, optimizer, output_dir=output_dir,
+                              max_num_steps=reader.num_batches, recorders=None, progress=True)
+            result = trainer.run()
+    if result.num_steps != reader.num_batches:
+        raise RuntimeError(f"the trainer ran {result.num_steps} steps, not {reader.num_batches}")
+
+
+@contextlib.contextmanager
+def _console_sink(show_console: bool) -> Iterator[None]:
+    if show_console:
+        yield
+        return
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
+
+
+def one_run(kind: str, size: Size, batches: list[Batch], steps: int,
+            show_console: bool) -> tuple[float, float]:
+    """(seconds a step in the steady state, seconds for the whole run incl. construction)."""
+    model = build_model(size)
+    optimizer = build_optimizer(model)
+    reader = TimedReader(batches, steps)
+    gc.collect()
+    started = time.perf_counter()
+    if kind == "loop":
+        run_loop(model, optimizer, reader)
+    else:
+        run_trainer(model, optimizer, reader, show_console)
+    total = time.perf_counter() - started
+    return reader.per_step_s(), total
+
+
+def measure_time(size: Size, reps: int, show_console: bool) -> None:
+    batches = build_batches(size)
+    warmup = max(20, size.steps // 5)
+    for kind in ("loop", "trainer"):  # imports, lazy TensorBoard writer, allocator warm-up
+        one_run(kind, size, batches, warmup, show_console)
+    per_step: dict[str, list[float]] = {"loop": [], "trainer": []}
+    totals: dict[str, list[float]] = {"loop": [], "trainer": []}
+    for rep in range(reps):
+        order = ("loop", "trainer") if rep % 2 == 0 else ("trainer", "loop")
+        for kind in order:
+            step_s, total_s = one_run(kind, size, batches, size.steps, show_console)
+            per_step[kind].append(step_s)
+            totals[kind].append(total_s)
+    loop_ms = statistics.median(per_step["loop"]) * 1e3
+    trainer_ms = statistics.median(per_step["trainer"]) * 1e3
+    ratio = trainer_ms / loop_ms
+    ratios = sorted(t / lo for t, lo in zip(per_step["trainer"], per_step["loop"]))
+    fixed_ms = statistics.median(
+        (t - s * size.steps) - (lt - ls * size.steps)
+        for t, s, lt, ls in zip(totals["trainer"], per_step["trainer"], totals["loop"],
+                                per_step["loop"])
+    ) * 1e3
+    approx = "~0.5 ms/step" if size.name == "small" else "~20 ms/step"
+    print(f"overhead {size.name} ({approx}): loop {loop_ms:.3f} ms, trainer {trainer_ms:.3f} ms, "
+          f"ratio {ratio:.3f} (target <= {size.target}; per-rep ratios "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}; {reps} reps x {size.steps} steps)",
+          flush=True)
+    print(f"  fixed cost per trainer run (construction, setup, last publish, close): "
+          f"{fixed_ms:.1f} ms", flush=True)
+
+
+# -- memory: one subprocess per variant ------------------------------------------------------
+def _current_rss_kib() -> int:
+    with open("/proc/self/statm") as statm:
+        pages = int(statm.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def memory_child(kind: str, size_name: str, steps: int) -> None:
+    """Runs in a subprocess: prints {"baseline_kib", "peak_kib"} as JSON."""
+    import torch.utils.tensorboard  # noqa: F401  (imported by both: library code is not counted)
+
+    size = SIZES[size_name]
+    batches = build_batches(size)
+    model = build_model(size)
+    optimizer = build_optimizer(model)
+    reader = TimedReader(batches, steps)
+    gc.collect()
+    baseline = _current_rss_kib()
+    if kind == "loop":
+        run_loop(model, optimizer, reader)
+    else:
+        run_trainer(model, optimizer, reader, show_console=False)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    print(json.dumps({"baseline_kib": baseline, "peak_kib": peak}))
+
+
+def measure_memory(size: Size, steps: int, reps: int) -> None:
+    growth: dict[str, list[int]] = {"loop": [], "trainer": []}
+    peaks: dict[str, list[int]] = {"loop": [], "trainer": []}
+    for rep in range(reps):
+        order = ("loop", "trainer") if rep % 2 == 0 else ("trainer", "loop")
+        for kind in order:
+            out = subprocess.run(
+                [sys.executable, "-m", "benchmarks.overhead", "--memory-child", kind,
+                 "--sizes", size.name, "--memory-steps", str(steps)],
+                check=True, capture_output=True, text=True,
+            ).stdout
+            values = json.loads(out.strip().splitlines()[-1])
+            growth[kind].append(values["peak_kib"] - values["baseline_kib"])
+            peaks[kind].append(values["peak_kib"])
+    loop_mib = statistics.median(growth["loop"]) / 1024
+    trainer_mib = statistics.median(growth["trainer"]) / 1024
+    loop_peak = statistics.median(peaks["loop"]) / 1024
+    trainer_peak = statistics.median(peaks["trainer"]) / 1024
+    print(f"memory {size.name} (peak RSS growth during {steps} steps, own subprocess each, "
+          f"median of {reps}): loop {loop_mib:.1f} MiB, trainer {trainer_mib:.1f} MiB, "
+          f"ratio {trainer_mib / loop_mib:.3f} (target <= 1.05); whole-process peak RSS "
+          f"ratio {trainer_peak / loop_peak:.3f} ({loop_peak:.0f} vs {trainer_peak:.0f} MiB)",
+          flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
+    parser.add_argument("--sizes", default="small,large", help="comma-separated: small,large")
+    parser.add_argument("--steps", type=int, default=None, help="steps a repetition "
+                        "(default: 1000 small, 80 large)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory figure")
+    parser.add_argument("--memory-reps", type=int, default=3)
+    parser.add_argument("--memory-steps", type=int, default=40)
+    parser.add_argument("--show-console", action="store_true",
+                        help="let the console recorder write to stdout (a live bar on a tty)")
+    parser.add_argument("--memory-child", choices=("loop", "trainer"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    names = [n.strip() for n in args.sizes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SIZES]
+    if unknown:
+        parser.error(f"unknown size(s) {unknown}; choose from {sorted(SIZES)}")
+
+    if args.memory_child:
+        memory_child(args.memory_child, names[0], args.memory_steps)
+        return
+
+    print(f"optimizer: AdamW(fused=True) for both (the trainer's sync-free path); torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads; trainer with default "
+          f"recorders (JSONL, TensorBoard, console{'' if args.show_console else ' to /dev/null'})"
+          f", publish every 10 steps, no validation", flush=True)
+    for name in names:
+        size = SIZES[name]
+        if args.steps is not None:
+            size = Size(**{**size.__dict__, "steps": args.steps})
+        measure_time(size, args.reps, args.show_console)
+    if not args.no_memory and "large" in names:
+        measure_memory(SIZES["large"], args.memory_steps, args.memory_reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Data of the ``classify`` recipe: interleaved spirals generated in code, with label noise.
+
+``make_spirals`` draws ``num_classes`` interleaved spiral arms in the plane (Gaussian jitter
+around each arm), optionally embeds them in ``dim`` > 2 dimensions by a fixed random
+rotation, and replaces a fraction ``label_noise`` of the labels by a different class drawn at
+random. Everything comes from one ``torch.Generator`` seeded by the caller, so every rank (and
+every run) builds the same samples, whatever the data-parallel size. With label noise the
+best reachable accuracy is about ``1 - label_noise``: validation accuracy plateaus below
+100% and early stopping by patience has something to stop.
+
+``ShardedBatchReader`` is the training reader. ``batch_size`` is the *global* batch: every
+data-parallel rank computes the same shuffled order of samples and takes its own contiguous
+slice of each global batch (as ``recipes.lm.data.ByteWindowReader`` does), so its O(1) state
+``{"epoch", "batch_index"}`` resumes exactly, on any DP size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from trainer.errors import UserError
+
+__all__ = ["Batch", "ShardedBatchReader", "eval_batches", "make_spirals", "split"]
+
+Batch = tuple[Tensor, Tensor]
+"""``(inputs [n, dim] float32, targets [n] int64)``: what the classification units take."""
+
+
+def make_spirals(
+    num_samples: int,
+    num_classes: int = 3,
+    dim: int = 2,
+    turns: float = 1.5,
+    noise: float = 0.1,
+    label_noise: float = 0.1,
+    seed: int = 0,
+) -> Batch:
+    """``num_samples`` points of ``num_classes`` interleaved spirals (classes balanced up to
+    one sample, samples in random order).
+
+    A point of class ``k`` lies at radius ``t`` and angle ``2*pi*(turns*t + k/num_classes)``
+    for ``t`` uniform in [0, 1), plus Gaussian noise of standard deviation ``noise`` on each
+    coordinate; the points are then scaled by 2 (inputs of order 1). ``dim > 2`` rotates the
+    plane into ``dim`` dimensions by a fixed random orthonormal map (the same for every call
+    with the same seed). A fraction ``label_noise`` of the samples, chosen at random, get a
+    different class, uniformly among the others.
+    """
+    if num_samples < 1:
+        raise UserError(f"data: num_samples must be positive, got {num_samples}")
+    if num_classes < 2:
+        raise UserError(f"data: num_classes must be >= 2, got {num_classes}")
+    if dim < 2:
+        raise UserError(f"data: dim must be >= 2, got {dim}")
+    if not 0.0 <= label_noise < 1.0:
+        raise UserError(f"data: label_noise must be in [0, 1), got {label_noise}")
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.arange(num_samples) % num_classes
+    labels = labels[torch.randperm(num_samples, generator=generator)]
+    t = torch.rand(num_samples, generator=generator, dtype=torch.float64)
+    angle = 2 * math.pi * (turns * t + labels.double() / num_classes)
+    points = torch.stack([t * torch.cos(angle), t * torch.sin(angle)], dim=1)
+    points += noise * torch.randn(num_samples, 2, generator=generator, dtype=torch.float64)
+    if dim > 2:
+        # The first two columns of a random orthogonal matrix: a rotation into `dim` dims.
+        basis, _ = torch.linalg.qr(torch.randn(dim, dim, generator=generator,
+                                               dtype=torch.float64))
+        points = points @ basis[:, :2].T
+    flip = torch.rand(num_samples, generator=generator) < label_noise
+    shift = torch.randint(1, num_classes, (num_samples,), generator=generator)
+    targets = torch.where(flip, (labels + shift) % num_classes, labels)
+    return (points * 2.0).float(), targets.long()
+
+
+def split(data: Batch, num_valid: int) -> tuple[Batch, Batch]:
+    """``(train, valid)``: the last ``num_valid`` samples are the validation set (the samples
+    are already in random order)."""
+    inputs, targets = data
+    if not 0 < num_valid < inputs.shape[0]:
+        raise UserError(
+            f"data: valid_size must be in [1, {inputs.shape[0] - 1}] for "
+            f"{inputs.shape[0]} samples, got {num_valid}"
+        )
+    cut = inputs.shape[0] - num_valid
+    return (inputs[:cut], targets[:cut]), (inputs[cut:], targets[cut:])
+
+
+class ShardedBatchReader:
+    """Training reader: shuffled global batches of samples, sliced per DP rank.
+
+    ``iter(reader)`` yields the rest of the current epoch and then stops; the next ``iter``
+    starts the next epoch. The last incomplete global batch of an epoch is dropped. The order
+    of epoch ``e`` is ``randperm(num_samples)`` drawn from a generator seeded ``seed + e``,
+    the same on every rank. ``state_dict()`` is ``{"epoch", "batch_index"}`` (global batches
+    already yielded in that epoch, hence valid for any ``dp_size``).
+
+    Keep one live iterator at a time: all iterators share the reader's position.
+    """
+
+    def __init__(
+        self,
+        data: Batch,
+        batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        inputs, targets = data
+        if inputs.shape[0] != targets.shape[0]:
+            raise ValueError(
+                f"inputs ({inputs.shape[0]}) and targets ({targets.shape[0]}) differ in length"
+            )
+        if batch_size < 1:
+            raise UserError(f"data: batch_size must be positive, got {batch_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+        if batch_size % dp_size != 0:
+            raise UserError(
+                f"data: batch_size {batch_size} (the global batch) is not divisible by the "
+                f"data-parallel size {dp_size}"
+            )
+        if inputs.shape[0] < batch_size:
+            raise UserError(
+                f"data: {inputs.shape[0]} training samples are fewer than one global batch "
+                f"of {batch_size}"
+            )
+        self.inputs, self.targets = inputs, targets
+        self.batch_size = batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        local = batch_size // dp_size
+        self._local_slice = slice(dp_rank * local, (dp_rank + 1) * local)
+        self._epoch = 0
+        self._batch_index = 0
+        self._order_epoch = -1
+        self._order = torch.empty(0, dtype=torch.long)
+
+    @property
+    def num_samples(self) -> int:
+        return self.inputs.shape[0]
+
+    @property
+    def num_batches_per_epoch(self) -> int:
+        return self.num_samples // self.batch_size
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _epoch_order(self, epoch: int) -> Tensor:
+        if self._order_epoch != epoch:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                self._order = torch.randperm(self.num_samples, generator=generator)
+            else:
+                self._order = torch.arange(self.num_samples)
+            self._order_epoch = epoch
+        return self._order
+
+    def __iter__(self) -> Iterator[Batch]:
+        # The position lives on the reader, not in the generator, so state_dict() is exact at
+        # any point, and load_state_dict() between two batches takes effect at the next one.
+        while self._batch_index < self.num_batches_per_epoch:
+            start = self._batch_index * self.batch_size
+            global_idx = self._epoch_order(self._epoch)[start : start + self.batch_size]
+            idx = global_idx[self._local_slice]
+            self._batch_index += 1  # counted before the yield: the batch is now consumed
+            yield self.inputs[idx], self.targets[idx]
+        self._epoch += 1
+        self._batch_index = 0
+
+    def __len__(self) -> int:
+        """Batches per epoch (the same on every rank)."""
+        return self.num_batches_per_epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "batch_index": self._batch_index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, batch_index = int(state["epoch"]), int(state["batch_index"])
+        if epoch < 0 or not 0 <= batch_index <= self.num_batches_per_epoch:
+            raise UserError(
+                f"data reader state (epoch {epoch}, batch_index {batch_index}) does not fit "
+                f"an epoch of {self.num_batches_per_epoch} batches: did the data or "
+                "batch_size change since the checkpoint?"
+            )
+        self._epoch, self._batch_index = epoch, batch_index
+
+
+def eval_batches(data: Batch, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[Batch]:
+    """The validation samples in order, as this rank's share of global batches.
+
+    Global batch ``j`` holds samples ``[j*batch_size, (j+1)*batch_size)`` (the last one may be
+    short); rank ``r`` gets rows ``[r*n//dp_size, (r+1)*n//dp_size)`` of a batch of ``n``.
+    Every sample is scored exactly once across ranks, and every rank gets the same number of
+    batches (a slice may be empty), so a model whose forward runs collectives cannot hang.
+    """
+    if batch_size < 1:
+        raise UserError(f"data: valid_batch_size must be positive, got {batch_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+    inputs, targets = data
+    batches = []
+    for start in range(0, inputs.shape[0], batch_size):
+        n = min(batch_size, inputs.shape[0] - start)
+        rows = slice(start + dp_rank * n // dp_size, start + (dp_rank + 1) * n // dp_size)
+        batches.append((inputs[rows], targets[rows]))
+    return batches

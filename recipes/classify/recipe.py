@@ -1,0 +1,100 @@
+"""Assemble the classify recipe: gangs, data, MLP, stock classification units, trainer."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from torch import nn
+
+from gangs import setup_gangs, setup_root_gang
+from gangs.parallel import data_parallel
+from recipes.classify.config import ClassifyConfig
+from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
+from trainer.early_stoppers import build_early_stopper
+from trainer.errors import UserError
+from trainer.result import TrainResult
+from units.classification import ClassificationEvalUnit, ClassificationUnit
+
+
+class MLP(nn.Module):
+    """``num_layers`` hidden layers of ``Linear -> GELU (-> Dropout)``, then the logits."""
+
+    def __init__(self, in_dim: int, hidden_dim: int, num_layers: int, num_classes: int,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        dim = in_dim
+        for _ in range(num_layers):
+            layers += [nn.Linear(dim, hidden_dim), nn.GELU()]
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
+            dim = hidden_dim
+        layers.append(nn.Linear(dim, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
+
+
+def main(config: ClassifyConfig, output_dir: Path, resume: bool) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
+    try:
+        gangs = setup_gangs(root)
+    except ValueError as ex:
+        raise UserError(f"config 'gangs': {ex}") from None
+    console = Console(stderr=False, soft_wrap=True) if root.rank == 0 else None
+    dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
+
+    # Data: the same samples on every rank; each DP rank takes its slice of every batch.
+    d = config.data
+    samples = make_spirals(d.train_size + d.valid_size, d.num_classes, d.dim, d.turns,
+                           d.noise, d.label_noise, seed=d.seed)
+    train, valid = split(samples, d.valid_size)
+    reader = ShardedBatchReader(train, d.batch_size, dp_rank, dp_size, seed=d.shuffle_seed)
+    valid_reader = eval_batches(valid, d.valid_batch_size, dp_rank, dp_size)
+    if console:
+        console.print(f"data: {d.num_classes} spirals in {d.dim}-D, {d.train_size:,} train / "
+                      f"{d.valid_size:,} valid samples, {d.label_noise:.0%} label noise")
+
+    # Model: the same initial weights on every rank, then wrapped for data parallelism.
+    m = config.model
+    torch.manual_seed(config.trainer.seed)
+    model = MLP(d.dim, m.hidden_dim, m.num_layers, d.num_classes, m.dropout).to(gangs.device)
+    model = data_parallel(model, gangs, config.trainer.data_parallel)
+    if console:
+        num_params = sum(p.numel() for p in model.parameters())
+        console.print(f"model: MLP {d.dim} -> {m.num_layers} x {m.hidden_dim} -> "
+                      f"{d.num_classes}, {num_params:,} parameters")
+
+    o = config.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=o.fused)
+    trainer = config.trainer.build(
+        ClassificationUnit(model), reader, optimizer, output_dir=output_dir, gangs=gangs,
+        valid_units=[ClassificationEvalUnit(model)], valid_data_readers=[valid_reader],
+        resume=resume,
+    )
+    result = trainer.run()
+    if console:
+        _summary(console, result, config)
+    gangs.close()
+    return 0
+
+
+def _summary(console: Console, result: TrainResult, config: ClassifyConfig) -> None:
+    t = config.trainer
+    reason = result.stop_reason
+    if reason == "early_stop" and t.early_stopper is not None:
+        stopper = build_early_stopper(t.early_stopper, t.lower_better)
+        reason = f"early_stop by {stopper!r} on {t.score_metric}"
+    console.print(f"stopped after step {result.num_steps}: {reason}")
+    if result.best_score is not None:
+        console.print(f"best {t.score_metric}: {result.best_score:.4f} at step "
+                      f"{result.best_step}")
+    if result.best_checkpoint is not None:
+        console.print(f"best checkpoint: {result.best_checkpoint}")

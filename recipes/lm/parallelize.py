@@ -1,0 +1,103 @@
+"""The GPT's parallel layout: tensor parallelism over `gangs.tp`, then DDP or FSDP2 over
+`gangs.dp`; mixture-of-experts layers carry their own expert parallelism (`gangs.ep`).
+
+Tensor-parallel plan (Megatron-style, PyTorch's `parallelize_module` over `mesh["tp"]`):
+wq/wk/wv and w1 column-wise, wo and w2 row-wise, so each block needs one all-reduce in
+attention and one in the feed-forward. Embeddings, norms and the output layer stay
+replicated plain tensors: the residual stream is replicated on every TP rank, and so are
+their gradients, which keeps the math exact, the (tied) embedding/output untouched and the
+logits full, so the unit's loss needs no `loss_parallel`. MoE feed-forwards are replicated
+over TP too (their experts are split over EP instead).
+
+Data parallelism: "ddp" or "fsdp" (FSDP2). DDP cannot wrap DTensor parameters (its
+parameter broadcast mixes them with plain tensors), so a 2-D DP x TP layout always uses
+FSDP2 over `mesh["dp"]`; asked for "ddp", it keeps parameters gathered between forward and
+backward (`reshard_after_forward=False`, ZeRO-2 like), the closest to DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from torch import nn
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from gangs import Gangs
+from gangs.parallel import data_parallel as wrap_data_parallel
+from gangs.parallel import fully_shard_model
+from gangs.parallel.expert import moe_layers
+from recipes.lm.model import GPT, FeedForward, GPTConfig
+
+__all__ = ["check_layout", "parallelize_gpt", "tensor_parallel_plan"]
+
+log = logging.getLogger("gangtrain")
+
+
+def check_layout(config: GPTConfig, tp_size: int = 1, ep_size: int = 1) -> None:
+    """A `ValueError` naming the sizes when the model cannot be split that way."""
+    if config.num_heads % tp_size != 0:
+        raise ValueError(
+            f"tp_size {tp_size} does not divide the number of attention heads "
+            f"num_heads {config.num_heads}"
+        )
+    if tp_size > 1 and config.num_experts == 0 and config.hidden_dim % tp_size != 0:
+        raise ValueError(
+            f"tp_size {tp_size} does not divide the feed-forward width "
+            f"hidden_dim {config.hidden_dim}"
+        )
+    if ep_size > 1 and config.num_experts == 0:
+        raise ValueError(f"ep_size {ep_size} needs a mixture-of-experts model (num_experts > 0)")
+    if config.num_experts > 0 and config.num_experts % ep_size != 0:
+        raise ValueError(
+            f"ep_size {ep_size} does not divide the number of experts "
+            f"num_experts {config.num_experts}"
+        )
+
+
+def tensor_parallel_plan(model: GPT) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {}
+    for i, layer in enumerate(model.layers):
+        prefix = f"layers.{i}"
+        for name in ("wq", "wk", "wv"):
+            plan[f"{prefix}.attention.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.attention.wo"] = RowwiseParallel()
+        if isinstance(layer.feed_forward, FeedForward):
+            plan[f"{prefix}.feed_forward.w1"] = ColwiseParallel()
+            if hasattr(layer.feed_forward, "w3"):  # a gated (SwiGLU) variant
+                plan[f"{prefix}.feed_forward.w3"] = ColwiseParallel()
+            plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel()
+    return plan
+
+
+def parallelize_gpt(
+    model: GPT, gangs: Gangs, data_parallel: Literal["ddp", "fsdp"] = "ddp"
+) -> nn.Module:
+    """Apply the whole layout to `model` and return the module to train (build the optimizer
+    from its parameters afterwards). Checks every size before touching the model."""
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+    check_layout(model.config, gangs.tp.size, gangs.ep.size)
+    for name, moe in moe_layers(model):
+        if moe.ep_size != gangs.ep.size:
+            raise ValueError(
+                f"{name} splits its experts over ep_size {moe.ep_size} but the gangs have "
+                f"ep_size {gangs.ep.size}: build the model with GPT(config, ep_gang=gangs.ep)"
+            )
+
+    if gangs.tp.size > 1:
+        assert gangs.mesh is not None
+        parallelize_module(model, gangs.mesh["tp"], tensor_parallel_plan(model))
+    if gangs.dp.size == 1:
+        return model
+    if gangs.tp.size > 1:
+        if data_parallel == "ddp":
+            log.info("DP x TP: DDP cannot wrap DTensor parameters, using FSDP2 over dp "
+                     "without resharding after forward")
+        return fully_shard_model(model, gangs, reshard_after_forward=data_parallel == "fsdp")
+    return wrap_data_parallel(model, gangs, data_parallel)

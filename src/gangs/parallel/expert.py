@@ -1,0 +1,236 @@
+"""Expert parallelism: a mixture-of-experts feed-forward whose experts are split over `gangs.ep`.
+
+Each token is routed to `top_k` experts (linear router -> softmax -> top-k, gate weights
+renormalised to sum to 1). With an EP gang of size > 1, every rank holds
+`num_experts / ep_size` experts; routed tokens are sorted by expert, counts then tokens are
+exchanged with an uneven `all_to_all`, each rank runs only its local experts, and the
+outputs travel back with the reverse `all_to_all` (both differentiable) to be combined.
+
+Expert weights are DTensors sharded over the EP gang (`Shard(0)` of the stacked
+[num_experts, ...] weights), so gradient norms, `full_tensor()` and DCP checkpoints see the
+global experts like any other sharded parameter.
+
+Gradients. Expert weights differ across EP ranks, so DDP and FSDP2 must not average them
+over the whole DP gang. They carry `param._is_expert = True`; `data_parallel` and
+`fully_shard_model` leave them alone and `reduce_expert_gradients` reduces them instead:
+thanks to the all_to_all, a local expert's gradient already sums the contributions of the
+tokens of every rank of its EP gang, so a SUM over `gangs.expert_dp` (the ranks holding the
+same experts) gives the gradient of the global loss, and dividing by `gangs.dp.size` makes
+it arrive AVERAGED over DP like every other gradient (what the trainer assumes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from gangs.gang import Gang, ReduceOperation
+from gangs.setup import Gangs
+
+__all__ = [
+    "GroupedExperts",
+    "MoEFeedForward",
+    "ddp_ignored_names",
+    "moe_aux_loss",
+    "moe_layers",
+    "reduce_expert_gradients",
+]
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` two-layer GELU MLPs, weights stacked as [num_experts, ...] and sharded
+    over `ep_mesh` (None: every expert local, plain tensors)."""
+
+    def __init__(
+        self, dim: int, hidden_dim: int, num_experts: int, ep_mesh: DeviceMesh | None = None
+    ) -> None:
+        super().__init__()
+        self.ep_mesh = ep_mesh
+        self.w1 = self._expert_param(num_experts, hidden_dim, dim)
+        self.w2 = self._expert_param(num_experts, dim, hidden_dim)
+
+    def _expert_param(self, *shape: int) -> nn.Parameter:
+        if self.ep_mesh is None:
+            param = nn.Parameter(torch.empty(shape))
+        else:
+            local = torch.empty(shape[0] // self.ep_mesh.size(), *shape[1:])
+            param = nn.Parameter(DTensor.from_local(local, self.ep_mesh, [Shard(0)],
+                                                    run_check=False))
+        param._is_expert = True  # type: ignore[attr-defined]
+        return param
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, residual_std: float) -> None:
+        """Draw the weights of ALL experts and keep the local slice: every EP layout consumes
+        the same random numbers, so it starts from the same model as a single process."""
+        for param, sd in ((self.w1, std), (self.w2, residual_std)):
+            full = torch.empty(param.shape, device=param.device).normal_(std=sd)
+            if isinstance(param, DTensor):
+                ep_rank = self.ep_mesh.get_local_rank()  # type: ignore[union-attr]
+                param.to_local().copy_(full.chunk(self.ep_mesh.size())[ep_rank])  # type: ignore[union-attr]
+            else:
+                param.copy_(full)
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        """`x` [sum(counts), dim], rows grouped by local expert (`counts[j]` rows for j)."""
+        w1, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
+        outs = [
+            F.gelu(rows @ a.t()) @ b.t()
+            for rows, a, b in zip(x.split(counts), w1.unbind(0), w2.unbind(0))
+        ]
+        return torch.cat(outs)
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k mixture of experts, experts split over `ep_gang` (None: every expert local).
+
+    After each forward: `aux_loss`, the Switch load-balancing loss
+    `num_experts * sum_e f_e * P_e` of this rank's tokens (f_e: fraction of the routed
+    assignments that went to e, P_e: mean router probability of e), for the unit to add with
+    a small weight; and, in training mode, `tokens_per_expert` (a device buffer, GLOBAL
+    expert index) accumulates this rank's assignments until `reset_tokens_per_expert()`:
+    summing it over the DP ranks gives the global counts.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        ep_gang: Gang | None = None,
+        *,
+        init_std: float = 0.02,
+        residual_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        ep_size = ep_gang.size if ep_gang is not None else 1
+        if num_experts < 1 or not 1 <= top_k <= num_experts:
+            raise ValueError(f"need 1 <= top_k ({top_k}) <= num_experts ({num_experts})")
+        if num_experts % ep_size != 0:
+            raise ValueError(
+                f"num_experts {num_experts} is not divisible by the expert-parallel size "
+                f"ep_size {ep_size}"
+            )
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.ep_gang = ep_gang if ep_size > 1 else None
+        self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.init_std = init_std
+        self.residual_std = residual_std
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        ep_mesh = None
+        if self.ep_gang is not None:
+            ep_mesh = DeviceMesh.from_group(self.ep_gang.as_process_group(),
+                                            self.ep_gang.device.type, mesh_dim_names=("ep",))
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, ep_mesh)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False
+        )
+        self.aux_loss: Tensor | None = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.router.weight, std=self.init_std)
+        self.experts.reset_parameters(self.init_std, self.residual_std)
+
+    def reset_tokens_per_expert(self) -> None:
+        self.tokens_per_expert.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [n, dim]
+        probs = self.router(x).float().softmax(dim=-1)  # [n, E]
+        gates, experts = probs.topk(self.top_k, dim=-1)  # [n, k]
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+        experts = experts.flatten()  # assignment i = (token i // k, its (i % k)-th expert)
+        counts = torch.bincount(experts, minlength=self.num_experts)
+        if self.training:
+            self.tokens_per_expert.add_(counts)
+        self.aux_loss = self._load_balancing_loss(probs, counts)
+
+        order = experts.argsort(stable=True)  # assignments grouped by (global) expert
+        routed = x[order // self.top_k]
+        # Split sizes must be known on the host: one device->host copy per MoE layer.
+        if self.ep_gang is None:
+            y = self.experts(routed, counts.tolist())
+        else:
+            y = self._dispatch_to_experts(routed, counts)
+        y = y[order.argsort()].view(-1, self.top_k, shape[-1])  # back to assignment order
+        return (y * gates.unsqueeze(-1).to(y.dtype)).sum(dim=1).view(shape)
+
+    def _dispatch_to_experts(self, routed: Tensor, counts: Tensor) -> Tensor:
+        """Send each routed row to the rank holding its expert, run the local experts, and
+        bring the results back in the same order."""
+        assert self.ep_gang is not None
+        ep, local = self.ep_size, self.num_local_experts
+        send = counts.view(ep, local)  # rows for (destination rank, its local expert)
+        recv = torch.empty_like(send)  # rows from (source rank, my local expert)
+        self.ep_gang.all_to_all(recv, send)
+        send_splits = send.sum(dim=1).tolist()
+        recv_splits = recv.sum(dim=1).tolist()
+        group = self.ep_gang.as_process_group()
+        received = all_to_all_single_autograd(routed, recv_splits, send_splits, group)
+
+        # Received rows are grouped by source rank, then local expert: regroup by expert.
+        local_ids = torch.arange(local, device=recv.device).repeat(ep)
+        by_expert = torch.repeat_interleave(local_ids, recv.flatten()).argsort(stable=True)
+        out = self.experts(received[by_expert], recv.sum(dim=0).tolist())
+        out = out[by_expert.argsort()]
+        return all_to_all_single_autograd(out, send_splits, recv_splits, group)
+
+    def _load_balancing_loss(self, probs: Tensor, counts: Tensor) -> Tensor:
+        num_assignments = max(probs.shape[0] * self.top_k, 1)  # an empty batch: loss 0
+        fraction = counts.to(probs.dtype) / num_assignments
+        mean_prob = probs.sum(dim=0) / max(probs.shape[0], 1)
+        return self.num_experts * (fraction * mean_prob).sum()
+
+
+def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoEFeedForward]]:
+    for name, module in model.named_modules():
+        if isinstance(module, MoEFeedForward):
+            yield name, module
+
+
+def moe_aux_loss(model: nn.Module) -> Tensor | None:
+    """The sum of the MoE layers' load-balancing losses of the last forward (None: no MoE)."""
+    losses = [m.aux_loss for _, m in moe_layers(model) if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def ddp_ignored_names(model: nn.Module) -> list[str]:
+    """What DDP must leave alone: expert parameters (reduced by `reduce_expert_gradients`)
+    and the per-rank token counters (DDP would overwrite them with rank 0's)."""
+    names = [n for n, p in model.named_parameters() if getattr(p, "_is_expert", False)]
+    names += [f"{n}.tokens_per_expert" if n else "tokens_per_expert" for n, _ in moe_layers(model)]
+    return names
+
+
+@torch.no_grad()
+def reduce_expert_gradients(model: nn.Module, gangs: Gangs) -> None:
+    """SUM expert gradients over `gangs.expert_dp`, then divide by `gangs.dp.size`.
+
+    Call once a step, after the last backward and before the trainer's normalisation.
+    """
+    params = [p for p in model.parameters() if getattr(p, "_is_expert", False)]
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:  # every rank must enter the same collectives
+            p.grad = torch.zeros_like(p)
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)]
+    if gangs.expert_dp.size > 1:
+        flat = torch.cat([g.flatten() for g in grads])  # one collective, not one per weight
+        gangs.expert_dp.all_reduce(flat, ReduceOperation.SUM)
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
+    if gangs.dp.size > 1:
+        torch._foreach_div_(grads, gangs.dp.size)

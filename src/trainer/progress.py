@@ -1,0 +1,98 @@
+"""The trainer's per-rank progress as a checkpointable dict, and its restoration.
+
+Everything a resumed run needs to continue exactly as if it had never stopped, beside the
+model and optimizer (saved through DCP): step and epoch, the data reader's position, every
+RNG, the LR scheduler, the loss scaler, the score history (replayed into the early
+stopper), skipped-step counters and the metric window not yet published. Plain tensors,
+numbers, strings, lists and dicts only, so it loads with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer.seeding import rng_state, seed_everything, set_rng_state
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+log = logging.getLogger("gangtrain")
+
+
+def capture(trainer: Trainer) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "step_nr": trainer.step_nr,
+        "epoch_nr": trainer.epoch_nr,
+        "epoch_batches": trainer._epoch_batches,
+        "in_epoch": trainer._data_iter is not None,
+        "data_ended": trainer._data_ended,
+        "early_stopped": trainer._early_stopped,
+        "validated_step": trainer._validated_step,
+        "rng": rng_state(),
+        "score_history": [[step, score] for step, score in trainer.score_history],
+        "skipped": trainer.skipped.state_dict(),
+        "window": {
+            "loss": trainer._window_loss,
+            "count": trainer._window_count,
+            "steps": trainer._window_steps,
+            "metrics": trainer.metrics.state_dict(),
+        },
+    }
+    if hasattr(trainer.data_reader, "state_dict"):
+        state["data_reader"] = trainer.data_reader.state_dict()
+    if trainer.lr_scheduler is not None:
+        state["lr_scheduler"] = trainer.lr_scheduler.state_dict()
+    if trainer._scaler is not None:
+        state["loss_scaler"] = trainer._scaler.state_dict()
+    return state
+
+
+def restore(trainer: Trainer, state: dict[str, Any]) -> None:
+    trainer.step_nr = state["step_nr"]
+    trainer.epoch_nr = state["epoch_nr"]
+    trainer._epoch_batches = state["epoch_batches"]
+    trainer._data_ended = state["data_ended"]
+    # A run that early-stopped stays stopped: the same command again changes nothing.
+    trainer._early_stopped = state["early_stopped"]
+    trainer._validated_step = state["validated_step"]
+
+    reader = trainer.data_reader
+    if "data_reader" in state and hasattr(reader, "load_state_dict"):
+        reader.load_state_dict(state["data_reader"])
+    elif state["in_epoch"]:
+        log.warning("the data reader has no state_dict/load_state_dict: the resumed run "
+                    "starts its epoch from the beginning, not where step %d left it",
+                    trainer.step_nr)
+    # Continue the interrupted epoch; a reader that was between epochs starts the next.
+    trainer._data_iter = iter(reader) if state["in_epoch"] else None
+
+    if trainer.lr_scheduler is not None and "lr_scheduler" in state:
+        trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if trainer._scaler is not None and "loss_scaler" in state:
+        trainer._scaler.load_state_dict(state["loss_scaler"])
+
+    if state.get("resharded"):
+        # Another layout wrote this state: per-rank random streams cannot be carried over.
+        log.warning("resuming step %d under a different parallel layout: model and "
+                    "optimizer resharded, data position kept, random streams re-seeded",
+                    trainer.step_nr)
+        seed_everything((trainer.seed or 0) + trainer.step_nr, trainer.gangs.root.rank)
+    else:
+        set_rng_state(state["rng"])
+
+    trainer.score_history = [(int(s), float(v)) for s, v in state["score_history"]]
+    if trainer.early_stopper is not None:
+        for step_nr, score in trainer.score_history:  # rebuild patience, best value, ...
+            trainer.early_stopper(step_nr, score)
+    trainer.skipped.load_state_dict(state["skipped"])
+
+    window = state["window"]
+    loss = window["loss"]
+    trainer._window_loss = loss.to(trainer.device) if isinstance(loss, torch.Tensor) else loss
+    count = window["count"]
+    trainer._window_count = count.to(trainer.device) if isinstance(count, torch.Tensor) else count
+    trainer._window_steps = window["steps"]
+    trainer.metrics.load_state_dict(window["metrics"])

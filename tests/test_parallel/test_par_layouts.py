@@ -1,0 +1,115 @@
+"""Every dense layout of the lm GPT, trained by the real Trainer on real Gloo ranks, matches
+the single-process run on the same global batches: loss curve, gradient norms (clipping
+engaged) and final parameters (DTensors compared through `full_tensor()`)."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from functools import cache, partial
+
+import pytest
+import torch
+from ranks import run_ranks
+from torch.distributed.tensor import DTensor
+
+from gangs import setup_gangs, setup_root_gang
+from gangs.parallel import param_groups
+from recipes.lm.model import GPT, GPTConfig
+from recipes.lm.parallelize import parallelize_gpt
+from trainer.recorders.base import MetricRecorder
+from trainer.trainer import Trainer
+from units.causal_lm import CausalLMUnit
+
+CONFIG = GPTConfig(seq_len=16, dim=32, num_layers=2, num_heads=4, tie_embeddings=True)
+NUM_STEPS, BATCH = 4, 4
+MAX_NORM = 0.5  # below the gradient norms of these steps: clipping is engaged
+TOL = 1e-5
+# Adam moves a weight by ~lr * g / eps when |g| <= eps: the default eps (1e-8) turns the
+# float rounding of a near-zero gradient (summed in another order) into a 1e-5 step.
+EPS = 1e-6
+
+
+class ListRecorder(MetricRecorder):
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def record(self, section: str, step_nr: int, values: Mapping[str, float]) -> None:
+        if section == "train":
+            self.rows.append((step_nr, dict(values)))
+
+
+def global_batches() -> list[dict[str, torch.Tensor]]:
+    """NUM_STEPS global batches; padded targets make the per-rank target counts uneven."""
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(NUM_STEPS):
+        ids = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1), generator=g)
+        targets = ids[:, 1:].clone()
+        for row in range(BATCH):
+            targets[row, int(torch.randint(4, CONFIG.seq_len + 1, (), generator=g)):] = -100
+        batches.append({"input_ids": ids[:, :-1], "target_ids": targets})
+    return batches
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    inner = getattr(model, "module", model)  # DDP
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in inner.named_parameters()
+    }
+
+
+def train(tp_size: int = 1, data_parallel: str = "ddp", fused: bool = False):
+    gangs = setup_gangs(setup_root_gang(), tp_size=tp_size)
+    torch.manual_seed(0)
+    model = parallelize_gpt(GPT(CONFIG), gangs, data_parallel=data_parallel)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1, eps=EPS, fused=fused)
+    dp, rank = gangs.dp.size, gangs.dp.rank
+    reader = [{k: v[rank::dp] for k, v in b.items()} for b in global_batches()]
+    recorder = ListRecorder()
+    with tempfile.TemporaryDirectory() as out:
+        Trainer(CausalLMUnit(model), reader, opt, output_dir=out, gangs=gangs,
+                max_num_steps=NUM_STEPS, max_gradient_norm=MAX_NORM,
+                publish_metrics_every_n_steps=1,
+                recorders=[recorder], progress=False, validate_at_end=False).run()
+    curve = [(v["loss"], v["grad_norm"]) for _, v in recorder.rows]
+    return curve, full_parameters(model)
+
+
+@cache
+def reference():
+    return train()
+
+
+def assert_matches(results) -> tuple[float, float]:
+    """Every rank's parameters and rank 0's curve match the reference; the largest gaps."""
+    ref_curve, ref_params = reference()
+    assert len(ref_curve) == NUM_STEPS
+    assert all(norm > MAX_NORM for _, norm in ref_curve)
+    curve, _ = results[0]
+    torch.testing.assert_close(torch.tensor(curve, dtype=torch.float64),
+                               torch.tensor(ref_curve, dtype=torch.float64), rtol=0, atol=TOL)
+    curve_gap = max(abs(a - b) for row, ref in zip(curve, ref_curve) for a, b in zip(row, ref))
+    param_gap = 0.0
+    for _, params in results:
+        assert params.keys() == ref_params.keys()
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=TOL, msg=name)
+            param_gap = max(param_gap, (params[name] - value).abs().max().item())
+    return curve_gap, param_gap
+
+
+@pytest.mark.parametrize(
+    ("world_size", "tp_size", "data_parallel", "fused"),
+    [
+        pytest.param(2, 1, "ddp", False, id="ddp2"),
+        pytest.param(2, 1, "fsdp", True, id="fsdp2"),
+        pytest.param(2, 2, "ddp", True, id="tp2"),
+        pytest.param(4, 2, "fsdp", False, id="dp2xtp2"),
+    ],
+)
+def test_layout_matches_single_process(world_size, tp_size, data_parallel, fused):
+    results = run_ranks(partial(train, tp_size, data_parallel, fused), world_size=world_size)
+    curve_gap, param_gap = assert_matches(results)
+    print(f"max |difference|: loss/grad norm {curve_gap:.2e}, parameters {param_gap:.2e}")

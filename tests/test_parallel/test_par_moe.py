@@ -1,0 +1,155 @@
+"""The mixture-of-experts layer: routing, counts and load-balancing loss in one process; and
+expert-parallel training on real Gloo ranks (all_to_all dispatch, expert gradients reduced
+over expert_dp) matching the single-process run: loss curve, final parameters (experts
+gathered through `full_tensor()`) and per-expert token counts."""
+
+from __future__ import annotations
+
+from functools import cache, partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ranks import run_ranks
+from torch.distributed.tensor import DTensor
+
+from gangs import ReduceOperation, setup_gangs, setup_root_gang
+from gangs.parallel import param_groups, reduce_expert_gradients
+from gangs.parallel.expert import MoEFeedForward, ddp_ignored_names, moe_aux_loss, moe_layers
+from recipes.lm.model import GPT, GPTConfig
+from recipes.lm.parallelize import parallelize_gpt
+from trainer.gradients import global_target_count, scale_gradients
+from units.causal_lm import lm_loss
+
+CONFIG = GPTConfig(seq_len=16, dim=32, num_layers=2, num_heads=4, num_experts=4, top_k=2)
+NUM_STEPS, BATCH = 4, 4
+TOL = 1e-5
+# Adam moves a weight by ~lr * g / eps when |g| <= eps: the default eps (1e-8) turns the
+# float rounding of a near-zero gradient (summed in another order) into a 1e-5 step.
+EPS = 1e-6
+
+
+# -- one process ------------------------------------------------------------------------
+def test_output_is_the_gate_weighted_sum_of_the_top_k_experts() -> None:
+    torch.manual_seed(0)
+    moe = MoEFeedForward(dim=8, hidden_dim=16, num_experts=4, top_k=2)
+    x = torch.randn(3, 5, 8)
+    y = moe(x)
+    tokens = x.reshape(-1, 8)
+    probs = (tokens @ moe.router.weight.t()).softmax(-1)
+    top, idx = probs.topk(2, dim=-1)
+    gates = top / top.sum(-1, keepdim=True)
+    w1, w2 = moe.experts.w1, moe.experts.w2
+    expected = torch.stack([
+        sum(gates[t, j] * (w2[e] @ F.gelu(w1[e] @ tokens[t])) for j, e in enumerate(idx[t]))
+        for t in range(tokens.shape[0])
+    ])
+    torch.testing.assert_close(y.reshape(-1, 8), expected, rtol=1e-5, atol=1e-6)
+
+    # Counts: global expert index, accumulated in training mode until reset.
+    assert moe.tokens_per_expert.tolist() == torch.bincount(idx.flatten(), minlength=4).tolist()
+    moe(x)
+    assert moe.tokens_per_expert.sum().item() == 2 * 15 * 2
+    moe.eval()
+    moe(x)
+    assert moe.tokens_per_expert.sum().item() == 2 * 15 * 2
+    moe.reset_tokens_per_expert()
+    assert moe.tokens_per_expert.sum().item() == 0
+
+    # Switch load balancing: num_experts * sum_e f_e * P_e, differentiable through P.
+    f = torch.bincount(idx.flatten(), minlength=4).float() / (15 * 2)
+    torch.testing.assert_close(moe.aux_loss, 4 * (f * probs.mean(0)).sum())
+    moe.aux_loss.backward()
+    assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
+
+
+def test_empty_batch() -> None:
+    moe = MoEFeedForward(dim=8, hidden_dim=16, num_experts=4, top_k=2)
+    assert moe(torch.zeros(0, 16, 8)).shape == (0, 16, 8)
+    assert moe.aux_loss.item() == 0.0
+
+
+def test_gpt_with_experts_and_what_ddp_ignores() -> None:
+    model = GPT(CONFIG)
+    assert moe_aux_loss(model) is None
+    model(torch.randint(0, 256, (2, 16)))
+    assert moe_aux_loss(model) is not None and [n for n, _ in moe_layers(model)] == [
+        "layers.0.feed_forward", "layers.1.feed_forward"]
+    assert ddp_ignored_names(model) == [
+        "layers.0.feed_forward.experts.w1", "layers.0.feed_forward.experts.w2",
+        "layers.1.feed_forward.experts.w1", "layers.1.feed_forward.experts.w2",
+        "layers.0.feed_forward.tokens_per_expert", "layers.1.feed_forward.tokens_per_expert",
+    ]
+
+
+# -- expert parallelism on real ranks -----------------------------------------------------
+def global_batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(NUM_STEPS):
+        ids = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1), generator=g)
+        targets = ids[:, 1:].clone()
+        for row in range(BATCH):
+            targets[row, int(torch.randint(4, CONFIG.seq_len + 1, (), generator=g)):] = -100
+        batches.append({"input_ids": ids[:, :-1], "target_ids": targets})
+    return batches
+
+
+def train(ep_size: int = 1, data_parallel: str = "ddp", tp_size: int = 1):
+    """The trainer's step written out, with `reduce_expert_gradients` where the trainer hook
+    goes: after backward, before the normalisation by dp_size / global target count."""
+    gangs = setup_gangs(setup_root_gang(), tp_size=tp_size, ep_size=ep_size)
+    torch.manual_seed(0)
+    model = parallelize_gpt(GPT(CONFIG, ep_gang=gangs.ep), gangs, data_parallel=data_parallel)
+    inner = getattr(model, "module", model)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1, eps=EPS, fused=True)
+    dp, rank = gangs.dp.size, gangs.dp.rank
+    curve = []
+    for batch in global_batches():
+        loss, num_targets = lm_loss(model, {k: v[rank::dp] for k, v in batch.items()}, -100)
+        loss.backward()
+        reduce_expert_gradients(model, gangs)
+        count = global_target_count(num_targets, gangs.dp, gangs.device)
+        scale_gradients([p.grad for p in params], dp, count)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().reshape(1)
+        gangs.dp.all_reduce(total, ReduceOperation.SUM)
+        curve.append((total / count).item())
+    counts = torch.stack([m.tokens_per_expert for _, m in moe_layers(inner)])
+    gangs.dp.all_reduce(counts, ReduceOperation.SUM)
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in inner.named_parameters()}
+    return curve, full, counts
+
+
+@cache
+def reference():
+    return train()
+
+
+@pytest.mark.parametrize(
+    ("world_size", "ep_size", "data_parallel", "tp_size"),
+    [
+        pytest.param(2, 2, "ddp", 1, id="ep2-ddp"),
+        pytest.param(2, 2, "fsdp", 1, id="ep2-fsdp2"),
+        pytest.param(2, 1, "ddp", 1, id="dp2-moe"),
+        pytest.param(4, 2, "ddp", 1, id="dp4-ep2"),  # expert_dp of 2: experts reduced over it
+        pytest.param(4, 2, "fsdp", 2, id="dp2-ep2-tp2"),  # MoE replicated over TP
+    ],
+)
+def test_expert_parallel_matches_single_process(world_size, ep_size, data_parallel, tp_size):
+    results = run_ranks(partial(train, ep_size, data_parallel, tp_size), world_size=world_size)
+    ref_curve, ref_params, ref_counts = reference()
+    curve_gap = param_gap = 0.0
+    for curve, params, counts in results:
+        torch.testing.assert_close(torch.tensor(curve), torch.tensor(ref_curve),
+                                   rtol=0, atol=TOL)
+        assert torch.equal(counts, ref_counts)
+        assert params.keys() == ref_params.keys()
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=TOL, msg=name)
+            param_gap = max(param_gap, (params[name] - value).abs().max().item())
+        curve_gap = max([curve_gap] + [abs(a - b) for a, b in zip(curve, ref_curve)])
+    print(f"max |difference|: loss {curve_gap:.2e}, parameters {param_gap:.2e}")
