@@ -21,6 +21,8 @@ class ModelSection(_Section):
     dropout: float = Field(default=0.0, ge=0, lt=1)
     num_experts: int = Field(default=0, ge=0)
     top_k: PositiveInt = 2
+    moe_aux_loss_weight: float = Field(default=0.01, ge=0)
+    """Weight of the MoE load-balancing loss (per target)."""
     tie_embeddings: bool = True
 
 

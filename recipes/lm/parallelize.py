@@ -78,8 +78,13 @@ def tensor_parallel_plan(model: GPT) -> dict[str, ParallelStyle]:
 def parallelize_gpt(
     model: GPT, gangs: Gangs, data_parallel: Literal["ddp", "fsdp"] = "ddp"
 ) -> nn.Module:
-    """Apply the whole layout to `model` and return the module to train (build the optimizer
-    from its parameters afterwards). Checks every size before touching the model."""
+    """Apply the whole layout to `model` and return the module to train. Checks every size
+    before touching the model.
+
+    Build `model` with `GPT(config, ep_gang=gangs.ep)` (its experts are split at construction)
+    and the optimizer afterwards from `gangs.parallel.param_groups(model)`: TP and EP leave
+    some parameters plain and make others DTensors, which one fused/foreach group refuses.
+    """
     if data_parallel not in ("ddp", "fsdp"):
         raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
     check_layout(model.config, gangs.tp.size, gangs.ep.size)

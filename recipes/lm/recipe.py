@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel
+from gangs.parallel import data_parallel, param_groups
 from recipes.lm.config import LMConfig
 from recipes.lm.data import (
     ByteWindowReader,
@@ -80,12 +80,13 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
         console.print(f"model: {num_parameters(model):,} parameters, {asdict(gpt_config)}")
 
     o = config.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+    optimizer = torch.optim.AdamW(param_groups(model), lr=o.lr, betas=o.betas, eps=o.eps,
                                   weight_decay=o.weight_decay, fused=o.fused)
     scheduler = warmup_cosine(optimizer, config.lr_scheduler.warmup_steps,
                               config.trainer.max_num_steps, config.lr_scheduler.final_lr_scale)
     trainer = config.trainer.build(
-        CausalLMUnit(model, bytes_per_token=1), reader, optimizer, output_dir=output_dir,
+        CausalLMUnit(model, bytes_per_token=1, moe_aux_loss_weight=m.moe_aux_loss_weight),
+        reader, optimizer, output_dir=output_dir,
         gangs=gangs, lr_scheduler=scheduler,
         valid_units=[CausalLMEvalUnit(model, bytes_per_token=1)],
         valid_data_readers=[valid_reader], resume=resume,
@@ -98,7 +99,8 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
 
 
 def _build_model(gpt_config: GPTConfig, gangs, config: LMConfig) -> torch.nn.Module:
-    model = GPT(gpt_config).to(gangs.device)
+    with torch.device(gangs.device):  # built in place: moving would drop expert markers
+        model = GPT(gpt_config, ep_gang=gangs.ep if gangs.ep.size > 1 else None)
     if gangs.tp.size > 1 or gangs.ep.size > 1 or config.model.num_experts:
         from recipes.lm.parallelize import parallelize_gpt
 

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import FakeGang, Gangs, ReduceOperation, setup_gangs
-from gangs.parallel import is_data_parallel
+from gangs.parallel import is_data_parallel, reduce_expert_gradients
 from trainer import gradients, progress
 from trainer.checkpoint import CheckpointManager, export_best
 from trainer.early_stoppers import EarlyStopper
@@ -132,6 +132,9 @@ class Trainer(Generic[BatchT]):
         )
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device_skip = gradients.supports_device_skip(optimizer)
+        # Expert-parallel MoE weights (`_is_expert`) are not reduced by DDP/FSDP2 over dp:
+        # the trainer reduces them over the gang of their replicas after backward.
+        self._has_expert_params = any(getattr(p, "_is_expert", False) for p in self._params)
         self._scaler = self._build_loss_scaler()
 
         # Progress, restored on resume.
@@ -388,6 +391,8 @@ class Trainer(Generic[BatchT]):
             loss_sum = detached if loss_sum is None else loss_sum + detached
             local_count = local_count + num_targets
 
+        if self._has_expert_params:
+            reduce_expert_gradients(model, self.gangs)
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
         grads = [p.grad for p in self._params if p.grad is not None]
         gradients.scale_gradients(grads, self.gangs.dp.size, count)

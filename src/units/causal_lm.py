@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gangs.parallel.expert import moe_layers
 from units.metrics import MetricBag
 from units.unit import EvalUnit, TrainUnit
 
@@ -42,18 +43,35 @@ class CausalLMUnit(TrainUnit[LMBatch]):
     """
 
     def __init__(
-        self, model: nn.Module, pad_idx: int = -100, bytes_per_token: float | None = None
+        self, model: nn.Module, pad_idx: int = -100, bytes_per_token: float | None = None,
+        moe_aux_loss_weight: float = 0.0,
     ) -> None:
         self._model = model
         self.pad_idx = pad_idx
         self.bytes_per_token = bytes_per_token
+        self.moe_aux_loss_weight = moe_aux_loss_weight
+        self._moe = [m for _, m in moe_layers(model)]
 
     @property
     def model(self) -> nn.Module:
         return self._model
 
     def __call__(self, batch: LMBatch, metrics: MetricBag) -> tuple[Tensor, Tensor]:
-        return lm_loss(self._model, batch, self.pad_idx)
+        loss, num_targets = lm_loss(self._model, batch, self.pad_idx)
+        if self._moe:
+            loss = loss + self._moe_step(metrics, num_targets)
+        return loss, num_targets
+
+    def _moe_step(self, metrics: MetricBag, num_targets: Tensor) -> Tensor:
+        """Publish tokens routed to each expert (summed over ranks at publish time) and
+        return the load-balancing loss, scaled per target since the loss is a sum."""
+        counts = torch.stack([m.tokens_per_expert for m in self._moe]).sum(0)
+        for m in self._moe:
+            m.reset_tokens_per_expert()
+        for expert, count in enumerate(counts.unbind()):
+            metrics.update_sum(f"moe/tokens_expert_{expert}", count)
+        aux = torch.stack([m.aux_loss for m in self._moe]).sum()
+        return self.moe_aux_loss_weight * aux * num_targets
 
     def derive_metrics(self, values: dict[str, float]) -> None:
         derive_lm_metrics(values, self.bytes_per_token)

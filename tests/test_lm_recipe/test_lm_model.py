@@ -74,9 +74,15 @@ def test_default_size_and_flops() -> None:
     assert flops_per_token(config) == pytest.approx(expected)
 
 
-def test_moe_seam_not_implemented_yet() -> None:
-    with pytest.raises(NotImplementedError, match="MoE"):
-        GPT(GPTConfig(**{**SMALL.__dict__, "num_experts": 4}))
+def test_moe_model_builds_expert_layers() -> None:
+    from gangs.parallel import MoEFeedForward
+
+    model = GPT(GPTConfig(**{**SMALL.__dict__, "num_experts": 4}))
+    moe = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    assert len(moe) == SMALL.num_layers
+    logits = model(torch.randint(0, 256, (2, 8)))
+    assert logits.shape == (2, 8, 256)
+    assert int(sum(m.tokens_per_expert.sum() for m in moe)) == 2 * 8 * 2 * SMALL.num_layers
 
 
 def test_overfits_a_fixed_batch() -> None:

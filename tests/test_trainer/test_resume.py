@@ -36,22 +36,26 @@ def run_to_end(out: Path, ranks: int) -> None:
 
 
 def run_with_kills(out: Path, ranks: int, rng: random.Random, kills: int) -> int:
-    """Start the command; SIGKILL it `kills` times (half of them the moment a save is in
-    progress); then let it finish. Returns how many kills actually hit a running job."""
-    hits = 0
+    """Start the command and SIGKILL it `kills` times, each time once it has made progress:
+    every other kill the moment a save is in progress (a `.tmp_step_*` directory exists),
+    the others a random moment after a new checkpoint appeared. Then let it finish.
+    Returns how many kills hit a running job."""
+    ckpt, hits = out / "checkpoints", 0
     for attempt in range(kills):
+        seen = {p.name for p in ckpt.glob("step_*")} if ckpt.exists() else set()
+        if "step_24" in seen:
+            break
         proc = subprocess.Popen(command(out, ranks), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + rng.uniform(2.0, 8.0)
         during_save = attempt % 2 == 1
-        ckpt = out / "checkpoints"
-        while proc.poll() is None and time.monotonic() < deadline + (30 if during_save else 0):
-            if during_save and ckpt.exists() and any(p.name.startswith(".tmp_step_")
-                                                    for p in ckpt.iterdir()):
+        while proc.poll() is None:
+            names = {p.name for p in ckpt.iterdir()} if ckpt.exists() else set()
+            if during_save and any(n.startswith(".tmp_step_") for n in names):
                 break
-            if not during_save and time.monotonic() >= deadline:
+            if not during_save and {n for n in names if n.startswith("step_")} - seen:
+                time.sleep(rng.uniform(0.0, 0.5))
                 break
-            time.sleep(0.005)
+            time.sleep(0.002)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             hits += 1
@@ -90,7 +94,7 @@ def test_killed_runs_resume_bit_for_bit(tmp_path, ranks):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_to_end(straight, ranks)
     hits = run_with_kills(killed, ranks, random.Random(ranks), kills=4)
-    assert hits >= 2  # the job really was killed mid-run
+    assert hits >= 3  # the job really was killed mid-run, once or more mid-save
 
     a, b = dict(flatten(final_state(straight))), dict(flatten(final_state(killed)))
     assert a.keys() == b.keys() and any("optimizer" in k for k in a)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from gangs.gang import Gang, ReduceOperation
 from gangs.setup import Gangs
@@ -56,12 +56,10 @@ class GroupedExperts(nn.Module):
         self.w2 = self._expert_param(num_experts, dim, hidden_dim)
 
     def _expert_param(self, *shape: int) -> nn.Parameter:
-        if self.ep_mesh is None:
-            param = nn.Parameter(torch.empty(shape))
-        else:
-            local = torch.empty(shape[0] // self.ep_mesh.size(), *shape[1:])
-            param = nn.Parameter(DTensor.from_local(local, self.ep_mesh, [Shard(0)],
-                                                    run_check=False))
+        weight = torch.empty(shape)
+        if self.ep_mesh is not None:  # src_data_rank=None: each rank keeps its slice, no comms
+            weight = distribute_tensor(weight, self.ep_mesh, [Shard(0)], src_data_rank=None)
+        param = nn.Parameter(weight)
         param._is_expert = True  # type: ignore[attr-defined]
         return param
 
@@ -72,10 +70,10 @@ class GroupedExperts(nn.Module):
         for param, sd in ((self.w1, std), (self.w2, residual_std)):
             full = torch.empty(param.shape, device=param.device).normal_(std=sd)
             if isinstance(param, DTensor):
-                ep_rank = self.ep_mesh.get_local_rank()  # type: ignore[union-attr]
-                param.to_local().copy_(full.chunk(self.ep_mesh.size())[ep_rank])  # type: ignore[union-attr]
-            else:
-                param.copy_(full)
+                full = distribute_tensor(full, param.device_mesh, param.placements,
+                                         src_data_rank=None).to_local()
+                param = param.to_local()
+            param.copy_(full)
 
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         """`x` [sum(counts), dim], rows grouped by local expert (`counts[j]` rows for j)."""
