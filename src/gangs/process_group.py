@@ -121,6 +121,8 @@ def setup_root_gang(
     environment gets a `FakeGang`.
     """
     device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():

@@ -26,6 +26,7 @@ from gangs import FakeGang, Gangs, ReduceOperation, setup_gangs
 from gangs.parallel import is_data_parallel, reduce_expert_gradients
 from trainer import gradients, progress
 from trainer.checkpoint import CheckpointManager, export_best
+from trainer.device import to_device
 from trainer.early_stoppers import EarlyStopper
 from trainer.recorders import (
     CompositeRecorder,
@@ -360,7 +361,7 @@ class Trainer(Generic[BatchT]):
                 self._data_iter = iter(self.data_reader)
                 self._epoch_batches = 0
             try:
-                batches.append(next(self._data_iter))
+                batches.append(to_device(next(self._data_iter), self.device))
                 self._epoch_batches += 1
             except StopIteration:
                 self._data_iter = None

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from gangs import Gangs
+from trainer.device import to_device
 from units import EvalUnit, MetricBag
 
 
@@ -63,7 +64,7 @@ class Validator:
             try:
                 with torch.inference_mode():
                     for batch in reader:
-                        unit(batch, metrics)
+                        unit(to_device(batch, self.gangs.device), metrics)
             finally:
                 unit.model.train(was_training)
             unit_values = metrics.sync_and_compute(self.gangs.dp)

@@ -255,3 +255,13 @@ def test_output_dir_outputs(tmp_path):
     make_trainer(tmp_path, max_num_steps=3, recorders=None, progress=False).run()
     assert (tmp_path / "metrics" / "train.jsonl").exists()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_to_device_moves_nested_batches():
+    from trainer.device import _move, to_device
+
+    batch = {"x": torch.ones(2), "pair": (torch.zeros(1), [torch.ones(1)]), "n": 3}
+    assert to_device(batch, torch.device("cpu")) is batch  # free on the CPU
+    moved = _move(batch, torch.device("meta"))
+    assert moved["x"].device.type == "meta" and moved["pair"][1][0].device.type == "meta"
+    assert moved["n"] == 3 and isinstance(moved["pair"], tuple)
