@@ -91,8 +91,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "cpu": {
         "_doc": "the `make train` default: beats gzip -9 on held-out bytes in < 10 min, 2 cores",
-        "trainer": {"max_num_steps": 800, "validate_every_n_steps": 200,
-                    "checkpoint_every_n_steps": 200},
+        # Chosen by a sweep at equal tokens per step: context 128 x 48 learns much faster
+        # per step than 256 x 24, and a decay to 0 gains at the end (see README).
+        "data": {"seq_len": 128, "batch_size": 48},
+        "optimizer": {"lr": 3e-3},
+        "lr_scheduler": {"final_lr_scale": 0.0},
+        "trainer": {"max_num_steps": 1000, "validate_every_n_steps": 500,
+                    "checkpoint_every_n_steps": 500, "dtype": "bf16"},
     },
     "gpu": {
         "_doc": "a ~100M-parameter model for one modern GPU, bf16",
