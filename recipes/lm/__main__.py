@@ -6,10 +6,10 @@ with every Python install, and a reference to beat (gzip -9 on the same held-out
 
 import sys
 
-from recipes.lm.config import PRESETS, LMConfig
+from recipes.lm.config import PRESETS, RESUME_GUARD, LMConfig
 from recipes.lm.recipe import main
 from trainer.cli import run_recipe
 
 if __name__ == "__main__":
     sys.exit(run_recipe(LMConfig, PRESETS, main, prog="python -m recipes.lm",
-                        default_preset="cpu"))
+                        default_preset="cpu", resume_guard=RESUME_GUARD))

@@ -78,6 +78,10 @@ class LMConfig(_Section):
     gangs: GangsSection = GangsSection()
 
 
+# Settings a resumed run may not change: the model's shape and what a data position means.
+RESUME_GUARD = ("model", "data.root", "data.seq_len", "data.batch_size", "data.valid_fraction",
+                "data.split_seed", "data.shuffle_seed", "data.max_train_bytes")
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "_doc": "seconds, for tests: a 2-layer width-32 model on 200 kB",

@@ -36,6 +36,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from trainer.errors import UserError
+from trainer.resume_guard import check_resume_config
 
 __all__ = [
     "dump_config",
@@ -58,6 +59,7 @@ def run_recipe(
     argv: Sequence[str] | None = None,
     prog: str = "python -m recipes.NAME",
     default_preset: str | None = None,
+    resume_guard: Sequence[str] = (),
 ) -> int:
     """Parses the command line, builds and validates the config, writes it to
     ``OUTPUT_DIR/config.yaml`` and calls ``main(config, output_dir, resume)``.
@@ -98,6 +100,11 @@ def run_recipe(
         return 0
 
     output_dir = Path(args.output_dir)
+    try:
+        if args.resume:  # before config.yaml, the record of the checkpoints' config, changes
+            check_resume_config(output_dir, config.model_dump(mode="json"), resume_guard)
+    except UserError as err:
+        return _fail(str(err))
     try:
         _write_config(config, output_dir)
     except OSError as err:

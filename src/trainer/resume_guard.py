@@ -1,0 +1,54 @@
+"""Refuse to resume a run whose config changed in ways its checkpoints cannot follow.
+
+The recipe names the guarded settings (e.g. `model`, `data.seq_len`): a change there (a
+different model shape, a different global batch or data split) would make a resumed run
+fail deep inside the checkpoint loader, or silently train on other data. Everything else
+(steps, learning rate, the parallel layout, which DCP reshards) may change on resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.errors import UserError
+
+
+def check_resume_config(
+    output_dir: Path, new_config: Mapping[str, Any], guarded: Sequence[str]
+) -> None:
+    """Raise `UserError` listing the guarded differences between the config the checkpoints
+    in `output_dir` were written with and `new_config` (both as plain dicts)."""
+    old_file = output_dir / "config.yaml"
+    has_checkpoints = any((output_dir / "checkpoints").glob("step_*"))
+    if not guarded or not has_checkpoints or not old_file.exists():
+        return
+    old = yaml.safe_load(old_file.read_text()) or {}
+    differences = [
+        f"  {key}: {old_flat.get(key, '<unset>')!r} -> {new_flat.get(key, '<unset>')!r}"
+        for old_flat, new_flat in [(_flatten(old), _flatten(new_config))]
+        for key in sorted(old_flat.keys() | new_flat.keys())
+        if _is_guarded(key, guarded) and old_flat.get(key) != new_flat.get(key)
+    ]
+    if differences:
+        raise UserError(
+            f"cannot resume from '{output_dir / 'checkpoints'}': the config changed where "
+            "the checkpoints cannot follow:\n" + "\n".join(differences) +
+            "\nundo the change, or start over with --no-resume or another OUTPUT_DIR"
+        )
+
+
+def _is_guarded(key: str, guarded: Sequence[str]) -> bool:
+    return any(key == g or key.startswith(g + ".") for g in guarded)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: list(tree) if isinstance(tree, tuple) else tree}
