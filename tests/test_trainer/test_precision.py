@@ -93,6 +93,23 @@ def test_fp16_scale_underflow_raises_naming_the_step(tmp_path):
         trainer.run()
 
 
+def test_fp16_underflow_leaves_every_checkpoint_intact(tmp_path):
+    from trainer.checkpoint import verify
+
+    model = make_model()
+    unit = InjectingUnit(model, at_steps=range(3, 100), factor=math.inf)
+    trainer = Trainer(unit, batches(), torch.optim.AdamW(model.parameters()), output_dir=tmp_path,
+                      dtype="fp16", fp16_loss_scale=(4.0, 1.0), recorders=[], max_num_steps=10,
+                      checkpoint_every_n_steps=1)
+    with pytest.raises(LossScaleUnderflowError, match="step 5"):
+        trainer.run()
+    steps = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert steps == [1, 2, 3, 4]  # nothing written for the failing step
+    for step in steps:
+        assert verify(tmp_path / "checkpoints" / f"step_{step}") is None
+    assert not list((tmp_path / "checkpoints").glob(".tmp_*"))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_nan_loss_stops_with_message(tmp_path, fused):
     model = make_model()
