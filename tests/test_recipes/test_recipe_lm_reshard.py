@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from processes import kill_tree
 
-ARGS = ["--preset", "tiny", "--set", "trainer.progress=false",
+ARGS = ["--preset", "tiny", "--set", "trainer.progress=false", "--set", "gangs.timeout_s=60",
         "--set", "trainer.checkpoint_every_n_steps=20", "--set", "trainer.validate_every_n_steps=20"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -39,7 +39,7 @@ def run_until_checkpoint(cmd: list[str], out: Path, step: int) -> None:
     while proc.poll() is None and not target.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
     proc.wait()
     assert target.exists()
 

@@ -5,9 +5,7 @@ metrics that continue without gaps or duplicates."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -15,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import kill_tree
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-ARGS = ["--preset", "tiny", "--set", "trainer.max_num_steps=24",
+ARGS = ["--preset", "tiny", "--set", "trainer.max_num_steps=24", "--set", "gangs.timeout_s=60",
         "--set", "trainer.checkpoint_every_n_steps=4", "--set", "trainer.validate_every_n_steps=8",
         "--set", "trainer.publish_metrics_every_n_steps=2", "--set", "trainer.progress=false",
         "--set", "trainer.keep_last_n_checkpoints=2", "--set", "trainer.keep_best_n_checkpoints=null"]
@@ -57,7 +56,7 @@ def run_with_kills(out: Path, ranks: int, rng: random.Random, kills: int) -> int
                 break
             time.sleep(0.002)
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             hits += 1
         proc.wait()
     run_to_end(out, ranks)

@@ -1,0 +1,137 @@
+"""`CheckpointDir`: the checkpoints on disk under one directory, read and changed locally.
+
+Layout of the directory:
+
+- `step_N/`: a committed checkpoint; complete when its `manifest.json` is readable and names
+  step N;
+- `.tmp_step_N/`: a save being written, renamed to `step_N/` when committed;
+- `.trash_step_N/`: a checkpoint being deleted (renamed out of sight first);
+- `last`, `best`: pointer files naming a step directory.
+
+Nothing here runs collectives: `CheckpointManager` decides which rank calls what (the
+methods that change the directory are rank 0's).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint.manifest import fsync_dir, read_manifest, verify
+
+log = logging.getLogger(__name__)
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp_step_"
+_TRASH_PREFIX = ".trash_step_"
+
+
+class CheckpointDir:
+    """The `step_N` directories under `path`, with what is known about them: `bad` holds the
+    steps that failed verification (left alone, and not listed by `manifests`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.bad: set[int] = set()
+        self._verified: dict[int, tuple[Any, ...]] = {}  # step -> fingerprint when verified
+
+    def step_dir(self, step_nr: int) -> Path:
+        return self.path / f"step_{step_nr}"
+
+    def tmp_dir(self, step_nr: int) -> Path:
+        return self.path / f"{_TMP_PREFIX}{step_nr}"
+
+    def remove_leftovers(self) -> None:
+        """Remove the temporary and trash directories of saves and deletions that a crash
+        interrupted."""
+        for leftover in sorted(self.path.iterdir()):
+            if leftover.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+                log.warning("removing incomplete checkpoint directory %s", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    # --- reading --------------------------------------------------------------------------
+
+    def step_dirs(self) -> list[int]:
+        """Steps of every `step_N` directory, complete or not."""
+        if not self.path.is_dir():
+            return []
+        return [
+            int(m.group(1))
+            for p in self.path.iterdir()
+            if p.is_dir() and (m := _STEP_RE.match(p.name))
+        ]
+
+    def manifests(self) -> dict[int, dict[str, Any]]:
+        """Manifests of the complete checkpoints, the `bad` ones left out."""
+        out = {}
+        for step_nr in self.step_dirs():
+            if step_nr not in self.bad:
+                manifest = read_manifest(self.step_dir(step_nr))
+                if manifest is not None and manifest.get("step") == step_nr:
+                    out[step_nr] = manifest
+        return out
+
+    def verify(self, step_nr: int) -> str | None:
+        """`verify` once per unchanged directory: a fingerprint of names, sizes and mtimes
+        spares a second full hash when `load` follows `find_latest`."""
+        step_dir = self.step_dir(step_nr)
+        fingerprint = _fingerprint(step_dir)
+        if self._verified.get(step_nr) == fingerprint:
+            return None
+        reason = verify(step_dir, step_nr)
+        if reason is None:
+            self._verified[step_nr] = fingerprint
+        return reason
+
+    # --- changing (rank 0) ----------------------------------------------------------------
+
+    def install(self, tmp_dir: Path, step_nr: int) -> None:
+        """Rename the finished `tmp_dir` to `step_N` (replacing one that exists) and fsync
+        the directory."""
+        final = self.step_dir(step_nr)
+        if final.exists():  # e.g. a damaged step_N beyond the step a run resumed from
+            log.warning("replacing existing checkpoint directory %s", final)
+            self.delete(step_nr)
+        os.rename(tmp_dir, final)
+        fsync_dir(self.path)
+        self.bad.discard(step_nr)
+
+    def delete(self, step_nr: int) -> None:
+        """Rename out of sight first, so a crash mid-delete leaves no half `step_N` behind
+        (a `.trash_step_N` is removed by `remove_leftovers`)."""
+        trash = self.path / f"{_TRASH_PREFIX}{step_nr}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(self.step_dir(step_nr), trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        self._verified.pop(step_nr, None)
+
+    def write_pointers(self, last_step: int | None, best_step: int | None) -> None:
+        """`last` and `best` name the given step directories; a pointer to None is removed."""
+        for name, step_nr in (("last", last_step), ("best", best_step)):
+            path = self.path / name
+            if step_nr is None:
+                path.unlink(missing_ok=True)
+                continue
+            tmp = self.path / f".{name}.tmp"
+            tmp.write_text(f"step_{step_nr}\n")
+            os.replace(tmp, path)
+
+
+def scores_of(manifests: dict[int, dict[str, Any]]) -> dict[int, float]:
+    """The recorded scores of `manifests` (steps without a score left out)."""
+    return {s: float(m["score"]) for s, m in manifests.items() if m.get("score") is not None}
+
+
+def _fingerprint(step_dir: Path) -> tuple[Any, ...]:
+    try:
+        return tuple(
+            (p.as_posix(), st.st_size, st.st_mtime_ns)
+            for p in sorted(step_dir.rglob("*"))
+            if p.is_file() and (st := p.stat())
+        )
+    except OSError:
+        return ()

@@ -1,0 +1,42 @@
+"""What a checkpoint holds: the model and optimizer state in DCP's canonical form, and the
+check that a rank state is plain data that `torch.load(weights_only=True)` will accept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+from torch.optim import Optimizer
+
+_PLAIN = (torch.Tensor, int, float, str, bool, type(None))
+
+
+def model_optim_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
+    """`{"model": ..., "optimizer": ...}` in DCP's canonical form (no "module." prefixes,
+    DTensor shards for FSDP2/TP), through the supported `get_state_dict` path."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def check_plain(value: Any, where: str) -> None:
+    """Fail at save time, naming the key, on what `torch.load(weights_only=True)` would
+    refuse at load time."""
+    if isinstance(value, _PLAIN):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}: {key!r}")
+            check_plain(item, f"{where}[{key!r}]")
+    else:
+        raise TypeError(
+            f"{where} is a {type(value).__name__}; a rank state holds only tensors, "
+            "int, float, str, bool, None, lists, tuples and dicts"
+        )

@@ -1,0 +1,139 @@
+"""One rank's share of a checkpoint save, and the background thread that writes it.
+
+`write_shard` (every rank) writes into the save's temporary directory this rank's
+`rank_N.pt`, its share of the DCP checkpoint `model_optim/` and the sha256 of its share of
+the files (`.sha256_rank_r.json`), so hashing runs in parallel. `collect_checksums` (rank 0,
+when committing) merges those sums into the manifest's `files`, hashing whatever no rank did.
+
+`BackgroundWriter` serves async saves: `stage` copies the state to host memory (so training
+may go on mutating parameters) and `submit` runs the write on a single worker thread.
+Nothing here runs collectives but DCP's own, on the process group it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from trainer.checkpoint.manifest import MODEL_OPTIM, file_entry, list_files, rank_file
+
+log = logging.getLogger(__name__)
+
+_SUMS_GLOB = ".sha256_rank_*.json"
+
+
+@dataclass
+class PendingSave:
+    """A save whose files are being (or have been) written but that is not committed."""
+
+    step_nr: int
+    tmp_dir: Path
+    score: float | None
+    future: Future[None]
+
+
+def write_shard(
+    tmp_dir: Path,
+    state: dict[str, Any],
+    rank_bytes: bytes,
+    *,
+    rank: int,
+    world: int,
+    process_group: dist.ProcessGroup | None,
+    no_dist: bool,
+) -> None:
+    """This rank's part of a save (main thread or background thread): no collectives
+    except DCP's, which run on `process_group`."""
+    rank_path = tmp_dir / rank_file(rank)
+    with open(rank_path, "wb") as f:
+        f.write(rank_bytes)
+        f.flush()
+        os.fsync(f.fileno())
+    dcp.save(
+        state,
+        storage_writer=FileSystemWriter(tmp_dir / MODEL_OPTIM, sync_files=True),
+        process_group=process_group,
+        no_dist=no_dist,
+    )
+    # dcp.save returns on every rank only after all data files and .metadata are
+    # written, so each rank can hash its share; rank 0 hashes whatever is left.
+    names = list_files(tmp_dir / MODEL_OPTIM)[rank::world]
+    sums = {rank_file(rank): file_entry(rank_path)}
+    for name in names:
+        sums[f"{MODEL_OPTIM}/{name}"] = file_entry(tmp_dir / MODEL_OPTIM / name)
+    (tmp_dir / f".sha256_rank_{rank}.json").write_text(json.dumps(sums))
+
+
+def collect_checksums(tmp_dir: Path) -> dict[str, Any]:
+    """Rank 0, once every rank's `write_shard` is done: the manifest's `files` entry of every
+    file in `tmp_dir`, from the ranks' sums (which are removed) where they still match the
+    file's size, else hashed here."""
+    sums: dict[str, Any] = {}
+    for sums_file in tmp_dir.glob(_SUMS_GLOB):
+        sums.update(json.loads(sums_file.read_text()))
+        sums_file.unlink()
+    files = {}
+    for rel in list_files(tmp_dir):
+        entry = sums.get(rel)
+        if entry is None or entry["size"] != (tmp_dir / rel).stat().st_size:
+            entry = file_entry(tmp_dir / rel)
+        files[rel] = entry
+    return files
+
+
+class BackgroundWriter:
+    """The host copy and the worker thread of async saves, both created on first use."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: DefaultStager | None = None
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
+        """Run `fn(*args)` on the writer thread (one at a time, in order)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        return self._executor.submit(fn, *args)
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A CPU copy of `state` (DTensors stay DTensors, with CPU local shards)."""
+        try:
+            return self._get_stager().stage(state)
+        except Exception:
+            # torch 2.11's stager fails when reused (KeyError: <class 'type'>); a fresh one
+            # works, at the price of new host buffers.
+            log.debug("checkpoint staging failed with a reused stager; retrying", exc_info=True)
+            self._get_stager().close()
+            self._stager = None
+            return self._get_stager().stage(state)
+
+    def _get_stager(self) -> DefaultStager:
+        if self._stager is None:
+            # Host buffers are cached and reused by the next save: one extra copy of the
+            # model and optimizer state stays in CPU memory while async saving is on.
+            options = StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=False,
+                use_async_staging=False,  # the copy is done when stage() returns
+                use_non_blocking_copy=False,
+            )
+            self._stager = DefaultStager(options)
+        return self._stager
+
+    def close(self) -> None:
+        """Wait for the writer thread to finish, then release it and the host buffers."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        if self._stager is not None:
+            self._stager.close()

@@ -1,0 +1,270 @@
+"""The config form of early stoppers: ``EarlyStopperConfig`` and ``build_early_stopper``.
+
+In YAML, ``EarlyStopperConfig`` selects a built-in by name or a user function by import path::
+
+    trainer:
+      early_stopper: {name: patience, patience: 5, min_delta: 0.001}
+      # early_stopper: {name: threshold, value: 2.5}
+      # early_stopper: {name: divergence, value: 10.0}
+      # early_stopper: non_finite
+      # early_stopper: {name: any_of, stoppers: [{name: patience, patience: 5}, non_finite]}
+      # early_stopper: {name: "mypkg.stoppers:stop_when_flat", window: 3}
+
+The direction (``lower_better``) of the built-ins always comes from the trainer's setting, so
+that it cannot disagree with the score it judges. The policies themselves are in
+`trainer.early_stoppers`, which re-exports the names of this module.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.errors import UserError
+
+if TYPE_CHECKING:
+    from trainer.early_stoppers import EarlyStopper
+
+__all__ = ["EarlyStopperConfig", "build_early_stopper"]
+
+
+class _UserStopper:
+    """Wraps a user's stopper to check what it returns: a factory mistaken for the stopper
+    itself would return a (truthy) callable and stop the run at its first validation."""
+
+    def __init__(self, stopper: EarlyStopper, label: str) -> None:
+        self.stopper = stopper
+        self.label = label
+
+    def __call__(self, step_nr: int, score: float) -> bool:
+        decision = self.stopper(step_nr, score)
+        if decision is None or callable(decision):
+            raise UserError(
+                f"early stopper '{self.label}' returned {decision!r} at step {step_nr}; "
+                "it must return True (stop) or False"
+            )
+        return bool(decision)
+
+    def __repr__(self) -> str:
+        return self.label
+
+
+# Config keys of each built-in -> keyword of its constructor. `lower_better` is left out on
+# purpose: it comes from the trainer. `patience` keeps its own name as the key for `n`.
+_BUILTIN_KWARGS: dict[str, dict[str, str]] = {
+    "patience": {"patience": "n", "min_delta": "min_delta"},
+    "threshold": {"value": "value"},
+    "divergence": {"value": "value"},
+    "non_finite": {},
+    "any_of": {},  # takes `stoppers`, a declared field
+}
+_BUILTIN_REQUIRED = {"patience": ("patience",), "threshold": ("value",), "divergence": ("value",)}
+
+
+def _builtin_factory(name: str) -> Callable[..., EarlyStopper]:
+    # Imported here, not at the top: trainer.early_stoppers imports this module to re-export
+    # its names, so a top-level import would be circular.
+    from trainer.early_stoppers import Divergence, NonFinite, Patience, Threshold
+
+    factories: dict[str, Callable[..., EarlyStopper]] = {
+        "patience": Patience,
+        "threshold": Threshold,
+        "divergence": Divergence,
+        "non_finite": NonFinite,
+    }
+    return factories[name]
+
+
+def _import_object(path: str) -> Any:
+    """Resolves ``package.module:attr[.attr...]``; raises ValueError naming the path."""
+    module_name, _, attr_path = path.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"early stopper path '{path}' must look like 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as err:  # a user module can fail to import in any way
+        raise ValueError(
+            f"cannot import early stopper '{path}': {type(err).__name__}: {err}"
+        ) from None
+    for attr in attr_path.split("."):
+        if not hasattr(obj, attr):
+            raise ValueError(f"cannot import early stopper '{path}': '{attr}' not found")
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise ValueError(f"early stopper '{path}' is not callable: {obj!r}")
+    return obj
+
+
+def _is_stopper_function(obj: Any) -> bool:
+    """True for a callable used as the stopper itself: not a class, and exactly two required
+    positional parameters, ``(step_nr, score)``. Anything else is a factory."""
+    if inspect.isclass(obj):
+        return False
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):  # no signature (some builtins): assume a factory
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in params if p.default is inspect.Parameter.empty]
+    return len(required) == 2 and all(p.kind in positional for p in required)
+
+
+def _accepts_keyword(obj: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return False
+    param = params.get(name)
+    return param is not None and param.kind is not inspect.Parameter.POSITIONAL_ONLY
+
+
+class EarlyStopperConfig(BaseModel):
+    """Selects an early stopper in a config file.
+
+    ``name`` is a built-in (``patience``, ``threshold``, ``divergence``, ``non_finite``,
+    ``any_of``) or an import path ``package.module:function``; the other keys are its arguments:
+
+    - ``patience``: ``patience`` (int >= 1, required), ``min_delta`` (float >= 0, default 0);
+    - ``threshold`` / ``divergence``: ``value`` (float, required);
+    - ``non_finite``: none;
+    - ``any_of``: ``stoppers``, a list of early stopper configs;
+    - an import path: any keyword arguments. A function ``(step_nr, score)`` given without
+      arguments is the stopper itself; otherwise the object is a factory called with the
+      arguments (plus ``lower_better`` if it takes that keyword and it is not given) that
+      returns the stopper.
+
+    A bare string is short for ``{name: <string>}``. Everything is checked when the config is
+    validated (names, import paths, argument names and values), not when training runs.
+    ``lower_better`` is not a key of the built-ins: it comes from the trainer's setting.
+
+    To replace (rather than merge into) a stopper set by a preset or an earlier file, set
+    ``trainer.early_stopper`` to null first.
+    """
+
+    # Extra keys are the stopper's keyword arguments (`model_extra`); checked below.
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    stoppers: list[EarlyStopperConfig] | None = Field(
+        default=None, exclude_if=lambda stoppers: stoppers is None
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_only(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The stopper's arguments: every key other than ``name`` and ``stoppers``."""
+        return dict(self.model_extra or {})
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.name in _BUILTIN_KWARGS
+
+    @model_validator(mode="after")
+    def _check(self) -> EarlyStopperConfig:
+        if self.stoppers is not None and self.name != "any_of":
+            raise ValueError(f"'stoppers' is only allowed with name 'any_of', not '{self.name}'")
+        if self.is_builtin:
+            self._check_builtin()
+        elif ":" in self.name:
+            self._check_user_path()
+        else:
+            close = difflib.get_close_matches(self.name, _BUILTIN_KWARGS, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(
+                f"unknown early stopper '{self.name}'; {hint}built-ins: "
+                f"{', '.join(_BUILTIN_KWARGS)}, or an import path 'package.module:function'"
+            )
+        return self
+
+    def _check_builtin(self) -> None:
+        allowed = _BUILTIN_KWARGS[self.name]
+        for key in self.kwargs:
+            if key == "lower_better":
+                raise ValueError(
+                    f"early stopper '{self.name}' takes its direction from trainer.lower_better; "
+                    "remove 'lower_better'"
+                )
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1)
+                if close:
+                    hint = f"did you mean '{close[0]}'?"
+                elif allowed:
+                    hint = f"allowed: {', '.join(allowed)}"
+                else:
+                    hint = "it takes no arguments"
+                raise ValueError(
+                    f"unknown argument '{key}' for early stopper '{self.name}'; {hint}"
+                )
+        for key in _BUILTIN_REQUIRED.get(self.name, ()):
+            if key not in self.kwargs:
+                raise ValueError(f"early stopper '{self.name}' needs '{key}'")
+        if self.name == "any_of":
+            if not self.stoppers:
+                raise ValueError("early stopper 'any_of' needs a non-empty 'stoppers' list")
+        else:
+            # Build one to check the values (the constructors are pure and cheap).
+            _build_builtin(self, lower_better=True)
+
+    def _check_user_path(self) -> None:
+        obj = _import_object(self.name)
+        if not self.kwargs and _is_stopper_function(obj):
+            return
+        try:
+            inspect.signature(obj).bind(**self.kwargs)
+        except TypeError as err:
+            raise ValueError(f"early stopper factory '{self.name}': {err}") from None
+        except ValueError:  # no signature to check against
+            pass
+
+
+def _build_builtin(config: EarlyStopperConfig, lower_better: bool) -> EarlyStopper:
+    renamed = {_BUILTIN_KWARGS[config.name][key]: value for key, value in config.kwargs.items()}
+    factory = _builtin_factory(config.name)
+    if config.name == "non_finite":
+        return factory()
+    return factory(**renamed, lower_better=lower_better)
+
+
+def build_early_stopper(
+    config: EarlyStopperConfig | None, lower_better: bool
+) -> EarlyStopper | None:
+    """Builds a fresh stopper from its config (None -> None, no early stopping).
+
+    ``lower_better`` is the trainer's score direction. Call it again to get a stopper with
+    fresh state (e.g. before replaying a resumed run's score history).
+    """
+    if config is None:
+        return None
+    if config.name == "any_of":
+        from trainer.early_stoppers import AnyOf  # not at the top: see _builtin_factory
+
+        assert config.stoppers  # checked by the config validator
+        children = [build_early_stopper(child, lower_better) for child in config.stoppers]
+        return AnyOf(*[child for child in children if child is not None])
+    if config.is_builtin:
+        return _build_builtin(config, lower_better)
+
+    obj = _import_object(config.name)
+    kwargs = config.kwargs
+    label = config.name
+    if not kwargs and _is_stopper_function(obj):
+        return _UserStopper(obj, label)
+    if "lower_better" not in kwargs and _accepts_keyword(obj, "lower_better"):
+        kwargs["lower_better"] = lower_better
+    stopper = obj(**kwargs)
+    if not callable(stopper):
+        raise UserError(
+            f"early stopper factory '{config.name}' returned {stopper!r}, which is not a "
+            "callable (step_nr, score) -> bool"
+        )
+    shown = ", ".join(f"{key}={value!r}" for key, value in config.kwargs.items())
+    return _UserStopper(stopper, f"{label}({shown})")
