@@ -19,8 +19,9 @@ batch drawn from the data reader, so it is the steady state (publishes included)
 trainer's fixed cost per run (construction, setup, the last publish, closing recorders)
 is printed apart. Two sizes: ``small`` (~0.5 ms a step) and ``large`` (~20 ms), with one
 intra-op thread by default (``--threads``): on a shared 2-core machine, OpenMP barriers
-turn other processes' load into 10x outliers. For memory, each variant of the large size runs in its own subprocess (peak RSS
-is monotonic): the peak RSS growth during training, with the same modules imported first.
+turn other processes' load into 10x outliers. For memory, each variant of the large size
+runs in its own subprocess (peak RSS is monotonic): the peak RSS growth during training,
+with the same modules imported first.
 
 The console recorder's lines go to /dev/null (they are still rendered); ``--show-console``
 lets them through to the terminal, where the progress bar is live too.
@@ -65,9 +66,9 @@ class Size:
 
 
 SIZES = {
-    "small": Size("small", batch=64, inputs=64, hidden=128, layers=1, classes=10, steps=1000,
+    "small": Size("small", batch=96, inputs=128, hidden=256, layers=1, classes=10, steps=1000,
                   target=1.05),
-    "large": Size("large", batch=128, inputs=512, hidden=1024, layers=2, classes=10, steps=80,
+    "large": Size("large", batch=176, inputs=512, hidden=1024, layers=2, classes=10, steps=100,
                   target=1.01),
 }
 NUM_DISTINCT_BATCHES = 16
@@ -259,7 +260,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
     parser.add_argument("--sizes", default="small,large", help="comma-separated: small,large")
     parser.add_argument("--steps", type=int, default=None, help="steps a repetition "
-                        "(default: 1000 small, 80 large)")
+                        "(default: 1000 small, 100 large)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory figure")

@@ -44,9 +44,9 @@ def gradient_norm(params: list[Tensor], max_norm: float | None) -> Tensor:
         return torch.zeros(())
     grads = [p.grad for p in params if p.grad is not None]
     if not any(isinstance(g, DTensor) for g in grads):
-        return torch.nn.utils.clip_grad_norm_(
-            params, max_norm if max_norm is not None else float("inf"), foreach=True
-        )
+        if max_norm is None:  # the norm alone: no clipping pass over every gradient
+            return torch.nn.utils.get_total_norm(grads, foreach=True)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     # Tensor/FSDP2/expert parallelism mix plain tensors and DTensors of several meshes, which
     # one foreach op refuses: norm each kind apart (a DTensor's norm reduced over its mesh),
     # then combine. Plain tensors are replicas: their norm is already global.
@@ -78,10 +78,46 @@ def supports_device_skip(optimizer: Optimizer) -> bool:
     )
 
 
-def step_with_device_skip(optimizer: Optimizer, skip: Tensor) -> None:
-    """`optimizer.step()` that leaves parameters and state untouched where `skip` is true."""
-    optimizer.found_inf = skip.to(torch.float32)  # type: ignore[attr-defined]
+def normalisation_divisor(dp_size: int, global_count: Tensor | int,
+                          device: torch.device) -> Tensor:
+    """What a fused optimizer divides the gradients by (its `grad_scale`) instead of
+    `scale_gradients`: `global_count / dp_size`, as a float32 scalar on `device` (no sync)."""
+    if isinstance(global_count, int):  # host counts repeat: one read-only tensor per value
+        key = (max(global_count, 1) / dp_size, device)
+        divisor = _DIVISORS.get(key)
+        if divisor is None:
+            if len(_DIVISORS) >= 1024:
+                _DIVISORS.clear()
+            divisor = _DIVISORS[key] = torch.full((), key[0], dtype=torch.float32,
+                                                  device=device)
+        return divisor
+    return (global_count.clamp(min=1) / dp_size).to(torch.float32)
+
+
+_DIVISORS: dict[tuple[float, torch.device], Tensor] = {}
+
+
+def clip_divisor(norm: Tensor, max_norm: float) -> Tensor:
+    """1 / the clip coefficient of `torch.nn.utils.clip_grad_norm_` for a gradient `norm`."""
+    return ((norm + 1e-6) / max_norm).clamp(min=1.0)
+
+
+def non_finite_flag(loss: Tensor) -> Tensor:
+    """1.0 where `loss` is NaN or infinite, else 0.0, as the float32 flag a fused optimizer
+    reads as `found_inf` (0 * inf and 0 * nan are nan): two ops, no host sync."""
+    return (loss.detach().float() * 0).nan_to_num_(nan=1.0)
+
+
+def step_with_device_skip(optimizer: Optimizer, skip: Tensor,
+                          divisor: Tensor | None = None) -> None:
+    """`optimizer.step()` that leaves parameters and state untouched where `skip` (a float32
+    flag) is 1, dividing the gradients by `divisor` inside the fused kernel when given."""
+    optimizer.found_inf = skip  # type: ignore[attr-defined]
+    if divisor is not None:
+        optimizer.grad_scale = divisor  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:
         del optimizer.found_inf  # type: ignore[attr-defined]
+        if divisor is not None:
+            del optimizer.grad_scale  # type: ignore[attr-defined]

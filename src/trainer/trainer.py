@@ -375,6 +375,21 @@ class Trainer(Generic[BatchT]):
 
     def _train_step(self, batches: list[BatchT]) -> None:
         self.unit.set_step_nr(self.step_nr)
+        loss_sum, local_count = self._forward_backward(batches)
+        if self._has_expert_params:
+            reduce_expert_gradients(self.unit.model, self.gangs)
+        count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
+        divisor, overflow = self._normalise_and_clip(count)
+        self._optimizer_step(count, loss_sum, overflow, divisor)
+        self.optimizer.zero_grad(set_to_none=True)
+
+        self._window_loss = loss_sum if self._window_loss is None else self._window_loss + loss_sum
+        self._window_count = self._window_count + local_count
+        self._window_steps += 1
+
+    def _forward_backward(self, batches: list[BatchT]) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """Backward of each micro-batch's summed loss; returns the loss sum (detached) and the
+        local target count."""
         model = self.unit.model
         loss_sum: torch.Tensor | None = None
         local_count: torch.Tensor | int = 0
@@ -391,28 +406,36 @@ class Trainer(Generic[BatchT]):
             detached = loss.detach()
             loss_sum = detached if loss_sum is None else loss_sum + detached
             local_count = local_count + num_targets
+        return loss_sum, local_count
 
-        if self._has_expert_params:
-            reduce_expert_gradients(model, self.gangs)
-        count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
+    def _normalise_and_clip(
+        self, count: torch.Tensor | int
+    ) -> tuple[torch.Tensor | None, bool]:
+        """Divide the gradients by the step's global target count, clip, and measure the
+        norm on publish steps. Returns (what a fused optimizer should divide the gradients
+        by, or None when they are already divided; whether fp16 gradients overflowed)."""
+        measure = self.max_gradient_norm is not None or self.step_nr % self.publish_every == 0
+        if self._device_skip and self._scaler is None:
+            # The fused kernel divides the gradients by the count and the clip coefficient
+            # (its grad_scale): no extra pass over the gradients.
+            divisor = gradients.normalisation_divisor(self.gangs.dp.size, count, self.device)
+            if measure:
+                self._grad_norm = gradients.gradient_norm(self._params, None) / divisor
+                if self.max_gradient_norm is not None:
+                    divisor = divisor * gradients.clip_divisor(self._grad_norm,
+                                                               self.max_gradient_norm)
+            return divisor, False
         grads = [p.grad for p in self._params if p.grad is not None]
         gradients.scale_gradients(grads, self.gangs.dp.size, count)
         overflow = self._scaler.unscale_and_check(grads) if self._scaler else False
-
-        publish_step = self.step_nr % self.publish_every == 0
-        if self.max_gradient_norm is not None or publish_step:
+        if measure:
             self._grad_norm = gradients.gradient_norm(self._params, self.max_gradient_norm)
-        self._optimizer_step(count, loss_sum, overflow)
-        self.optimizer.zero_grad(set_to_none=True)
+        return None, overflow
 
-        self._window_loss = loss_sum if self._window_loss is None else self._window_loss + loss_sum
-        self._window_count = self._window_count + local_count
-        self._window_steps += 1
-
-    def _optimizer_step(self, count: torch.Tensor | int, loss: torch.Tensor, overflow: bool) -> None:
+    def _optimizer_step(self, count: torch.Tensor | int, loss: torch.Tensor, overflow: bool,
+                        divisor: torch.Tensor | None) -> None:
         """Step, unless the step has no target on any rank, its loss is not finite, or fp16
         gradients overflowed: then skip the optimizer and LR scheduler on every rank."""
-        non_finite = loss.isfinite().logical_not_()
         zero = count == 0
         if self._scaler is not None:  # fp16: the scaler's agreed overflow flag decides
             self._scaler.update(overflow, self.step_nr)
@@ -420,15 +443,17 @@ class Trainer(Generic[BatchT]):
             self.skipped.log(self.step_nr, False, skip)
         elif self._device_skip and zero is not True:
             # Decided on the device, no host sync: the flags are read at the next publish.
-            skip_flag = non_finite | zero
-            gradients.step_with_device_skip(self.optimizer, skip_flag)
+            non_finite = gradients.non_finite_flag(loss)
+            skip_flag = non_finite if zero is False else torch.maximum(non_finite, zero.float())
+            gradients.step_with_device_skip(self.optimizer, skip_flag, divisor)
             self.skipped.log(self.step_nr, non_finite, skip_flag)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             return
         else:
             # A non-fused optimizer cannot skip on the device: one host read a step.
-            bad, skip = bool(non_finite), bool(non_finite | zero)
+            bad = not bool(loss.isfinite())
+            skip = bad or bool(zero)
             self.skipped.log(self.step_nr, bad, skip, check_now=skip)
         if skip:
             return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,19 +22,31 @@ class TensorBoardRecorder(MetricRecorder):
     killed run keeps it.
     """
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, flush_secs: float = 2.0) -> None:
         self._log_dir = Path(log_dir)
         self._writer: SummaryWriter | None = None
+        self._flush_secs = flush_secs
+        self._last_flush = -math.inf
 
     @property
     def log_dir(self) -> Path:
         return self._log_dir
 
     def record(self, section: str, step_nr: int, values: Mapping[str, float]) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
         writer = self._writer or self._open()
-        for name, value in values.items():
-            writer.add_scalar(f"{section}/{name}", float(value), global_step=step_nr)
-        writer.flush()
+        # One event for the whole record: the scalars add_scalar would write, without its
+        # per-value event, serialisation and CRC (pure Python without TensorFlow).
+        summary = Summary(value=[Summary.Value(tag=f"{section}/{name}", simple_value=float(value))
+                                 for name, value in values.items()])
+        writer._get_file_writer().add_summary(summary, step_nr)
+        now = time.monotonic()
+        # A flush waits for the writer thread: train records at most every flush_secs (a
+        # killed run loses at most that much; JSONL has every record), others at once.
+        if section != "train" or now - self._last_flush >= self._flush_secs:
+            writer.flush()
+            self._last_flush = now
 
     def rewind(self, step_nr: int) -> None:
         """Start a new event file with ``purge_step=step_nr + 1``.
