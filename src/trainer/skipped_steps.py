@@ -40,9 +40,14 @@ class SkippedSteps:
         `NonFiniteLossError` when the non-finite policy is broken."""
         if not self._pending:
             return 0
-        flat = torch.stack([torch.as_tensor(flag, device=self.device).reshape(())
-                            for _, bad, skip, _ in self._pending for flag in (bad, skip)])
-        values = flat.tolist()
+        flags = [flag for _, bad, skip, _ in self._pending for flag in (bad, skip)]
+        if any(isinstance(flag, torch.Tensor) for flag in flags):  # one stack, one host copy
+            values = torch.stack([
+                flag.float() if isinstance(flag, torch.Tensor)
+                else torch.tensor(float(flag), device=self.device) for flag in flags
+            ]).tolist()
+        else:
+            values = [float(flag) for flag in flags]
         skipped = 0
         for (step_nr, _, _, _), bad, skip in zip(self._pending, values[0::2], values[1::2]):
             skipped += int(skip)

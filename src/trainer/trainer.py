@@ -29,6 +29,7 @@ from trainer.checkpoint import CheckpointManager, export_best
 from trainer.device import to_device
 from trainer.early_stoppers import EarlyStopper
 from trainer.recorders import (
+    BackgroundRecorder,
     CompositeRecorder,
     ConsoleRecorder,
     JsonlRecorder,
@@ -127,10 +128,8 @@ class Trainer(Generic[BatchT]):
         self.device = self.gangs.device
         self.metrics = MetricBag(self.device)
         self.recorder = self._build_recorders(recorders, wandb_project, progress)
-        self._console = next(
-            (r for r in getattr(self.recorder, "recorders", ()) if isinstance(r, ConsoleRecorder)),
-            None,
-        )
+        self._console = next((r for r in self.recorder.recorder.recorders
+                              if isinstance(r, ConsoleRecorder)), None)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device_skip = gradients.supports_device_skip(optimizer)
         # Expert-parallel MoE weights (`_is_expert`) are not reduced by DDP/FSDP2 over dp:
@@ -201,10 +200,12 @@ class Trainer(Generic[BatchT]):
     def _build_recorders(
         self, recorders: Sequence[MetricRecorder] | None, wandb_project: str | None,
         progress: bool,
-    ) -> MetricRecorder:
+    ) -> BackgroundRecorder:
+        """Rank 0's recorders (JSONL, TensorBoard, console by default), written on a
+        background thread so that publishing never stalls a step; other ranks record nothing."""
         if self.gangs.root.rank != 0:
-            return CompositeRecorder([])
-        if recorders is None:
+            recorders = []
+        elif recorders is None:
             recorders = [
                 JsonlRecorder(self.output_dir),
                 TensorBoardRecorder(self.output_dir / "tb"),
@@ -212,7 +213,7 @@ class Trainer(Generic[BatchT]):
             ]
             if wandb_project is not None:
                 recorders.append(WandbRecorder(wandb_project, None, self.output_dir))
-        return CompositeRecorder(list(recorders))
+        return BackgroundRecorder(CompositeRecorder(list(recorders)))
 
     # -- the run -------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -279,6 +280,7 @@ class Trainer(Generic[BatchT]):
         log.info("resumed from %s", self._checkpoint_path(step_nr))
 
     def _checkpoint(self, blocking: bool | None = None) -> None:
+        self.recorder.flush()  # this step's metrics reach the disk before its checkpoint
         score = self.score_history[-1][1] if self.score_history and \
             self.score_history[-1][0] == self.step_nr else None
         self.checkpoints.save(self.step_nr, self.unit.model, self.optimizer,

@@ -5,6 +5,7 @@ JSONL always, TensorBoard, W&B when installed, and the console. The trainer talk
 happen only when such a recorder is created.
 """
 
+from trainer.recorders.background import BackgroundRecorder
 from trainer.recorders.base import CompositeRecorder, MetricRecorder
 from trainer.recorders.console import ConsoleRecorder, format_record, format_value
 from trainer.recorders.jsonl import JsonlRecorder, read_jsonl, section_file_name
@@ -12,6 +13,7 @@ from trainer.recorders.tensorboard import TensorBoardRecorder
 from trainer.recorders.wandb import WandbRecorder, wandb_available
 
 __all__ = [
+    "BackgroundRecorder",
     "CompositeRecorder",
     "ConsoleRecorder",
     "JsonlRecorder",
