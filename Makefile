@@ -30,6 +30,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.overhead
+	$(BIN)/python -m benchmarks.lm_throughput --preset tiny
+	$(BIN)/python -m benchmarks.lm_throughput --preset cpu --steps 5
 	$(BIN)/python -m benchmarks.checkpoint
 
 clean:
