@@ -17,12 +17,12 @@ slice of each global batch (as ``recipes.lm.data.ByteWindowReader`` does), so it
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from trainer.errors import UserError
+from trainer.global_batches import GlobalBatchReader
 
 __all__ = ["Batch", "ShardedBatchReader", "eval_batches", "make_spirals", "split"]
 
@@ -88,17 +88,9 @@ def split(data: Batch, num_valid: int) -> tuple[Batch, Batch]:
     return (inputs[:cut], targets[:cut]), (inputs[cut:], targets[cut:])
 
 
-class ShardedBatchReader:
-    """Training reader: shuffled global batches of samples, sliced per DP rank.
-
-    ``iter(reader)`` yields the rest of the current epoch and then stops; the next ``iter``
-    starts the next epoch. The last incomplete global batch of an epoch is dropped. The order
-    of epoch ``e`` is ``randperm(num_samples)`` drawn from a generator seeded ``seed + e``,
-    the same on every rank. ``state_dict()`` is ``{"epoch", "batch_index"}`` (global batches
-    already yielded in that epoch, hence valid for any ``dp_size``).
-
-    Keep one live iterator at a time: all iterators share the reader's position.
-    """
+class ShardedBatchReader(GlobalBatchReader[Batch]):
+    """Training reader: shuffled global batches of samples, sliced per DP rank (see
+    `trainer.global_batches` for the order, epochs and resumable state)."""
 
     def __init__(
         self,
@@ -114,82 +106,11 @@ class ShardedBatchReader:
             raise ValueError(
                 f"inputs ({inputs.shape[0]}) and targets ({targets.shape[0]}) differ in length"
             )
-        if batch_size < 1:
-            raise UserError(f"data: batch_size must be positive, got {batch_size}")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
-        if batch_size % dp_size != 0:
-            raise UserError(
-                f"data: batch_size {batch_size} (the global batch) is not divisible by the "
-                f"data-parallel size {dp_size}"
-            )
-        if inputs.shape[0] < batch_size:
-            raise UserError(
-                f"data: {inputs.shape[0]} training samples are fewer than one global batch "
-                f"of {batch_size}"
-            )
         self.inputs, self.targets = inputs, targets
-        self.batch_size = batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.seed = seed
-        self.shuffle = shuffle
-        local = batch_size // dp_size
-        self._local_slice = slice(dp_rank * local, (dp_rank + 1) * local)
-        self._epoch = 0
-        self._batch_index = 0
-        self._order_epoch = -1
-        self._order = torch.empty(0, dtype=torch.long)
+        super().__init__(inputs.shape[0], batch_size, dp_rank, dp_size, seed, shuffle)
 
-    @property
-    def num_samples(self) -> int:
-        return self.inputs.shape[0]
-
-    @property
-    def num_batches_per_epoch(self) -> int:
-        return self.num_samples // self.batch_size
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def _epoch_order(self, epoch: int) -> Tensor:
-        if self._order_epoch != epoch:
-            if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed + epoch)
-                self._order = torch.randperm(self.num_samples, generator=generator)
-            else:
-                self._order = torch.arange(self.num_samples)
-            self._order_epoch = epoch
-        return self._order
-
-    def __iter__(self) -> Iterator[Batch]:
-        # The position lives on the reader, not in the generator, so state_dict() is exact at
-        # any point, and load_state_dict() between two batches takes effect at the next one.
-        while self._batch_index < self.num_batches_per_epoch:
-            start = self._batch_index * self.batch_size
-            global_idx = self._epoch_order(self._epoch)[start : start + self.batch_size]
-            idx = global_idx[self._local_slice]
-            self._batch_index += 1  # counted before the yield: the batch is now consumed
-            yield self.inputs[idx], self.targets[idx]
-        self._epoch += 1
-        self._batch_index = 0
-
-    def __len__(self) -> int:
-        """Batches per epoch (the same on every rank)."""
-        return self.num_batches_per_epoch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "batch_index": self._batch_index}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        epoch, batch_index = int(state["epoch"]), int(state["batch_index"])
-        if epoch < 0 or not 0 <= batch_index <= self.num_batches_per_epoch:
-            raise UserError(
-                f"data reader state (epoch {epoch}, batch_index {batch_index}) does not fit "
-                f"an epoch of {self.num_batches_per_epoch} batches: did the data or "
-                "batch_size change since the checkpoint?"
-            )
-        self._epoch, self._batch_index = epoch, batch_index
+    def make_batch(self, indices: Tensor) -> Batch:
+        return self.inputs[indices], self.targets[indices]
 
 
 def eval_batches(data: Batch, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[Batch]:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import gzip
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from trainer.errors import UserError
+from trainer.global_batches import GlobalBatchReader
 
 __all__ = [
     "EXCLUDED_DIR_NAMES",
@@ -142,17 +143,9 @@ def _to_batch(windows: torch.Tensor) -> Batch:
     }
 
 
-class ByteWindowReader:
-    """Training reader: shuffled global batches of packed windows, sliced per DP rank.
-
-    ``iter(reader)`` yields the rest of the current epoch and then stops; the next ``iter``
-    starts the next epoch. The last incomplete global batch of an epoch is dropped. The order
-    of epoch ``e`` is ``randperm(num_windows)`` drawn from a generator seeded ``seed + e``,
-    the same on every rank. ``state_dict()`` is ``{"epoch", "batch_index"}`` (batches already
-    yielded in that epoch, counted in global batches, hence valid for any ``dp_size``).
-
-    Keep one live iterator at a time: all iterators share the reader's position.
-    """
+class ByteWindowReader(GlobalBatchReader[Batch]):
+    """Training reader: shuffled global batches of packed windows, sliced per DP rank (see
+    `trainer.global_batches` for the order, epochs and resumable state)."""
 
     def __init__(
         self,
@@ -164,85 +157,21 @@ class ByteWindowReader:
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
-        if batch_size < 1:
-            raise UserError(f"batch_size must be positive, got {batch_size}")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
-        if batch_size % dp_size != 0:
-            raise UserError(
-                f"batch_size {batch_size} (the global micro-batch) is not divisible by "
-                f"the data-parallel size {dp_size}"
-            )
         self._windows = _windows(data, seq_len)
-        if self.num_windows < batch_size:
-            raise UserError(
-                f"data of {data.numel()} bytes holds {self.num_windows} windows of seq_len "
-                f"{seq_len}, fewer than one global batch of {batch_size}"
-            )
         self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.seed = seed
-        self.shuffle = shuffle
-        local = batch_size // dp_size
-        self._local_slice = slice(dp_rank * local, (dp_rank + 1) * local)
-        self._epoch = 0
-        self._batch_index = 0
-        self._order_epoch = -1
-        self._order = torch.empty(0, dtype=torch.long)
+        if self._windows.shape[0] < batch_size:
+            raise UserError(
+                f"data of {data.numel()} bytes holds {self._windows.shape[0]} windows of "
+                f"seq_len {seq_len}, fewer than one global batch of {batch_size}"
+            )
+        super().__init__(self._windows.shape[0], batch_size, dp_rank, dp_size, seed, shuffle)
 
     @property
     def num_windows(self) -> int:
-        return self._windows.shape[0]
+        return self.num_samples
 
-    @property
-    def num_batches_per_epoch(self) -> int:
-        return self.num_windows // self.batch_size
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
-        # One randperm per epoch (~55k windows for the stdlib: well under a millisecond).
-        if self._order_epoch != epoch:
-            if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed + epoch)
-                self._order = torch.randperm(self.num_windows, generator=generator)
-            else:
-                self._order = torch.arange(self.num_windows)
-            self._order_epoch = epoch
-        return self._order
-
-    def __iter__(self) -> Iterator[Batch]:
-        # The position lives on the reader, not in the generator, so state_dict() is exact at
-        # any point, and load_state_dict() between two batches takes effect at the next one.
-        while self._batch_index < self.num_batches_per_epoch:
-            start = self._batch_index * self.batch_size
-            global_idx = self._epoch_order(self._epoch)[start : start + self.batch_size]
-            batch = _to_batch(self._windows[global_idx[self._local_slice]])
-            self._batch_index += 1  # counted before the yield: the batch is now consumed
-            yield batch
-        self._epoch += 1
-        self._batch_index = 0
-
-    def __len__(self) -> int:
-        """Batches per epoch (the same on every rank)."""
-        return self.num_batches_per_epoch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "batch_index": self._batch_index}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        epoch, batch_index = int(state["epoch"]), int(state["batch_index"])
-        if epoch < 0 or not 0 <= batch_index <= self.num_batches_per_epoch:
-            raise UserError(
-                f"data reader state (epoch {epoch}, batch_index {batch_index}) does not fit "
-                f"an epoch of {self.num_batches_per_epoch} batches: did the data, seq_len "
-                "or batch_size change since the checkpoint?"
-            )
-        self._epoch, self._batch_index = epoch, batch_index
+    def make_batch(self, indices: torch.Tensor) -> Batch:
+        return _to_batch(self._windows[indices])
 
 
 def eval_batches(
