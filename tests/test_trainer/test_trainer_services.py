@@ -265,3 +265,25 @@ def test_to_device_moves_nested_batches():
     moved = _move(batch, torch.device("meta"))
     assert moved["x"].device.type == "meta" and moved["pair"][1][0].device.type == "meta"
     assert moved["n"] == 3 and isinstance(moved["pair"], tuple)
+
+
+def _signal_on_rank_1_only():
+    gangs = setup_gangs(setup_root_gang())
+    model = data_parallel(make_model(), gangs)
+    trainer = make_trainer(tempfile.mkdtemp(), model=model, gangs=gangs, max_num_steps=1000,
+                           publish_metrics_every_n_steps=5)
+    original = trainer._train_step
+
+    def step_then_signal(batches):
+        original(batches)
+        if trainer.step_nr == 7 and gangs.root.rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer._train_step = step_then_signal
+    result = trainer.run()
+    return result.stop_reason, result.num_steps
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step():
+    # Rank 1 alone is signalled at step 7; the ranks agree at the next sync point (step 10).
+    assert run_ranks(_signal_on_rank_1_only, world_size=2) == [("signal", 10)] * 2
