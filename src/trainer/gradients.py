@@ -103,9 +103,11 @@ def clip_divisor(norm: Tensor, max_norm: float) -> Tensor:
 
 
 def non_finite_flag(loss: Tensor) -> Tensor:
-    """1.0 where `loss` is NaN or infinite, else 0.0, as the float32 flag a fused optimizer
+    """For a detached `loss`: 1.0 where it is NaN or infinite, else 0.0, as the float32 flag a fused optimizer
     reads as `found_inf` (0 * inf and 0 * nan are nan): two ops, no host sync."""
-    return (loss.detach().float() * 0).nan_to_num_(nan=1.0)
+    if loss.dtype != torch.float32:
+        loss = loss.float()
+    return (loss * 0).nan_to_num_(nan=1.0)
 
 
 def step_with_device_skip(optimizer: Optimizer, skip: Tensor,
