@@ -1,4 +1,7 @@
-"""The trainer's per-rank progress as a checkpointable dict, and its restoration.
+"""Checkpointing the trainer's progress, and resuming from it.
+
+`save` writes a checkpoint through the trainer's `CheckpointManager`; `resume` loads the
+newest complete one.
 
 Everything a resumed run needs to continue exactly as if it had never stopped, beside the
 model and optimizer (saved through DCP): step and epoch, the data reader's position, every
@@ -25,10 +28,7 @@ log = logging.getLogger("gangtrain")
 def capture(trainer: Trainer) -> dict[str, Any]:
     state: dict[str, Any] = {
         "step_nr": trainer.step_nr,
-        "epoch_nr": trainer.epoch_nr,
-        "epoch_batches": trainer._epoch_batches,
-        "in_epoch": trainer._data_iter is not None,
-        "data_ended": trainer._data_ended,
+        "data": trainer.data.state_dict(),
         "early_stopped": trainer._early_stopped,
         "validated_step": trainer._validated_step,
         "rng": rng_state(),
@@ -41,8 +41,6 @@ def capture(trainer: Trainer) -> dict[str, Any]:
             "metrics": trainer.metrics.state_dict(),
         },
     }
-    if hasattr(trainer.data_reader, "state_dict"):
-        state["data_reader"] = trainer.data_reader.state_dict()
     if trainer.lr_scheduler is not None:
         state["lr_scheduler"] = trainer.lr_scheduler.state_dict()
     if trainer._scaler is not None:
@@ -52,22 +50,10 @@ def capture(trainer: Trainer) -> dict[str, Any]:
 
 def restore(trainer: Trainer, state: dict[str, Any]) -> None:
     trainer.step_nr = state["step_nr"]
-    trainer.epoch_nr = state["epoch_nr"]
-    trainer._epoch_batches = state["epoch_batches"]
-    trainer._data_ended = state["data_ended"]
+    trainer.data.load_state_dict(state["data"], trainer.step_nr)
     # A run that early-stopped stays stopped: the same command again changes nothing.
     trainer._early_stopped = state["early_stopped"]
     trainer._validated_step = state["validated_step"]
-
-    reader = trainer.data_reader
-    if "data_reader" in state and hasattr(reader, "load_state_dict"):
-        reader.load_state_dict(state["data_reader"])
-    elif state["in_epoch"]:
-        log.warning("the data reader has no state_dict/load_state_dict: the resumed run "
-                    "starts its epoch from the beginning, not where step %d left it",
-                    trainer.step_nr)
-    # Continue the interrupted epoch; a reader that was between epochs starts the next.
-    trainer._data_iter = iter(reader) if state["in_epoch"] else None
 
     if trainer.lr_scheduler is not None and "lr_scheduler" in state:
         trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -96,3 +82,32 @@ def restore(trainer: Trainer, state: dict[str, Any]) -> None:
     trainer._window_count = count.to(trainer.device) if isinstance(count, torch.Tensor) else count
     trainer._window_steps = window["steps"]
     trainer.metrics.load_state_dict(window["metrics"])
+
+
+def save(trainer: Trainer, blocking: bool | None = None) -> None:
+    """Checkpoint the model, the optimizer and `capture(trainer)` at the current step."""
+    trainer.recorder.flush()  # this step's metrics reach the disk before its checkpoint
+    history = trainer.score_history
+    score = history[-1][1] if history and history[-1][0] == trainer.step_nr else None
+    trainer.checkpoints.save(trainer.step_nr, trainer.unit.model, trainer.optimizer,
+                             capture(trainer), score, blocking=blocking)
+    trainer._last_saved_step = trainer.step_nr
+    trainer.skipped.last_good_checkpoint = (
+        f"the last good checkpoint is {trainer._checkpoint_path(trainer.step_nr)}")
+
+
+def resume(trainer: Trainer) -> None:
+    """Continue from the newest complete checkpoint, if any; recorders forget later steps."""
+    trainer._resumed = True
+    if trainer.checkpoints is None:
+        return
+    step_nr = trainer.checkpoints.find_latest()
+    if step_nr is None:
+        return
+    state = trainer.checkpoints.load(step_nr, trainer.unit.model, trainer.optimizer)
+    restore(trainer, state)
+    trainer._last_saved_step = step_nr
+    path = trainer._checkpoint_path(step_nr)
+    trainer.skipped.last_good_checkpoint = f"the last good checkpoint is {path}"
+    trainer.recorder.rewind(step_nr)
+    log.info("resumed from %s", path)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Generic, Literal
 
@@ -23,19 +22,18 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import FakeGang, Gangs, ReduceOperation, setup_gangs
-from gangs.parallel import is_data_parallel, reduce_expert_gradients
-from trainer import gradients, progress
-from trainer.checkpoint import CheckpointManager, export_best
-from trainer.device import to_device
+from gangs.parallel import reduce_expert_gradients
+from trainer import gradients, progress, settings
+from trainer.checkpoint import CheckpointManager, export_best, rank_by_score
+from trainer.data_position import DataPosition
 from trainer.early_stoppers import EarlyStopper
+from trainer.loss_scaler import LossScaler
 from trainer.recorders import (
     BackgroundRecorder,
     CompositeRecorder,
     ConsoleRecorder,
-    JsonlRecorder,
     MetricRecorder,
-    TensorBoardRecorder,
-    WandbRecorder,
+    default_recorders,
 )
 from trainer.result import TrainResult
 from trainer.seeding import seed_everything
@@ -92,13 +90,11 @@ class Trainer(Generic[BatchT]):
         async_checkpoint: bool = False,
     ) -> None:
         self.unit = unit
-        self.data_reader = data_reader
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.output_dir = Path(output_dir)
         self.gangs = gangs if gangs is not None else setup_gangs(FakeGang())
         self.max_num_steps = max_num_steps
-        self.max_num_data_epochs = max_num_data_epochs
         self.num_accumulate = num_accumulate
         self.validate_every_n_steps = validate_every_n_steps
         self.validate_at_start = validate_at_start
@@ -112,22 +108,37 @@ class Trainer(Generic[BatchT]):
         self.max_gradient_norm = max_gradient_norm
         self.dtype = dtype
         self.amp = amp
-        self.fp16_loss_scale = fp16_loss_scale
-        self.fp16_loss_scale_window = fp16_loss_scale_window
-        self.max_consecutive_non_finite = max_consecutive_non_finite
         self.async_checkpoint = async_checkpoint
         self.anomaly_detection = anomaly_detection
         self.seed = seed
         self.resume = resume
         self.compile_model = compile_model
-        self._check_settings()
+        settings.check_positive(
+            max_num_steps=max_num_steps, max_num_data_epochs=max_num_data_epochs,
+            num_accumulate=num_accumulate, validate_every_n_steps=validate_every_n_steps,
+            checkpoint_every_n_steps=checkpoint_every_n_steps,
+            publish_metrics_every_n_steps=publish_metrics_every_n_steps,
+            keep_last_n_checkpoints=keep_last_n_checkpoints,
+            keep_best_n_checkpoints=keep_best_n_checkpoints,
+        )
+        settings.check_precision(dtype, max_gradient_norm)
         self.validator = Validator(valid_units, valid_data_readers, self.gangs, score_metric)
-        self._check_validation_settings(score_metric)
-        self._check_model_wrapped()
+        validates = bool(self.validator) and (validate_every_n_steps is not None
+                                              or validate_at_end)
+        settings.check_validation_needs(validates, score_metric, keep_best_n_checkpoints,
+                                        early_stopper)
+        settings.check_checkpoint_needs(checkpoint_every_n_steps, validate_every_n_steps,
+                                        keep_last_n_checkpoints, keep_best_n_checkpoints)
+        settings.check_model_wrapped(unit.model, self.gangs.dp.size)
 
         self.device = self.gangs.device
         self.metrics = MetricBag(self.device)
-        self.recorder = self._build_recorders(recorders, wandb_project, progress)
+        if self.gangs.root.rank != 0:  # rank 0 records; the others have nothing to add
+            recorders = []
+        elif recorders is None:
+            recorders = default_recorders(self.output_dir, max_num_steps, progress, wandb_project)
+        # Written on a background thread, so that publishing never stalls a step.
+        self.recorder = BackgroundRecorder(CompositeRecorder(list(recorders)))
         self._console = next((r for r in self.recorder.recorder.recorders
                               if isinstance(r, ConsoleRecorder)), None)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -135,15 +146,15 @@ class Trainer(Generic[BatchT]):
         # Expert-parallel MoE weights (`_is_expert`) are not reduced by DDP/FSDP2 over dp:
         # the trainer reduces them over the gang of their replicas after backward.
         self._has_expert_params = any(getattr(p, "_is_expert", False) for p in self._params)
-        self._scaler = self._build_loss_scaler()
+        self._scaler = LossScaler(
+            self.gangs.root, self.device, *fp16_loss_scale, growth_interval=fp16_loss_scale_window,
+            dp_size=self.gangs.dp.size, num_accumulate=num_accumulate,
+        ) if dtype == "fp16" else None
 
         # Progress, restored on resume.
         self.step_nr = 0
-        self.epoch_nr = 0  # completed epochs
+        self.data = DataPosition(data_reader, max_num_data_epochs, self.device)
         self.score_history: list[tuple[int, float]] = []
-        self._data_iter: Iterator[BatchT] | None = None
-        self._data_ended = False
-        self._epoch_batches = 0
         self.skipped = SkippedSteps(max_consecutive_non_finite, self.device)
         self.checkpoints = self._build_checkpoints()
         self._last_saved_step: int | None = None
@@ -152,68 +163,6 @@ class Trainer(Generic[BatchT]):
         self._validated_step: int | None = None
         self._last_published: dict[str, float] = {}
         self._reset_window()
-
-    # -- construction checks --------------------------------------------------------
-    def _check_settings(self) -> None:
-        positive = {
-            "max_num_steps": self.max_num_steps,
-            "max_num_data_epochs": self.max_num_data_epochs,
-            "num_accumulate": self.num_accumulate,
-            "validate_every_n_steps": self.validate_every_n_steps,
-            "checkpoint_every_n_steps": self.checkpoint_every_n_steps,
-            "publish_metrics_every_n_steps": self.publish_every,
-            "keep_last_n_checkpoints": self.keep_last_n_checkpoints,
-            "keep_best_n_checkpoints": self.keep_best_n_checkpoints,
-        }
-        for name, value in positive.items():
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.max_gradient_norm is not None and self.max_gradient_norm <= 0:
-            raise ValueError(f"max_gradient_norm must be > 0, got {self.max_gradient_norm}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-
-    def _check_validation_settings(self, score_metric: str | None) -> None:
-        validates = bool(self.validator) and (
-            self.validate_every_n_steps is not None or self.validate_at_end
-        )
-        for name, value in (("keep_best_n_checkpoints", self.keep_best_n_checkpoints),
-                            ("early_stopper", self.early_stopper)):
-            if value is None:
-                continue
-            if not validates:
-                raise ValueError(f"{name} needs validation: give valid_units and "
-                                 "valid_data_readers and set validate_every_n_steps")
-            if score_metric is None:
-                raise ValueError(f"{name} needs a score_metric (e.g. 'valid/loss')")
-        if self.validator and score_metric is None and self.keep_best_n_checkpoints:
-            raise ValueError("keep_best_n_checkpoints needs a score_metric")
-
-    def _check_model_wrapped(self) -> None:
-        if self.gangs.dp.size > 1 and not is_data_parallel(self.unit.model):
-            raise ValueError(
-                f"the unit's model is not wrapped for data parallelism over "
-                f"{self.gangs.dp.size} ranks: call `model = gangs.parallel.data_parallel("
-                "model, gangs)` before building the optimizer and give the unit that model"
-            )
-
-    def _build_recorders(
-        self, recorders: Sequence[MetricRecorder] | None, wandb_project: str | None,
-        progress: bool,
-    ) -> BackgroundRecorder:
-        """Rank 0's recorders (JSONL, TensorBoard, console by default), written on a
-        background thread so that publishing never stalls a step; other ranks record nothing."""
-        if self.gangs.root.rank != 0:
-            recorders = []
-        elif recorders is None:
-            recorders = [
-                JsonlRecorder(self.output_dir),
-                TensorBoardRecorder(self.output_dir / "tb"),
-                ConsoleRecorder(self.max_num_steps, show_progress=progress),
-            ]
-            if wandb_project is not None:
-                recorders.append(WandbRecorder(wandb_project, None, self.output_dir))
-        return BackgroundRecorder(CompositeRecorder(list(recorders)))
 
     # -- the run -------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -227,77 +176,41 @@ class Trainer(Generic[BatchT]):
         with StopSignal() as stop, anomaly:
             try:
                 if self.resume and not self._resumed:
-                    self._resume()
+                    progress.resume(self)
                 reason = self._loop(stop)
             finally:
                 self.recorder.close()
                 if self.checkpoints is not None:
                     self.checkpoints.close()
+        scores = dict(self.score_history)
+        best = rank_by_score(scores, scores, self.lower_better)[:1]
         return TrainResult(
             num_steps=self.step_nr,
             stop_reason=reason,
-            best_score=self._best()[1],
-            best_step=self._best()[0],
+            best_score=scores[best[0]] if best else None,
+            best_step=best[0] if best else None,
             score_history=list(self.score_history),
             num_skipped_steps=self.skipped.total,
             last_metrics=self._last_published,
             last_checkpoint=self._checkpoint_path(self._last_saved_step),
-            best_checkpoint=self._checkpoint_path(self._best_checkpoint_step()),
+            best_checkpoint=self._checkpoint_path(
+                self.checkpoints.best_step if self.checkpoints else None),
         )
 
     # -- checkpoints and resume ----------------------------------------------------------
     def _build_checkpoints(self) -> CheckpointManager | None:
         if self.checkpoint_every_n_steps is None:
-            for name in ("keep_last_n_checkpoints", "keep_best_n_checkpoints"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} needs checkpoint_every_n_steps")
             return None
-        every, validate = self.checkpoint_every_n_steps, self.validate_every_n_steps
-        if self.keep_best_n_checkpoints and (validate is None or every % validate != 0):
-            raise ValueError(
-                f"keep_best_n_checkpoints needs every checkpoint step to be a validated step: "
-                f"checkpoint_every_n_steps ({every}) must be a multiple of "
-                f"validate_every_n_steps ({validate})"
-            )
         return CheckpointManager(
             self.output_dir / "checkpoints", self.gangs,
             keep_last_n=self.keep_last_n_checkpoints, keep_best_n=self.keep_best_n_checkpoints,
             lower_better=self.lower_better, async_save=self.async_checkpoint,
         )
 
-    def _resume(self) -> None:
-        self._resumed = True
-        if self.checkpoints is None:
-            return
-        step_nr = self.checkpoints.find_latest()
-        if step_nr is None:
-            return
-        state = self.checkpoints.load(step_nr, self.unit.model, self.optimizer)
-        progress.restore(self, state)
-        self._last_saved_step = step_nr
-        self.skipped.last_good_checkpoint = f"the last good checkpoint is {self._checkpoint_path(step_nr)}"
-        self.recorder.rewind(step_nr)
-        log.info("resumed from %s", self._checkpoint_path(step_nr))
-
-    def _checkpoint(self, blocking: bool | None = None) -> None:
-        self.recorder.flush()  # this step's metrics reach the disk before its checkpoint
-        score = self.score_history[-1][1] if self.score_history and \
-            self.score_history[-1][0] == self.step_nr else None
-        self.checkpoints.save(self.step_nr, self.unit.model, self.optimizer,
-                              progress.capture(self), score, blocking=blocking)
-        self._last_saved_step = self.step_nr
-        self.skipped.last_good_checkpoint = (
-            f"the last good checkpoint is {self._checkpoint_path(self.step_nr)}")
-
     def _checkpoint_path(self, step_nr: int | None) -> Path | None:
         if step_nr is None or self.checkpoints is None:
             return None
         return self.checkpoints.dir / f"step_{step_nr}"
-
-    def _best_checkpoint_step(self) -> int | None:
-        if self.checkpoints is None:
-            return None
-        return self.checkpoints.best_step
 
     def _loop(self, stop: StopSignal) -> str:
         if self.validate_at_start and self.step_nr == 0 and self.validator:
@@ -308,9 +221,9 @@ class Trainer(Generic[BatchT]):
             if self.max_num_steps is not None and self.step_nr >= self.max_num_steps:
                 reason = "max_num_steps"
                 break
-            batches = self._draw_micro_batches()
+            batches = self.data.next_window(self.num_accumulate)
             if not batches:
-                reason = "end_of_data" if self._data_ended else "max_num_data_epochs"
+                reason = "end_of_data" if self.data.ended else "max_num_data_epochs"
                 break
             self.step_nr += 1
             self._train_step(batches)
@@ -327,7 +240,7 @@ class Trainer(Generic[BatchT]):
                     self._early_stopped = True
                 sync_point = True
             if self._due(self.checkpoint_every_n_steps) and self.checkpoints is not None:
-                self._checkpoint()
+                progress.save(self)
                 sync_point = True
             if sync_point and reason is None and self._stop_agreed(stop):
                 reason = "signal"
@@ -341,7 +254,7 @@ class Trainer(Generic[BatchT]):
         if self.validate_at_end and self.validator and not validated_now and self.step_nr > 0:
             self._validate()
         if self.checkpoints is not None and self.step_nr > (self._last_saved_step or 0):
-            self._checkpoint(blocking=True)  # the final save: at the end and on a clean stop
+            progress.save(self, blocking=True)  # the final save: at the end and on a clean stop
         if self.checkpoints is not None:
             self.checkpoints.wait()
             if self.gangs.root.rank == 0 and self.checkpoints.best_step is not None:
@@ -351,30 +264,6 @@ class Trainer(Generic[BatchT]):
         return every is not None and self.step_nr > 0 and self.step_nr % every == 0
 
     # -- one step ------------------------------------------------------------------
-    def _draw_micro_batches(self) -> list[BatchT]:
-        """Up to `num_accumulate` micro-batches. A window never spans two epochs, so the
-        last window of an epoch may be short; normalisation stays exact."""
-        batches: list[BatchT] = []
-        while len(batches) < self.num_accumulate and not self._data_ended:
-            if self._data_iter is None:
-                if (self.max_num_data_epochs is not None
-                        and self.epoch_nr >= self.max_num_data_epochs):
-                    break
-                self._data_iter = iter(self.data_reader)
-                self._epoch_batches = 0
-            try:
-                batches.append(to_device(next(self._data_iter), self.device))
-                self._epoch_batches += 1
-            except StopIteration:
-                self._data_iter = None
-                if self._epoch_batches == 0:  # an epoch with no batch: the data is spent
-                    self._data_ended = True
-                    break
-                self.epoch_nr += 1
-                if batches:
-                    break
-        return batches
-
     def _train_step(self, batches: list[BatchT]) -> None:
         self.unit.set_step_nr(self.step_nr)
         loss_sum, local_count = self._forward_backward(batches)
@@ -463,17 +352,6 @@ class Trainer(Generic[BatchT]):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
-    def _build_loss_scaler(self):
-        if self.dtype != "fp16":
-            return None
-        from trainer.loss_scaler import LossScaler
-
-        init_scale, min_scale = self.fp16_loss_scale
-        return LossScaler(self.gangs.root, self.gangs.device, init_scale=init_scale,
-                          min_scale=min_scale, growth_interval=self.fp16_loss_scale_window,
-                          dp_size=self.gangs.dp.size,
-                          num_accumulate=self.num_accumulate)
-
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.dtype == "fp32" or not self.amp:
             return _NULL
@@ -504,7 +382,7 @@ class Trainer(Generic[BatchT]):
         values["lr"] = self.optimizer.param_groups[0]["lr"]
         values["steps_per_s"] = self._window_steps / elapsed
         values["targets_per_s"] = values.get("num_targets", 0.0) / elapsed
-        values["epoch"] = self.epoch_nr
+        values["epoch"] = self.data.epoch_nr
         if self._scaler is not None:
             values["loss_scale"] = self._scaler.scale
         self.recorder.record("train", self.step_nr, values)
@@ -547,15 +425,6 @@ class Trainer(Generic[BatchT]):
         flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
         self.gangs.root.all_reduce(flag, ReduceOperation.MAX)
         return bool(flag.item())
-
-    def _best(self) -> tuple[int | None, float | None]:
-        scored = [(s, v) for s, v in self.score_history if not math.isnan(v)]
-        if not scored:
-            return None, None
-        pick = min if self.lower_better else max
-        step, score = pick(scored, key=lambda sv: (sv[1], -sv[0]) if self.lower_better
-                           else (sv[1], sv[0]))
-        return step, score
 
 
 _NULL = contextlib.nullcontext()

@@ -136,7 +136,7 @@ def test_loss_metric_is_the_mean_over_targets(tmp_path):
     batches = reader()[:5]
     trainer = make_trainer(tmp_path, model=model, max_num_steps=5,
                            publish_metrics_every_n_steps=5)
-    trainer.data_reader = batches
+    trainer.data.reader = batches
     # With lr 0 the parameters stay, so the expected loss is computable up front.
     for g in trainer.optimizer.param_groups:
         g["lr"] = 0.0
@@ -245,7 +245,7 @@ def test_epochs_and_end_of_data(tmp_path):
     # 40 batches an epoch, windows of 3 never span epochs: 14 steps an epoch.
     assert (r.stop_reason, r.num_steps) == ("max_num_data_epochs", 28)
     t = make_trainer(tmp_path, num_accumulate=4)
-    t.data_reader = iter(reader())  # a one-shot iterator: its second epoch is empty
+    t.data.reader = iter(reader())  # a one-shot iterator: its second epoch is empty
     r = t.run()
     assert (r.stop_reason, r.num_steps) == ("end_of_data", 10)
 

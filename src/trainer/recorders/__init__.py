@@ -8,6 +8,7 @@ happen only when such a recorder is created.
 from trainer.recorders.background import BackgroundRecorder
 from trainer.recorders.base import CompositeRecorder, MetricRecorder
 from trainer.recorders.console import ConsoleRecorder, format_record, format_value
+from trainer.recorders.defaults import default_recorders
 from trainer.recorders.jsonl import JsonlRecorder, read_jsonl, section_file_name
 from trainer.recorders.tensorboard import TensorBoardRecorder
 from trainer.recorders.wandb import WandbRecorder, wandb_available
@@ -20,6 +21,7 @@ __all__ = [
     "MetricRecorder",
     "TensorBoardRecorder",
     "WandbRecorder",
+    "default_recorders",
     "format_record",
     "format_value",
     "read_jsonl",

@@ -1,0 +1,81 @@
+"""`DataPosition`: where training is in its data, and the micro-batches of the next step.
+
+Epochs are passes of `iter(data_reader)`. A step's window of micro-batches never spans two
+epochs, so the last window of an epoch may be short (normalisation stays exact). An epoch
+that yields nothing means the data is spent (a one-shot iterator, say). The position is
+checkpointable: with a reader that has `state_dict()`/`load_state_dict()` (e.g.
+`StatefulDataLoader`, `trainer.global_batches.GlobalBatchReader`) a resumed run continues
+mid-epoch exactly, in O(1).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from trainer.device import to_device
+
+log = logging.getLogger("gangtrain")
+
+BatchT = TypeVar("BatchT")
+
+
+class DataPosition(Generic[BatchT]):
+    def __init__(self, reader: Iterable[BatchT], max_num_epochs: int | None,
+                 device: torch.device) -> None:
+        self.reader = reader
+        self.max_num_epochs = max_num_epochs
+        self.device = device
+        self.epoch_nr = 0  # completed epochs
+        self.ended = False  # an epoch yielded nothing: the data is spent
+        self._iter: Iterator[BatchT] | None = None
+        self._epoch_batches = 0
+
+    def next_window(self, size: int) -> list[BatchT]:
+        """Up to `size` micro-batches, on the device; empty when training data is over."""
+        batches: list[BatchT] = []
+        while len(batches) < size and not self.ended:
+            if self._iter is None:
+                if self.max_num_epochs is not None and self.epoch_nr >= self.max_num_epochs:
+                    break
+                self._iter = iter(self.reader)
+                self._epoch_batches = 0
+            try:
+                batches.append(to_device(next(self._iter), self.device))
+                self._epoch_batches += 1
+            except StopIteration:
+                self._iter = None
+                if self._epoch_batches == 0:
+                    self.ended = True
+                    break
+                self.epoch_nr += 1
+                if batches:  # a window never spans two epochs
+                    break
+        return batches
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "epoch_nr": self.epoch_nr,
+            "epoch_batches": self._epoch_batches,
+            "in_epoch": self._iter is not None,
+            "ended": self.ended,
+        }
+        if hasattr(self.reader, "state_dict"):
+            state["reader"] = self.reader.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], step_nr: int) -> None:
+        self.epoch_nr = state["epoch_nr"]
+        self._epoch_batches = state["epoch_batches"]
+        self.ended = state["ended"]
+        if "reader" in state and hasattr(self.reader, "load_state_dict"):
+            self.reader.load_state_dict(state["reader"])
+        elif state["in_epoch"]:
+            log.warning("the data reader has no state_dict/load_state_dict: the resumed run "
+                        "starts its epoch from the beginning, not where step %d left it",
+                        step_nr)
+        # Continue the interrupted epoch; a reader that was between epochs starts the next.
+        self._iter = iter(self.reader) if state["in_epoch"] else None
