@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from trainer.config import TrainerConfig
+from trainer.config import AdamWConfig, TrainerConfig
 from trainer.early_stoppers import EarlyStopperConfig
 
 
@@ -41,13 +41,8 @@ class DataSection(_Section):
     shuffle_seed: int = 0
 
 
-class OptimizerSection(_Section):
+class OptimizerSection(AdamWConfig):
     lr: float = Field(default=1e-2, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(default=0.01, ge=0)
-    eps: float = Field(default=1e-8, gt=0)
-    fused: bool = True
-    """Fused AdamW skips empty/non-finite steps on the device: no host sync a step."""
 
 
 class GangsSection(_Section):

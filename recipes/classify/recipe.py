@@ -71,9 +71,7 @@ def main(config: ClassifyConfig, output_dir: Path, resume: bool) -> int:
         console.print(f"model: MLP {d.dim} -> {m.num_layers} x {m.hidden_dim} -> "
                       f"{d.num_classes}, {num_params:,} parameters")
 
-    o = config.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=o.fused)
+    optimizer = config.optimizer.build(model)
     trainer = config.trainer.build(
         ClassificationUnit(model), reader, optimizer, output_dir=output_dir, gangs=gangs,
         valid_units=[ClassificationEvalUnit(model)], valid_data_readers=[valid_reader],

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from trainer.config import TrainerConfig
+from trainer.config import AdamWConfig, TrainerConfig
 
 
 class _Section(BaseModel):
@@ -40,13 +40,10 @@ class DataSection(_Section):
     shuffle_seed: int = 0
 
 
-class OptimizerSection(_Section):
+class OptimizerSection(AdamWConfig):
     lr: float = Field(default=2e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=0.1, ge=0)
-    eps: float = Field(default=1e-8, gt=0)
-    fused: bool = True
-    """Fused AdamW skips empty/non-finite steps on the device: no host sync a step."""
 
 
 class LRSchedulerSection(_Section):

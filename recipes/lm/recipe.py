@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel, param_groups
+from gangs.parallel import data_parallel
 from recipes.lm.config import LMConfig
 from recipes.lm.data import (
     ByteWindowReader,
@@ -79,9 +79,7 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
     if console:
         console.print(f"model: {num_parameters(model):,} parameters, {asdict(gpt_config)}")
 
-    o = config.optimizer
-    optimizer = torch.optim.AdamW(param_groups(model), lr=o.lr, betas=o.betas, eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=o.fused)
+    optimizer = config.optimizer.build(model)
     scheduler = warmup_cosine(optimizer, config.lr_scheduler.warmup_steps,
                               config.trainer.max_num_steps, config.lr_scheduler.final_lr_scale)
     trainer = config.trainer.build(

@@ -6,15 +6,36 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs
+from gangs.parallel import param_groups
 from trainer.early_stoppers import EarlyStopperConfig, build_early_stopper
 from trainer.errors import UserError
 from trainer.recorders import MetricRecorder
 from units import EvalUnit, TrainUnit
+
+
+class AdamWConfig(BaseModel):
+    """An AdamW section for recipe configs (subclass it to change the defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(default=1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.01, ge=0)
+    eps: float = Field(default=1e-8, gt=0)
+    fused: bool = True
+    """Fused AdamW skips empty/non-finite steps on the device: no host sync a step."""
+
+    def build(self, model: nn.Module) -> torch.optim.AdamW:
+        # Parameter groups never mix DTensors (TP, FSDP2, EP) with plain tensors.
+        return torch.optim.AdamW(param_groups(model), lr=self.lr, betas=self.betas,
+                                 eps=self.eps, weight_decay=self.weight_decay, fused=self.fused)
 
 
 class TrainerConfig(BaseModel):
