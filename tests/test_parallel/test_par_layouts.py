@@ -10,6 +10,7 @@ from functools import cache, partial
 
 import pytest
 import torch
+from lm_batches import padded_lm_batches
 from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
@@ -40,16 +41,7 @@ class ListRecorder(MetricRecorder):
 
 
 def global_batches() -> list[dict[str, torch.Tensor]]:
-    """NUM_STEPS global batches; padded targets make the per-rank target counts uneven."""
-    g = torch.Generator().manual_seed(7)
-    batches = []
-    for _ in range(NUM_STEPS):
-        ids = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1), generator=g)
-        targets = ids[:, 1:].clone()
-        for row in range(BATCH):
-            targets[row, int(torch.randint(4, CONFIG.seq_len + 1, (), generator=g)):] = -100
-        batches.append({"input_ids": ids[:, :-1], "target_ids": targets})
-    return batches
+    return padded_lm_batches(NUM_STEPS, BATCH, CONFIG.seq_len, CONFIG.vocab_size, seed=7)
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from functools import cache, partial
 import pytest
 import torch
 import torch.nn.functional as F
+from lm_batches import padded_lm_batches
 from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
@@ -84,15 +85,7 @@ def test_gpt_with_experts_and_what_ddp_ignores() -> None:
 
 # -- expert parallelism on real ranks -----------------------------------------------------
 def global_batches() -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    batches = []
-    for _ in range(NUM_STEPS):
-        ids = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1), generator=g)
-        targets = ids[:, 1:].clone()
-        for row in range(BATCH):
-            targets[row, int(torch.randint(4, CONFIG.seq_len + 1, (), generator=g)):] = -100
-        batches.append({"input_ids": ids[:, :-1], "target_ids": targets})
-    return batches
+    return padded_lm_batches(NUM_STEPS, BATCH, CONFIG.seq_len, CONFIG.vocab_size, seed=3)
 
 
 def train(ep_size: int = 1, data_parallel: str = "ddp", tp_size: int = 1):

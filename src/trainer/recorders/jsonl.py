@@ -16,7 +16,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -55,16 +55,20 @@ def read_jsonl(path: Path | str) -> list[dict[str, Any]]:
 
     A line that does not parse (the tail of a process killed mid-write) is skipped.
     """
-    records = []
     with open(path, encoding="utf-8") as fp:
-        for line in fp:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                records.append({k: _decode(v) for k, v in record.items()})
-    return records
+        return [{k: _decode(v) for k, v in record.items()} for _, record in _records(fp)]
+
+
+def _records(lines: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(line, record) of every line that parses to an object; a torn line from a process
+    killed mid-write is skipped."""
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            yield line, record
 
 
 class JsonlRecorder(MetricRecorder):
@@ -108,15 +112,10 @@ class JsonlRecorder(MetricRecorder):
         """
         self.close()  # open handles would keep writing to the replaced files
         for path in sorted(self._metrics_dir.glob("*.jsonl")):
-            kept = []
             with open(path, encoding="utf-8") as fp:
-                for line in fp:
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a torn line from a killed process
-                    if isinstance(record, dict) and record.get("step", math.inf) <= step_nr:
-                        kept.append(line if line.endswith("\n") else line + "\n")
+                kept = [line if line.endswith("\n") else line + "\n"
+                        for line, record in _records(fp)
+                        if record.get("step", math.inf) <= step_nr]
             tmp_path = path.with_name(path.name + ".tmp")
             with open(tmp_path, "w", encoding="utf-8") as fp:
                 fp.writelines(kept)
