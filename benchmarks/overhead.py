@@ -14,10 +14,13 @@ trained by
   ``(loss_sum, num_targets)`` with ``num_targets`` a Python int, so both do the same math.
 
 The two alternate in one process (``--reps`` repetitions after a warm-up, the order
-flipped every repetition). The per-step time is measured between the first and the last
-batch drawn from the data reader, so it is the steady state (publishes included); the
-trainer's fixed cost per run (construction, setup, the last publish, closing recorders)
-is printed apart. Two sizes: ``small`` (~0.5 ms a step) and ``large`` (~20 ms), with one
+flipped every repetition). Time is stamped at each batch drawn from the data reader and
+cut into windows of 10 steps, aligned so that each trainer window holds one publish; the
+per-step time of a variant is the median over every window of every repetition, divided
+by 10. A median over many short windows is robust to what shared 2-core machines do to
+one long run (another process taking the core for a few milliseconds); the mean over
+whole runs is printed beside it. The trainer's fixed cost per run (construction, setup,
+the last publish, closing recorders) is printed apart. Two sizes: ``small`` (~0.5 ms a step) and ``large`` (~20 ms), with one
 intra-op thread by default (``--threads``): on a shared 2-core machine, OpenMP barriers
 turn other processes' load into 10x outliers. For memory, each variant of the large size
 runs in its own subprocess (peak RSS is monotonic): the peak RSS growth during training,
@@ -39,8 +42,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +76,7 @@ SIZES = {
                   target=1.01),
 }
 NUM_DISTINCT_BATCHES = 16
+PUBLISH_EVERY = 10  # the trainer's default publish_metrics_every_n_steps
 
 
 def build_model(size: Size) -> nn.Module:
@@ -114,6 +119,13 @@ class TimedReader:
         """Seconds a step, from the first draw to the last (len - 1 complete steps)."""
         return (self.stamps[-1] - self.stamps[0]) / (len(self.stamps) - 1)
 
+    def window_step_s(self, window: int = PUBLISH_EVERY) -> list[float]:
+        """Seconds a step in each window of `window` steps: draw k*window (the start of step
+        k*window + 1) to draw (k+1)*window, which follows the publish of step (k+1)*window."""
+        stamps = self.stamps
+        return [(stamps[i + window] - stamps[i]) / window
+                for i in range(0, len(stamps) - window, window)]
+
 
 class ClassifierUnit(TrainUnit[Batch]):
     def __init__(self, model: nn.Module) -> None:
@@ -138,12 +150,13 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer, reader: TimedRe
 
 
 def run_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, reader: TimedReader,
-                show_console: bool) -> None:
+                show_console: bool, watch: Callable[[Trainer], object] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="gangtrain-overhead-") as output_dir:
         with _console_sink(show_console):
             trainer = Trainer(ClassifierUnit(model), reader, optimizer, output_dir=output_dir,
                               max_num_steps=reader.num_batches, recorders=None, progress=True)
-            result = trainer.run()
+            with watch(trainer) if watch else contextlib.nullcontext():
+                result = trainer.run()
     if result.num_steps != reader.num_batches:
         raise RuntimeError(f"the trainer ran {result.num_steps} steps, not {reader.num_batches}")
 
@@ -158,8 +171,9 @@ def _console_sink(show_console: bool) -> Iterator[None]:
 
 
 def one_run(kind: str, size: Size, batches: list[Batch], steps: int,
-            show_console: bool) -> tuple[float, float]:
-    """(seconds a step in the steady state, seconds for the whole run incl. construction)."""
+            show_console: bool) -> tuple[list[float], float, float]:
+    """(seconds a step in each 10-step window, seconds a step over the whole steady state,
+    seconds for the whole run incl. construction)."""
     model = build_model(size)
     optimizer = build_optimizer(model)
     reader = TimedReader(batches, steps)
@@ -170,7 +184,7 @@ def one_run(kind: str, size: Size, batches: list[Batch], steps: int,
     else:
         run_trainer(model, optimizer, reader, show_console)
     total = time.perf_counter() - started
-    return reader.per_step_s(), total
+    return reader.window_step_s(), reader.per_step_s(), total
 
 
 def measure_time(size: Size, reps: int, show_console: bool) -> None:
@@ -178,18 +192,20 @@ def measure_time(size: Size, reps: int, show_console: bool) -> None:
     warmup = max(20, size.steps // 5)
     for kind in ("loop", "trainer"):  # imports, lazy TensorBoard writer, allocator warm-up
         one_run(kind, size, batches, warmup, show_console)
+    windows: dict[str, list[float]] = {"loop": [], "trainer": []}
     per_step: dict[str, list[float]] = {"loop": [], "trainer": []}
     totals: dict[str, list[float]] = {"loop": [], "trainer": []}
     for rep in range(reps):
         order = ("loop", "trainer") if rep % 2 == 0 else ("trainer", "loop")
         for kind in order:
-            step_s, total_s = one_run(kind, size, batches, size.steps, show_console)
+            window_s, step_s, total_s = one_run(kind, size, batches, size.steps, show_console)
+            windows[kind] += window_s
             per_step[kind].append(step_s)
             totals[kind].append(total_s)
-    loop_ms = statistics.median(per_step["loop"]) * 1e3
-    trainer_ms = statistics.median(per_step["trainer"]) * 1e3
+    loop_ms = statistics.median(windows["loop"]) * 1e3
+    trainer_ms = statistics.median(windows["trainer"]) * 1e3
     ratio = trainer_ms / loop_ms
-    ratios = sorted(t / lo for t, lo in zip(per_step["trainer"], per_step["loop"]))
+    mean_ratio = statistics.median(per_step["trainer"]) / statistics.median(per_step["loop"])
     fixed_ms = statistics.median(
         (t - s * size.steps) - (lt - ls * size.steps)
         for t, s, lt, ls in zip(totals["trainer"], per_step["trainer"], totals["loop"],
@@ -197,9 +213,9 @@ def measure_time(size: Size, reps: int, show_console: bool) -> None:
     ) * 1e3
     approx = "~0.5 ms/step" if size.name == "small" else "~20 ms/step"
     print(f"overhead {size.name} ({approx}): loop {loop_ms:.3f} ms, trainer {trainer_ms:.3f} ms, "
-          f"ratio {ratio:.3f} (target <= {size.target}; per-rep ratios "
-          f"{', '.join(f'{r:.3f}' for r in ratios)}; {reps} reps x {size.steps} steps)",
-          flush=True)
+          f"ratio {ratio:.3f} (target <= {size.target}; median of "
+          f"{len(windows['trainer'])} windows of {PUBLISH_EVERY} steps, {reps} reps x "
+          f"{size.steps} steps; whole-run mean ratio {mean_ratio:.3f})", flush=True)
     print(f"  fixed cost per trainer run (construction, setup, last publish, close): "
           f"{fixed_ms:.1f} ms", flush=True)
 
@@ -211,9 +227,40 @@ def _current_rss_kib() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
+def _private_kib(pid: int) -> int:
+    """Memory only process `pid` holds (not shared with its parent after fork), in KiB."""
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        fields = dict(line.split(":", 1) for line in rollup if ":" in line)
+    return sum(int(fields[key].split()[0]) for key in ("Private_Clean", "Private_Dirty"))
+
+
+@contextlib.contextmanager
+def watch_recorder_process(trainer: Trainer, peak: list[int]) -> Iterator[None]:
+    """Sample the private memory of the trainer's recorder process while it runs."""
+    from trainer.recorders import RecorderProcess
+
+    children = [r for r in trainer.recorder.recorders if isinstance(r, RecorderProcess)]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            for child in children:
+                with contextlib.suppress(OSError):
+                    peak[0] = max(peak[0], _private_kib(child._process.pid))
+            stop.wait(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        sampler.join()
+
+
 def memory_child(kind: str, size_name: str, steps: int) -> None:
-    """Runs in a subprocess: prints {"baseline_kib", "peak_kib"} as JSON."""
-    import torch.utils.tensorboard  # noqa: F401  (imported by both: library code is not counted)
+    """Runs in a subprocess: prints {"baseline_kib", "peak_kib", "recorder_kib"} as JSON."""
+    import trainer.recorders.event_file  # noqa: F401  (imported by both: library code is not counted)
 
     size = SIZES[size_name]
     batches = build_batches(size)
@@ -222,17 +269,21 @@ def memory_child(kind: str, size_name: str, steps: int) -> None:
     reader = TimedReader(batches, steps)
     gc.collect()
     baseline = _current_rss_kib()
+    recorder_peak = [0]
     if kind == "loop":
         run_loop(model, optimizer, reader)
     else:
-        run_trainer(model, optimizer, reader, show_console=False)
+        run_trainer(model, optimizer, reader, show_console=False,
+                    watch=lambda trainer: watch_recorder_process(trainer, recorder_peak))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    print(json.dumps({"baseline_kib": baseline, "peak_kib": peak}))
+    print(json.dumps({"baseline_kib": baseline, "peak_kib": peak,
+                      "recorder_kib": recorder_peak[0]}))
 
 
 def measure_memory(size: Size, steps: int, reps: int) -> None:
     growth: dict[str, list[int]] = {"loop": [], "trainer": []}
     peaks: dict[str, list[int]] = {"loop": [], "trainer": []}
+    recorder: dict[str, list[int]] = {"loop": [], "trainer": []}
     for rep in range(reps):
         order = ("loop", "trainer") if rep % 2 == 0 else ("trainer", "loop")
         for kind in order:
@@ -242,14 +293,19 @@ def measure_memory(size: Size, steps: int, reps: int) -> None:
                 check=True, capture_output=True, text=True,
             ).stdout
             values = json.loads(out.strip().splitlines()[-1])
-            growth[kind].append(values["peak_kib"] - values["baseline_kib"])
-            peaks[kind].append(values["peak_kib"])
+            # The recorder process's own memory counts as the trainer's.
+            growth[kind].append(values["peak_kib"] - values["baseline_kib"]
+                                + values["recorder_kib"])
+            peaks[kind].append(values["peak_kib"] + values["recorder_kib"])
+            recorder[kind].append(values["recorder_kib"])
     loop_mib = statistics.median(growth["loop"]) / 1024
     trainer_mib = statistics.median(growth["trainer"]) / 1024
     loop_peak = statistics.median(peaks["loop"]) / 1024
     trainer_peak = statistics.median(peaks["trainer"]) / 1024
+    recorder_mib = statistics.median(recorder["trainer"]) / 1024
     print(f"memory {size.name} (peak RSS growth during {steps} steps, own subprocess each, "
-          f"median of {reps}): loop {loop_mib:.1f} MiB, trainer {trainer_mib:.1f} MiB, "
+          f"median of {reps}; the trainer's includes the {recorder_mib:.1f} MiB its recorder "
+          f"process holds of its own): loop {loop_mib:.1f} MiB, trainer {trainer_mib:.1f} MiB, "
           f"ratio {trainer_mib / loop_mib:.3f} (target <= 1.05); whole-process peak RSS "
           f"ratio {trainer_peak / loop_peak:.3f} ({loop_peak:.0f} vs {trainer_peak:.0f} MiB)",
           flush=True)

@@ -3,7 +3,10 @@
 The unit returns a SUM loss and its target count. Backward runs on the sums; then every
 gradient is multiplied once by `dp_size / global_count` (DDP and FSDP2 have already
 averaged over `dp_size` ranks), so the step's gradient is that of the mean loss over every
-target of the global batch, however the targets were spread.
+target of the global batch, however the targets were spread. A fused optimizer does that
+division inside its kernel (`normalisation_divisor` as its `grad_scale`). When the count is
+known before backward (one process, one micro-batch, a host count), backward itself starts
+from `1 / count` (`mean_seed`), as a hand-written loop's mean loss would: no extra op.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def gradient_norm(params: list[Tensor], max_norm: float | None) -> Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not any(isinstance(g, DTensor) for g in grads):
         if max_norm is None:  # the norm alone: no clipping pass over every gradient
-            return torch.nn.utils.get_total_norm(grads, foreach=True)
+            # get_total_norm's grouping by device and dtype in Python costs as much again.
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     # Tensor/FSDP2/expert parallelism mix plain tensors and DTensors of several meshes, which
     # one foreach op refuses: norm each kind apart (a DTensor's norm reduced over its mesh),
@@ -78,23 +82,33 @@ def supports_device_skip(optimizer: Optimizer) -> bool:
     )
 
 
+def mean_seed(count: int, like: Tensor) -> Tensor:
+    """What backward starts from to take the mean of a summed loss over `count` targets:
+    ``1 / count`` as a scalar like `like`, one read-only tensor per value (no op a step)."""
+    return _constant(1.0 / max(count, 1), like.dtype, like.device)
+
+
 def normalisation_divisor(dp_size: int, global_count: Tensor | int,
                           device: torch.device) -> Tensor:
     """What a fused optimizer divides the gradients by (its `grad_scale`) instead of
     `scale_gradients`: `global_count / dp_size`, as a float32 scalar on `device` (no sync)."""
-    if isinstance(global_count, int):  # host counts repeat: one read-only tensor per value
-        key = (max(global_count, 1) / dp_size, device)
-        divisor = _DIVISORS.get(key)
-        if divisor is None:
-            if len(_DIVISORS) >= 1024:
-                _DIVISORS.clear()
-            divisor = _DIVISORS[key] = torch.full((), key[0], dtype=torch.float32,
-                                                  device=device)
-        return divisor
+    if isinstance(global_count, int):
+        return _constant(max(global_count, 1) / dp_size, torch.float32, device)
     return (global_count.clamp(min=1) / dp_size).to(torch.float32)
 
 
-_DIVISORS: dict[tuple[float, torch.device], Tensor] = {}
+def _constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A cached scalar tensor: host counts repeat from step to step."""
+    key = (value, dtype, device)
+    tensor = _CONSTANTS.get(key)
+    if tensor is None:
+        if len(_CONSTANTS) >= 1024:
+            _CONSTANTS.clear()
+        tensor = _CONSTANTS[key] = torch.full((), value, dtype=dtype, device=device)
+    return tensor
+
+
+_CONSTANTS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
 
 
 def clip_divisor(norm: Tensor, max_norm: float) -> Tensor:
@@ -102,24 +116,23 @@ def clip_divisor(norm: Tensor, max_norm: float) -> Tensor:
     return ((norm + 1e-6) / max_norm).clamp(min=1.0)
 
 
-def non_finite_flag(loss: Tensor) -> Tensor:
-    """For a detached `loss`: 1.0 where it is NaN or infinite, else 0.0, as the float32 flag a fused optimizer
-    reads as `found_inf` (0 * inf and 0 * nan are nan): two ops, no host sync."""
-    if loss.dtype != torch.float32:
-        loss = loss.float()
-    return (loss * 0).nan_to_num_(nan=1.0)
-
-
-def step_with_device_skip(optimizer: Optimizer, skip: Tensor,
+def step_with_device_skip(optimizer: Optimizer, skip: Tensor | None,
                           divisor: Tensor | None = None) -> None:
-    """`optimizer.step()` that leaves parameters and state untouched where `skip` (a float32
-    flag) is 1, dividing the gradients by `divisor` inside the fused kernel when given."""
-    optimizer.found_inf = skip  # type: ignore[attr-defined]
+    """`optimizer.step()` of a fused optimizer that leaves parameters and state untouched
+    where `skip` (a float32 flag) is 1, and divides the gradients by `divisor` inside its
+    kernel. Either may be None: each costs a few operations a step, so only pass what the
+    step needs."""
+    if skip is None and divisor is None:
+        optimizer.step()
+        return
+    if skip is not None:
+        optimizer.found_inf = skip  # type: ignore[attr-defined]
     if divisor is not None:
         optimizer.grad_scale = divisor  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf  # type: ignore[attr-defined]
+        if skip is not None:
+            del optimizer.found_inf  # type: ignore[attr-defined]
         if divisor is not None:
             del optimizer.grad_scale  # type: ignore[attr-defined]

@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from trainer.seeding import rng_state, seed_everything, set_rng_state
 
 if TYPE_CHECKING:
@@ -33,11 +31,8 @@ def capture(trainer: Trainer) -> dict[str, Any]:
         "validated_step": trainer._validated_step,
         "rng": rng_state(),
         "score_history": [[step, score] for step, score in trainer.score_history],
-        "skipped": trainer.skipped.state_dict(),
+        "steps": trainer.steps.state_dict(),
         "window": {
-            "loss": trainer._window_loss,
-            "count": trainer._window_count,
-            "steps": trainer._window_steps,
             "metrics": trainer.metrics.state_dict(),
         },
     }
@@ -73,26 +68,22 @@ def restore(trainer: Trainer, state: dict[str, Any]) -> None:
     if trainer.early_stopper is not None:
         for step_nr, score in trainer.score_history:  # rebuild patience, best value, ...
             trainer.early_stopper(step_nr, score)
-    trainer.skipped.load_state_dict(state["skipped"])
+    trainer.steps.load_state_dict(state["steps"])
 
     window = state["window"]
-    loss = window["loss"]
-    trainer._window_loss = loss.to(trainer.device) if isinstance(loss, torch.Tensor) else loss
-    count = window["count"]
-    trainer._window_count = count.to(trainer.device) if isinstance(count, torch.Tensor) else count
-    trainer._window_steps = window["steps"]
     trainer.metrics.load_state_dict(window["metrics"])
 
 
 def save(trainer: Trainer, blocking: bool | None = None) -> None:
     """Checkpoint the model, the optimizer and `capture(trainer)` at the current step."""
+    trainer.steps.check()  # a non-finite loss stops the run before it is saved
     trainer.recorder.flush()  # this step's metrics reach the disk before its checkpoint
     history = trainer.score_history
     score = history[-1][1] if history and history[-1][0] == trainer.step_nr else None
     trainer.checkpoints.save(trainer.step_nr, trainer.unit.model, trainer.optimizer,
                              capture(trainer), score, blocking=blocking)
     trainer._last_saved_step = trainer.step_nr
-    trainer.skipped.last_good_checkpoint = (
+    trainer.steps.last_good_checkpoint = (
         f"the last good checkpoint is {trainer._checkpoint_path(trainer.step_nr)}")
 
 
@@ -108,6 +99,6 @@ def resume(trainer: Trainer) -> None:
     restore(trainer, state)
     trainer._last_saved_step = step_nr
     path = trainer._checkpoint_path(step_nr)
-    trainer.skipped.last_good_checkpoint = f"the last good checkpoint is {path}"
+    trainer.steps.last_good_checkpoint = f"the last good checkpoint is {path}"
     trainer.recorder.rewind(step_nr)
     log.info("resumed from %s", path)

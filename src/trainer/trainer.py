@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ from trainer.data_position import DataPosition
 from trainer.early_stoppers import EarlyStopper
 from trainer.loss_scaler import LossScaler
 from trainer.recorders import (
-    BackgroundRecorder,
+    BufferedRecorder,
     CompositeRecorder,
     ConsoleRecorder,
     MetricRecorder,
@@ -37,7 +38,7 @@ from trainer.recorders import (
 )
 from trainer.result import TrainResult
 from trainer.seeding import seed_everything
-from trainer.skipped_steps import SkippedSteps
+from trainer.step_log import StepLog
 from trainer.stop_signal import StopSignal
 from trainer.validator import Validator
 from units import EvalUnit, MetricBag, TrainUnit
@@ -137,9 +138,10 @@ class Trainer(Generic[BatchT]):
             recorders = []
         elif recorders is None:
             recorders = default_recorders(self.output_dir, max_num_steps, progress, wandb_project)
-        # Written on a background thread, so that publishing never stalls a step.
-        self.recorder = BackgroundRecorder(CompositeRecorder(list(recorders)))
-        self._console = next((r for r in self.recorder.recorder.recorders
+        # On the training thread, in batches (see `trainer.recorders.buffered`).
+        composite = CompositeRecorder(list(recorders))
+        self.recorder = BufferedRecorder(composite)
+        self._console = next((r for r in composite.recorders
                               if isinstance(r, ConsoleRecorder)), None)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device_skip = gradients.supports_device_skip(optimizer)
@@ -150,12 +152,16 @@ class Trainer(Generic[BatchT]):
             self.gangs.root, self.device, *fp16_loss_scale, growth_interval=fp16_loss_scale_window,
             dp_size=self.gangs.dp.size, num_accumulate=num_accumulate,
         ) if dtype == "fp16" else None
+        # One process, no loss scale: a one-micro-batch step knows its target count before
+        # backward, which then takes the mean itself (see `gradients.mean_seed`).
+        self._may_seed_mean = self.gangs.dp.size == 1 and self._scaler is None
+        self._autocast_dtype = _DTYPES[dtype] if dtype != "fp32" and amp else None
 
         # Progress, restored on resume.
         self.step_nr = 0
         self.data = DataPosition(data_reader, max_num_data_epochs, self.device)
         self.score_history: list[tuple[int, float]] = []
-        self.skipped = SkippedSteps(max_consecutive_non_finite, self.device)
+        self.steps = StepLog(max_consecutive_non_finite, self.gangs.dp, self.device)
         self.checkpoints = self._build_checkpoints()
         self._last_saved_step: int | None = None
         self._resumed = False
@@ -190,7 +196,7 @@ class Trainer(Generic[BatchT]):
             best_score=scores[best[0]] if best else None,
             best_step=best[0] if best else None,
             score_history=list(self.score_history),
-            num_skipped_steps=self.skipped.total,
+            num_skipped_steps=self.steps.total_skipped,
             last_metrics=self._last_published,
             last_checkpoint=self._checkpoint_path(self._last_saved_step),
             best_checkpoint=self._checkpoint_path(
@@ -248,7 +254,7 @@ class Trainer(Generic[BatchT]):
         return reason
 
     def _finish(self, reason: str) -> None:
-        if self._window_steps > 0:
+        if len(self.steps) > 0:
             self._publish()
         validated_now = self._validated_step == self.step_nr
         if self.validate_at_end and self.validator and not validated_now and self.step_nr > 0:
@@ -266,121 +272,131 @@ class Trainer(Generic[BatchT]):
     # -- one step ------------------------------------------------------------------
     def _train_step(self, batches: list[BatchT]) -> None:
         self.unit.set_step_nr(self.step_nr)
-        loss_sum, local_count = self._forward_backward(batches)
+        loss, local_count, normalised = self._forward_backward(batches)
         if self._has_expert_params:
             reduce_expert_gradients(self.unit.model, self.gangs)
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
-        divisor, overflow = self._normalise_and_clip(count)
-        self._optimizer_step(count, loss_sum, overflow, divisor)
+        divisor, overflow = self._normalise_and_clip(count, normalised)
+        self._optimizer_step(count, loss, local_count, overflow, divisor)
         self.optimizer.zero_grad(set_to_none=True)
 
-        self._window_loss = loss_sum if self._window_loss is None else self._window_loss + loss_sum
-        self._window_count = self._window_count + local_count
-        self._window_steps += 1
-
-    def _forward_backward(self, batches: list[BatchT]) -> tuple[torch.Tensor, torch.Tensor | int]:
-        """Backward of each micro-batch's summed loss; returns the loss sum (detached) and the
-        local target count."""
+    def _forward_backward(
+        self, batches: list[BatchT]
+    ) -> tuple[torch.Tensor, torch.Tensor | int, bool]:
+        """Backward of each micro-batch's summed loss. Returns the loss sum (detached), the
+        local target count, and whether backward already took the mean over the step's
+        targets."""
         model = self.unit.model
         loss_sum: torch.Tensor | None = None
         local_count: torch.Tensor | int = 0
         last = len(batches) - 1
+        normalised = False
         for i, batch in enumerate(batches):
             # DDP reduces gradients only on the last micro-batch of the window.
-            no_sync = model.no_sync() if isinstance(model, DDP) and i < last else _NULL
+            no_sync = model.no_sync() if i < last and isinstance(model, DDP) else _NULL
             with no_sync:
-                with self._autocast():
+                if self._autocast_dtype is None:
                     loss, num_targets = self.unit(batch, self.metrics)
+                else:
+                    with torch.autocast(self.device.type, dtype=self._autocast_dtype):
+                        loss, num_targets = self.unit(batch, self.metrics)
                 if num_targets is None:  # the unit returned a mean: each micro-batch counts 1
                     num_targets = 1
-                (self._scaler.scale_loss(loss) if self._scaler else loss).backward()
+                if self._scaler is not None:
+                    self._scaler.scale_loss(loss).backward()
+                elif last == 0 and self._may_seed_mean and isinstance(num_targets, int):
+                    loss.backward(gradients.mean_seed(num_targets, loss))
+                    normalised = True
+                else:
+                    loss.backward()
             detached = loss.detach()
             loss_sum = detached if loss_sum is None else loss_sum + detached
             local_count = local_count + num_targets
-        return loss_sum, local_count
+        return loss_sum, local_count, normalised  # type: ignore[return-value]
 
     def _normalise_and_clip(
-        self, count: torch.Tensor | int
+        self, count: torch.Tensor | int, normalised: bool
     ) -> tuple[torch.Tensor | None, bool]:
-        """Divide the gradients by the step's global target count, clip, and measure the
-        norm on publish steps. Returns (what a fused optimizer should divide the gradients
-        by, or None when they are already divided; whether fp16 gradients overflowed)."""
+        """Divide the gradients by the step's global target count (unless backward did),
+        clip, and measure the norm on publish steps. Returns (what a fused optimizer should
+        divide the gradients by, or None for nothing; whether fp16 gradients overflowed)."""
         measure = self.max_gradient_norm is not None or self.step_nr % self.publish_every == 0
         if self._device_skip and self._scaler is None:
             # The fused kernel divides the gradients by the count and the clip coefficient
             # (its grad_scale): no extra pass over the gradients.
-            divisor = gradients.normalisation_divisor(self.gangs.dp.size, count, self.device)
+            divisor = None if normalised else gradients.normalisation_divisor(
+                self.gangs.dp.size, count, self.device)
             if measure:
-                self._grad_norm = gradients.gradient_norm(self._params, None) / divisor
+                norm = gradients.gradient_norm(self._params, None)
+                self._grad_norm = norm if divisor is None else norm / divisor
                 if self.max_gradient_norm is not None:
-                    divisor = divisor * gradients.clip_divisor(self._grad_norm,
-                                                               self.max_gradient_norm)
+                    clip = gradients.clip_divisor(self._grad_norm, self.max_gradient_norm)
+                    divisor = clip if divisor is None else divisor * clip
             return divisor, False
         grads = [p.grad for p in self._params if p.grad is not None]
-        gradients.scale_gradients(grads, self.gangs.dp.size, count)
+        if not normalised:
+            gradients.scale_gradients(grads, self.gangs.dp.size, count)
         overflow = self._scaler.unscale_and_check(grads) if self._scaler else False
         if measure:
             self._grad_norm = gradients.gradient_norm(self._params, self.max_gradient_norm)
         return None, overflow
 
-    def _optimizer_step(self, count: torch.Tensor | int, loss: torch.Tensor, overflow: bool,
+    def _optimizer_step(self, count: torch.Tensor | int, loss: torch.Tensor,
+                        local_count: torch.Tensor | int, overflow: bool,
                         divisor: torch.Tensor | None) -> None:
-        """Step, unless the step has no target on any rank, its loss is not finite, or fp16
-        gradients overflowed: then skip the optimizer and LR scheduler on every rank."""
+        """Step, unless the step has no target on any rank, fp16 gradients overflowed, or
+        (under a skip policy) its loss is not finite: then skip the optimizer on every rank.
+        A non-finite loss under the default policy stops the run at the next sync point
+        (`StepLog.check`). The step is logged either way, for that check and to publish."""
         zero = count == 0
         if self._scaler is not None:  # fp16: the scaler's agreed overflow flag decides
             self._scaler.update(overflow, self.step_nr)
             skip = overflow or bool(zero)
-            self.skipped.log(self.step_nr, False, skip)
+            self.steps.log(self.step_nr, loss, local_count, skip, check_loss=False)
         elif self._device_skip and zero is not True:
-            # Decided on the device, no host sync: the flags are read at the next publish.
-            non_finite = gradients.non_finite_flag(loss)
-            skip_flag = non_finite if zero is False else torch.maximum(non_finite, zero.float())
-            gradients.step_with_device_skip(self.optimizer, skip_flag, divisor)
-            self.skipped.log(self.step_nr, non_finite, skip_flag)
-            if self.lr_scheduler is not None:
+            # Decided on the device, no host sync: the flags are read at the next sync point.
+            flag = self.steps.non_finite_flag(loss) if self.steps.skips_non_finite else None
+            if isinstance(zero, torch.Tensor):  # a device count: 0 targets skips on the device
+                flag = zero.float() if flag is None else torch.maximum(flag, zero.float())
+            gradients.step_with_device_skip(self.optimizer, flag, divisor)
+            self.steps.log(self.step_nr, loss, local_count, False if flag is None else flag)
+            if self.lr_scheduler is not None:  # also on a step skipped on the device
                 self.lr_scheduler.step()
             return
         else:
             # A non-fused optimizer cannot skip on the device: one host read a step.
-            bad = not bool(loss.isfinite())
-            skip = bad or bool(zero)
-            self.skipped.log(self.step_nr, bad, skip, check_now=skip)
+            skip = bool(self.steps.non_finite_flag(loss)) or bool(zero)
+            self.steps.log(self.step_nr, loss, local_count, skip, check_now=skip)
         if skip:
             return
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.dtype == "fp32" or not self.amp:
-            return _NULL
-        return torch.autocast(self.device.type, dtype=_DTYPES[self.dtype])
-
     # -- publish, validate, stop -----------------------------------------------------
     def _reset_window(self) -> None:
-        self._window_loss: torch.Tensor | None = None
-        self._window_count: torch.Tensor | int = 0
-        self._window_steps = 0
         self._window_start = time.perf_counter()
         self._grad_norm: torch.Tensor | None = None
 
     def _publish(self) -> None:
         """Sync the window's metrics over DP (the only host copy) and record them."""
+        window = self.steps.take_window()  # a non-finite loss stops the run here
         bag = self.metrics
-        if self._window_loss is not None:
-            bag.update_total("loss", self._window_loss, self._window_count)
-            bag.update_sum("num_targets", self._window_count)
-        if self._grad_norm is not None:
-            bag.update_max("grad_norm", self._grad_norm)
+        if self.gangs.dp.size > 1:  # summed over the ranks with the unit's metrics
+            bag.update_total("loss", window.loss_sum, window.num_targets)
+            bag.update_sum("num_targets", window.num_targets)
         values = bag.sync_and_compute(self.gangs.dp)
+        if self.gangs.dp.size == 1:  # already on the host: no device op
+            values["loss"] = _mean(window.loss_sum, window.num_targets)
+            values["num_targets"] = window.num_targets
+        if self._grad_norm is not None:  # global already: no reduction
+            values["grad_norm"] = self._grad_norm.item()
         self.unit.derive_metrics(values)
 
-        self.skipped.check()
         elapsed = time.perf_counter() - self._window_start
-        values["num_skipped_steps"] = self.skipped.total
+        values["num_skipped_steps"] = self.steps.total_skipped
         values["lr"] = self.optimizer.param_groups[0]["lr"]
-        values["steps_per_s"] = self._window_steps / elapsed
+        values["steps_per_s"] = window.num_steps / elapsed
         values["targets_per_s"] = values.get("num_targets", 0.0) / elapsed
         values["epoch"] = self.data.epoch_nr
         if self._scaler is not None:
@@ -392,6 +408,8 @@ class Trainer(Generic[BatchT]):
 
     def _validate(self) -> bool:
         """Validate, record the score; True when the early stopper says stop."""
+        self.steps.check()  # never validate (or save) a model a non-finite loss poisoned
+        self.recorder.flush()  # the train records so far, on disk while validation runs
         started = time.perf_counter()
         self._validated_step = self.step_nr
         values = self.validator.run()
@@ -428,6 +446,10 @@ class Trainer(Generic[BatchT]):
 
 
 _NULL = contextlib.nullcontext()
+
+
+def _mean(total: float, count: float) -> float:
+    return total / count if count != 0 else math.nan
 
 
 def _inner_module(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,9 +1,14 @@
+import itertools
 import math
+import struct
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.tensorflow_stub import errors
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
 
-from trainer.recorders import TensorBoardRecorder
+from trainer.recorders import TensorBoardRecorder, event_file
 
 
 def _scalars(log_dir):
@@ -60,3 +65,91 @@ def test_rewind_purges_later_steps(tmp_path):
         (7, 107.0),
         (8, 108.0),
     ]
+
+
+def test_rewinds_in_one_second_keep_their_file_order(tmp_path, monkeypatch):
+    # TensorBoard reads files in name order; unpadded, the counter's "10" sorts before "9".
+    monkeypatch.setattr(event_file, "_file_counter", itertools.count(9))
+    recorder = TensorBoardRecorder(tmp_path / "tb")
+    for step in range(1, 5):
+        recorder.record("valid", step, {"loss": float(step)})
+    recorder.rewind(2)
+    recorder.record("valid", 3, {"loss": 30.0})
+    recorder.close()
+
+    assert _scalars(tmp_path / "tb")["valid/loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def _event_file(log_dir):
+    (path,) = log_dir.glob("events.out.tfevents.*")
+    return path
+
+
+def _checked_records(path):
+    """Every record of ``path`` through TensorBoard's own reader, which checks both CRCs."""
+    reader = PyRecordReader_New(str(path))
+    records = []
+    while True:
+        try:
+            reader.GetNext()
+        except errors.OutOfRangeError:
+            return records
+        records.append(Event.FromString(reader.record()))
+
+
+def test_event_file_passes_tensorboards_crc_checks(tmp_path):
+    many = {f"metric_{i}": i / 7 for i in range(200)}  # a ~5 kB event: several CRC chunks
+    with TensorBoardRecorder(tmp_path / "tb") as recorder:
+        recorder.record("train", 1, {"loss": 2.5})
+        recorder.record("valid", 1, many)
+
+    events = _checked_records(_event_file(tmp_path / "tb"))
+    assert events[0].file_version == "brain.Event:2"
+    assert [event.step for event in events[1:]] == [1, 1]
+    assert [(v.tag, v.simple_value) for v in events[1].summary.value] == [("train/loss", 2.5)]
+    assert len(events[2].summary.value) == 200
+    assert events[2].ByteSize() > 4096
+
+
+@pytest.mark.parametrize("where", ["length", "data"])
+def test_tensorboards_reader_detects_a_corrupt_byte(tmp_path, where):
+    with TensorBoardRecorder(tmp_path / "tb") as recorder:
+        recorder.record("train", 1, {"loss": 2.5, "lr": 1e-3})
+    path = _event_file(tmp_path / "tb")
+    first_length = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    second_record = 8 + 4 + first_length + 4
+    offset = second_record + (0 if where == "length" else 8 + 4 + 3)
+    corrupt = bytearray(path.read_bytes())
+    corrupt[offset] ^= 0x01
+    path.write_bytes(bytes(corrupt))
+
+    with pytest.raises(errors.DataLossError, match="crc32"):
+        _checked_records(path)
+
+
+def test_reads_back_like_torchs_summary_writer(tmp_path):
+    summary_writer = pytest.importorskip("torch.utils.tensorboard").SummaryWriter
+    records = [("train", step, {"loss": 10.0 / step, "lr": step * 1e-4}) for step in range(1, 11)]
+    records += [("valid/lm", 5, {"loss": 3.3}), ("valid/lm", 10, {"loss": math.inf})]
+    resumed = [("train", step, {"loss": 100.0 + step, "lr": 0.5}) for step in range(6, 9)]
+
+    def torch_run(writer, run_records):
+        for section, step, values in run_records:
+            for name, value in values.items():
+                writer.add_scalar(f"{section}/{name}", value, step)
+        writer.close()
+
+    torch_run(summary_writer(str(tmp_path / "torch")), records)
+    torch_run(summary_writer(str(tmp_path / "torch"), purge_step=6), resumed)
+    with TensorBoardRecorder(tmp_path / "ours") as recorder:
+        for section, step, values in records:
+            recorder.record(section, step, values)
+    with TensorBoardRecorder(tmp_path / "ours") as recorder:
+        recorder.rewind(5)
+        for section, step, values in resumed:
+            recorder.record(section, step, values)
+
+    ours = _scalars(tmp_path / "ours")
+    assert ours == _scalars(tmp_path / "torch")
+    assert [step for step, _ in ours["train/loss"]] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert ours["valid/lm/loss"] == [(5, pytest.approx(3.3))]  # step 10 purged

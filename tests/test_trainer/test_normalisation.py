@@ -48,14 +48,14 @@ def optimizers(kind):
     return partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1, fused=True)
 
 
-def run_trainer(num_accumulate, opt_kind, mean=False):
+def run_trainer(num_accumulate, opt_kind, mean=False, host_count=False):
     root = setup_root_gang()
     gangs = setup_gangs(root)
     model = data_parallel(make_model(0), gangs)
     opt = optimizers(opt_kind)(model.parameters())
     reader = [collate(shard(mb, gangs.dp.rank, gangs.dp.size)) for mb in global_micro_batches()]
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(TokenUnit(model, mean=mean), reader, opt, output_dir=out, gangs=gangs,
+        trainer = Trainer(TokenUnit(model, mean=mean, host_count=host_count), reader, opt, output_dir=out, gangs=gangs,
                           num_accumulate=num_accumulate, max_num_data_epochs=1,
                           publish_metrics_every_n_steps=2, progress=False, recorders=[])
         result = trainer.run()
@@ -75,29 +75,35 @@ def assert_same(params, expected):
         torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-6, msg=name)
 
 
+# A host count (an int) is known before backward: with one micro-batch in one process the
+# mean is then taken by backward itself, a path of its own.
+@pytest.mark.parametrize("host_count", [False, True], ids=["device_count", "host_count"])
 @pytest.mark.parametrize("opt_kind", ["adamw", "adamw_fused"])
 @pytest.mark.parametrize("num_accumulate", [1, 3])
-def test_single_process_matches_full_batch_loop(num_accumulate, opt_kind):
-    params, num_steps, _ = run_trainer(num_accumulate, opt_kind)
+def test_single_process_matches_full_batch_loop(num_accumulate, opt_kind, host_count):
+    params, num_steps, _ = run_trainer(num_accumulate, opt_kind, host_count=host_count)
     expected, expected_steps = reference(num_accumulate, opt_kind)
     assert num_steps == expected_steps  # 7 micro-batches: with 3 a short last window of 1
     assert_same(params, expected)
 
 
+@pytest.mark.parametrize("host_count", [False, True], ids=["device_count", "host_count"])
 @pytest.mark.parametrize("opt_kind", ["adamw", "adamw_fused"])
 @pytest.mark.parametrize("num_accumulate", [1, 3])
-def test_two_ranks_match_full_batch_loop(num_accumulate, opt_kind):
-    results = run_ranks(partial(run_trainer, num_accumulate, opt_kind), world_size=2)
+def test_two_ranks_match_full_batch_loop(num_accumulate, opt_kind, host_count):
+    results = run_ranks(partial(run_trainer, num_accumulate, opt_kind, host_count=host_count),
+                        world_size=2)
     expected, _ = reference(num_accumulate, opt_kind)
     for params, _, _ in results:
         assert_same(params, expected)
 
 
+@pytest.mark.parametrize("host_count", [False, True], ids=["device_count", "host_count"])
 @pytest.mark.parametrize("opt_kind", ["adamw", "adamw_fused"])
-def test_step_without_targets_is_skipped_with_warning(opt_kind, caplog):
+def test_step_without_targets_is_skipped_with_warning(opt_kind, host_count, caplog):
     # num_accumulate=1: step 6 is micro-batch 5, which has no target at all.
     with caplog.at_level(logging.WARNING, logger="gangtrain"):
-        params, num_steps, skipped = run_trainer(1, opt_kind)
+        params, num_steps, skipped = run_trainer(1, opt_kind, host_count=host_count)
     assert skipped == 1 and num_steps == len(SIZES)
     assert any("no targets" in r.message for r in caplog.records)
     expected, _ = reference(1, opt_kind)

@@ -36,9 +36,10 @@ def collate(samples) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TokenUnit(TrainUnit):
-    def __init__(self, model: nn.Module, mean: bool = False) -> None:
+    def __init__(self, model: nn.Module, mean: bool = False, host_count: bool = False) -> None:
         self._model = model
         self.mean = mean
+        self.host_count = host_count  # return the target count as a Python int
 
     @property
     def model(self) -> nn.Module:
@@ -52,7 +53,7 @@ class TokenUnit(TrainUnit):
         n = (y != PAD).sum()
         if self.mean:
             return loss / n, None
-        return loss, n
+        return loss, int(n) if self.host_count else n
 
 
 def reference_run(steps: list[list], make_optimizer, seed: int = 0, mean_of_means=False,

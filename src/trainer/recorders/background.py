@@ -1,10 +1,12 @@
-"""`BackgroundRecorder`: writes records on a thread of its own, off the training loop.
+"""`BackgroundRecorder`: runs a slow recorder (W&B, a network service) on a thread of its
+own, so that the training thread only hands the values over.
 
-Building TensorBoard protos and formatting console lines costs about a millisecond a
-publish; the loop only hands the values over. `flush()` waits until everything handed over
-is written: the trainer calls it before each checkpoint, so the metrics a checkpoint's step
-published are on disk before the checkpoint is (a resumed run then continues the files
-without a gap). An error in the writer thread is raised at the next call.
+Only for recorders that wait (on the network, on another process): pure-Python work on the
+thread still holds the GIL the training loop needs, so the fast file and console recorders
+run inline instead. `flush()` waits until everything handed over is written: the trainer
+calls it before each checkpoint, so the metrics a checkpoint's step published are on disk
+before the checkpoint is (a resumed run then continues the files without a gap). An error
+in the writer thread is raised at the next call.
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ class BackgroundRecorder(MetricRecorder):
         self.recorder.advance(step_nr)  # a few attribute stores: done on the loop's thread
 
     def flush(self) -> None:
-        """Wait until every record handed over so far is written."""
+        """Wait until every record handed over so far is written, then flush it."""
         if self._thread.is_alive():
             self._queue.join()
         self._raise_pending()
+        self.recorder.flush()
 
     def rewind(self, step_nr: int) -> None:
         self.flush()

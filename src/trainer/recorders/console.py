@@ -67,12 +67,22 @@ def _with_suffix(value: float) -> str:
 
 
 def format_record(section: str, step_nr: int, values: Mapping[str, float]) -> Text:
-    """``train step 10 | loss 2.314 | grad_norm 0.81 | lr 1.0e-03 | tok/s 15.2k``."""
+    """``train step 10 | loss 2.314 | grad_norm 0.81 | lr 1.0e-03 | tok/s 15.2k``, styled."""
     line = Text.assemble((section, "bold cyan"), f" step {step_nr}")
-    for name, value in values.items():
+    for part in _value_parts(values):
         line.append(" | ", style="dim")
-        line.append(f"{_DISPLAY_NAMES.get(name, name)} {format_value(value)}")
+        line.append(part)
     return line
+
+
+def format_line(section: str, step_nr: int, values: Mapping[str, float]) -> str:
+    """The text of `format_record` without styles, at a fraction of its cost."""
+    return " | ".join([f"{section} step {step_nr}", *_value_parts(values)])
+
+
+def _value_parts(values: Mapping[str, float]) -> list[str]:
+    return [f"{_DISPLAY_NAMES.get(name, name)} {format_value(value)}"
+            for name, value in values.items()]
 
 
 class _StepColumn(ProgressColumn):
@@ -121,6 +131,7 @@ class ConsoleRecorder(MetricRecorder):
         self._closed = False
         self._live = show_progress and self._console.is_terminal
         self._live = self._live and not self._console.is_dumb_terminal
+        self._plain = not self._live and not self._console.is_terminal and not self._console.record
 
     @property
     def console(self) -> Console:
@@ -143,13 +154,12 @@ class ConsoleRecorder(MetricRecorder):
             self._start()
         if self._progress is not None and self._task is not None and section == "train":
             self._progress.update(self._task, metrics=_bar_metrics(values))
-        line = format_record(section, step_nr, values)
-        if self._progress is None and not self._console.is_terminal and not self._console.record:
-            # No bar, no terminal: Console.print would render, wrap and strip the styles
-            # again; the plain text costs ~1/10 of it.
-            self._console.file.write(line.plain + "\n")
+        if self._plain:
+            # No bar, no terminal: rich would build, wrap and strip a styled line for
+            # nothing; the plain text costs ~1/10 of it.
+            self._console.file.write(format_line(section, step_nr, values) + "\n")
         else:
-            self._console.print(line, highlight=False)
+            self._console.print(format_record(section, step_nr, values), highlight=False)
 
     def rewind(self, step_nr: int) -> None:
         """Continue from ``step_nr``; speed and ETA restart instead of counting old steps."""

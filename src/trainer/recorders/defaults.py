@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.recorders.background import BackgroundRecorder
 from trainer.recorders.base import MetricRecorder
 from trainer.recorders.console import ConsoleRecorder
 from trainer.recorders.jsonl import JsonlRecorder
@@ -15,13 +16,13 @@ def default_recorders(
     output_dir: Path, total_steps: int | None, progress: bool = True,
     wandb_project: str | None = None,
 ) -> list[MetricRecorder]:
-    """JSONL (`output_dir/metrics`), TensorBoard (`output_dir/tb`), the console, and W&B when
-    a project is named."""
+    """JSONL (`output_dir/metrics`), TensorBoard (`output_dir/tb`), the console, and W&B (on
+    a thread of its own) when a project is named."""
     recorders: list[MetricRecorder] = [
         JsonlRecorder(output_dir),
         TensorBoardRecorder(output_dir / "tb"),
         ConsoleRecorder(total_steps, show_progress=progress),
     ]
-    if wandb_project is not None:
-        recorders.append(WandbRecorder(wandb_project, None, output_dir))
+    if wandb_project is not None:  # wandb.log costs too much to call on the training thread
+        recorders.append(BackgroundRecorder(WandbRecorder(wandb_project, None, output_dir)))
     return recorders
