@@ -1,6 +1,6 @@
 """What does the `Trainer` cost over a hand-written loop?
 
-    .venv/bin/python -m benchmarks.overhead [--reps 5] [--sizes small,large] [--no-memory]
+    .venv/bin/python -m benchmarks.overhead [--reps N] [--sizes small,large] [--no-memory]
 
 The same MLP classifier, data and optimizer (AdamW with ``fused=True``: the trainer's
 sync-free path, where a step is skipped on the device instead of after a host read) are
@@ -13,8 +13,9 @@ trained by
   terminal), no validation, ``output_dir`` a temporary directory. Its unit returns
   ``(loss_sum, num_targets)`` with ``num_targets`` a Python int, so both do the same math.
 
-The two alternate in one process (``--reps`` repetitions after a warm-up, the order
-flipped every repetition). Time is stamped at each batch drawn from the data reader and
+The two alternate in one process (``--reps`` short repetitions after a warm-up, the order
+flipped every repetition: many short runs rather than a few long ones, so that both see
+the same machine). Time is stamped at each batch drawn from the data reader and
 cut into windows of 10 steps, aligned so that each trainer window holds one publish; the
 per-step time of a variant is the median over every window of every repetition, divided
 by 10. A median over many short windows is robust to what shared 2-core machines do to
@@ -42,9 +43,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +66,15 @@ class Size:
     layers: int  # hidden layers
     classes: int
     steps: int  # per repetition
+    reps: int
     target: float  # the trainer/loop ratio we aim for
 
 
 SIZES = {
-    "small": Size("small", batch=96, inputs=128, hidden=256, layers=1, classes=10, steps=1000,
-                  target=1.05),
-    "large": Size("large", batch=176, inputs=512, hidden=1024, layers=2, classes=10, steps=100,
-                  target=1.01),
+    "small": Size("small", batch=96, inputs=128, hidden=256, layers=1, classes=10, steps=300,
+                  reps=24, target=1.05),
+    "large": Size("large", batch=176, inputs=512, hidden=1024, layers=2, classes=10, steps=60,
+                  reps=10, target=1.01),
 }
 NUM_DISTINCT_BATCHES = 16
 PUBLISH_EVERY = 10  # the trainer's default publish_metrics_every_n_steps
@@ -150,13 +151,12 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer, reader: TimedRe
 
 
 def run_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, reader: TimedReader,
-                show_console: bool, watch: Callable[[Trainer], object] | None = None) -> None:
+                show_console: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="gangtrain-overhead-") as output_dir:
         with _console_sink(show_console):
             trainer = Trainer(ClassifierUnit(model), reader, optimizer, output_dir=output_dir,
                               max_num_steps=reader.num_batches, recorders=None, progress=True)
-            with watch(trainer) if watch else contextlib.nullcontext():
-                result = trainer.run()
+            result = trainer.run()
     if result.num_steps != reader.num_batches:
         raise RuntimeError(f"the trainer ran {result.num_steps} steps, not {reader.num_batches}")
 
@@ -227,39 +227,8 @@ def _current_rss_kib() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def _private_kib(pid: int) -> int:
-    """Memory only process `pid` holds (not shared with its parent after fork), in KiB."""
-    with open(f"/proc/{pid}/smaps_rollup") as rollup:
-        fields = dict(line.split(":", 1) for line in rollup if ":" in line)
-    return sum(int(fields[key].split()[0]) for key in ("Private_Clean", "Private_Dirty"))
-
-
-@contextlib.contextmanager
-def watch_recorder_process(trainer: Trainer, peak: list[int]) -> Iterator[None]:
-    """Sample the private memory of the trainer's recorder process while it runs."""
-    from trainer.recorders import RecorderProcess
-
-    children = [r for r in trainer.recorder.recorders if isinstance(r, RecorderProcess)]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            for child in children:
-                with contextlib.suppress(OSError):
-                    peak[0] = max(peak[0], _private_kib(child._process.pid))
-            stop.wait(0.01)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        sampler.join()
-
-
 def memory_child(kind: str, size_name: str, steps: int) -> None:
-    """Runs in a subprocess: prints {"baseline_kib", "peak_kib", "recorder_kib"} as JSON."""
+    """Runs in a subprocess: prints {"baseline_kib", "peak_kib"} as JSON."""
     import trainer.recorders.event_file  # noqa: F401  (imported by both: library code is not counted)
 
     size = SIZES[size_name]
@@ -269,21 +238,17 @@ def memory_child(kind: str, size_name: str, steps: int) -> None:
     reader = TimedReader(batches, steps)
     gc.collect()
     baseline = _current_rss_kib()
-    recorder_peak = [0]
     if kind == "loop":
         run_loop(model, optimizer, reader)
     else:
-        run_trainer(model, optimizer, reader, show_console=False,
-                    watch=lambda trainer: watch_recorder_process(trainer, recorder_peak))
+        run_trainer(model, optimizer, reader, show_console=False)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    print(json.dumps({"baseline_kib": baseline, "peak_kib": peak,
-                      "recorder_kib": recorder_peak[0]}))
+    print(json.dumps({"baseline_kib": baseline, "peak_kib": peak}))
 
 
 def measure_memory(size: Size, steps: int, reps: int) -> None:
     growth: dict[str, list[int]] = {"loop": [], "trainer": []}
     peaks: dict[str, list[int]] = {"loop": [], "trainer": []}
-    recorder: dict[str, list[int]] = {"loop": [], "trainer": []}
     for rep in range(reps):
         order = ("loop", "trainer") if rep % 2 == 0 else ("trainer", "loop")
         for kind in order:
@@ -293,19 +258,14 @@ def measure_memory(size: Size, steps: int, reps: int) -> None:
                 check=True, capture_output=True, text=True,
             ).stdout
             values = json.loads(out.strip().splitlines()[-1])
-            # The recorder process's own memory counts as the trainer's.
-            growth[kind].append(values["peak_kib"] - values["baseline_kib"]
-                                + values["recorder_kib"])
-            peaks[kind].append(values["peak_kib"] + values["recorder_kib"])
-            recorder[kind].append(values["recorder_kib"])
+            growth[kind].append(values["peak_kib"] - values["baseline_kib"])
+            peaks[kind].append(values["peak_kib"])
     loop_mib = statistics.median(growth["loop"]) / 1024
     trainer_mib = statistics.median(growth["trainer"]) / 1024
     loop_peak = statistics.median(peaks["loop"]) / 1024
     trainer_peak = statistics.median(peaks["trainer"]) / 1024
-    recorder_mib = statistics.median(recorder["trainer"]) / 1024
     print(f"memory {size.name} (peak RSS growth during {steps} steps, own subprocess each, "
-          f"median of {reps}; the trainer's includes the {recorder_mib:.1f} MiB its recorder "
-          f"process holds of its own): loop {loop_mib:.1f} MiB, trainer {trainer_mib:.1f} MiB, "
+          f"median of {reps}): loop {loop_mib:.1f} MiB, trainer {trainer_mib:.1f} MiB, "
           f"ratio {trainer_mib / loop_mib:.3f} (target <= 1.05); whole-process peak RSS "
           f"ratio {trainer_peak / loop_peak:.3f} ({loop_peak:.0f} vs {trainer_peak:.0f} MiB)",
           flush=True)
@@ -313,10 +273,11 @@ def measure_memory(size: Size, steps: int, reps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per "
+                        "variant (default: 24 small, 10 large)")
     parser.add_argument("--sizes", default="small,large", help="comma-separated: small,large")
     parser.add_argument("--steps", type=int, default=None, help="steps a repetition "
-                        "(default: 1000 small, 100 large)")
+                        "(default: 300 small, 60 large)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory figure")
@@ -345,7 +306,7 @@ def main() -> None:
         size = SIZES[name]
         if args.steps is not None:
             size = Size(**{**size.__dict__, "steps": args.steps})
-        measure_time(size, args.reps, args.show_console)
+        measure_time(size, args.reps or size.reps, args.show_console)
     if not args.no_memory and "large" in names:
         measure_memory(SIZES["large"], args.memory_steps, args.memory_reps)
 

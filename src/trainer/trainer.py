@@ -156,6 +156,9 @@ class Trainer(Generic[BatchT]):
         # backward, which then takes the mean itself (see `gradients.mean_seed`).
         self._may_seed_mean = self.gangs.dp.size == 1 and self._scaler is None
         self._autocast_dtype = _DTYPES[dtype] if dtype != "fp32" and amp else None
+        self._skips_non_finite = max_consecutive_non_finite > 0
+        # Most units ignore the step number: skip the call then.
+        self._unit_wants_step_nr = type(unit).set_step_nr is not TrainUnit.set_step_nr
 
         # Progress, restored on resume.
         self.step_nr = 0
@@ -271,11 +274,13 @@ class Trainer(Generic[BatchT]):
 
     # -- one step ------------------------------------------------------------------
     def _train_step(self, batches: list[BatchT]) -> None:
-        self.unit.set_step_nr(self.step_nr)
+        if self._unit_wants_step_nr:
+            self.unit.set_step_nr(self.step_nr)
         loss, local_count, normalised = self._forward_backward(batches)
         if self._has_expert_params:
             reduce_expert_gradients(self.unit.model, self.gangs)
-        count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
+        count = local_count if self.gangs.dp.size == 1 else gradients.global_target_count(
+            local_count, self.gangs.dp, self.device)
         divisor, overflow = self._normalise_and_clip(count, normalised)
         self._optimizer_step(count, loss, local_count, overflow, divisor)
         self.optimizer.zero_grad(set_to_none=True)
@@ -292,27 +297,35 @@ class Trainer(Generic[BatchT]):
         last = len(batches) - 1
         normalised = False
         for i, batch in enumerate(batches):
-            # DDP reduces gradients only on the last micro-batch of the window.
-            no_sync = model.no_sync() if i < last and isinstance(model, DDP) else _NULL
-            with no_sync:
-                if self._autocast_dtype is None:
-                    loss, num_targets = self.unit(batch, self.metrics)
-                else:
-                    with torch.autocast(self.device.type, dtype=self._autocast_dtype):
-                        loss, num_targets = self.unit(batch, self.metrics)
-                if num_targets is None:  # the unit returned a mean: each micro-batch counts 1
-                    num_targets = 1
-                if self._scaler is not None:
-                    self._scaler.scale_loss(loss).backward()
-                elif last == 0 and self._may_seed_mean and isinstance(num_targets, int):
-                    loss.backward(gradients.mean_seed(num_targets, loss))
-                    normalised = True
-                else:
-                    loss.backward()
+            if i < last and isinstance(model, DDP):  # DDP reduces on the last micro-batch only
+                with model.no_sync():
+                    loss, num_targets, _ = self._micro_batch(batch, may_seed_mean=False)
+            else:
+                loss, num_targets, normalised = self._micro_batch(batch, last == 0)
             detached = loss.detach()
             loss_sum = detached if loss_sum is None else loss_sum + detached
             local_count = local_count + num_targets
         return loss_sum, local_count, normalised  # type: ignore[return-value]
+
+    def _micro_batch(self, batch: BatchT, may_seed_mean: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | int, bool]:
+        """Forward and backward of one micro-batch: (its summed loss, its target count,
+        whether backward took the mean: `may_seed_mean` when it is the step's only one)."""
+        if self._autocast_dtype is None:
+            loss, num_targets = self.unit(batch, self.metrics)
+        else:
+            with torch.autocast(self.device.type, dtype=self._autocast_dtype):
+                loss, num_targets = self.unit(batch, self.metrics)
+        if num_targets is None:  # the unit returned a mean: each micro-batch counts 1
+            num_targets = 1
+        if self._scaler is not None:
+            self._scaler.scale_loss(loss).backward()
+        elif may_seed_mean and self._may_seed_mean and isinstance(num_targets, int):
+            loss.backward(gradients.mean_seed(num_targets, loss))
+            return loss, num_targets, True
+        else:
+            loss.backward()
+        return loss, num_targets, False
 
     def _normalise_and_clip(
         self, count: torch.Tensor | int, normalised: bool
@@ -355,10 +368,13 @@ class Trainer(Generic[BatchT]):
             self.steps.log(self.step_nr, loss, local_count, skip, check_loss=False)
         elif self._device_skip and zero is not True:
             # Decided on the device, no host sync: the flags are read at the next sync point.
-            flag = self.steps.non_finite_flag(loss) if self.steps.skips_non_finite else None
+            flag = self.steps.non_finite_flag(loss) if self._skips_non_finite else None
             if isinstance(zero, torch.Tensor):  # a device count: 0 targets skips on the device
                 flag = zero.float() if flag is None else torch.maximum(flag, zero.float())
-            gradients.step_with_device_skip(self.optimizer, flag, divisor)
+            if flag is None and divisor is None:  # the common case: nothing to hand over
+                self.optimizer.step()
+            else:
+                gradients.step_with_device_skip(self.optimizer, flag, divisor)
             self.steps.log(self.step_nr, loss, local_count, False if flag is None else flag)
             if self.lr_scheduler is not None:  # also on a step skipped on the device
                 self.lr_scheduler.step()
@@ -444,8 +460,6 @@ class Trainer(Generic[BatchT]):
         self.gangs.root.all_reduce(flag, ReduceOperation.MAX)
         return bool(flag.item())
 
-
-_NULL = contextlib.nullcontext()
 
 
 def _mean(total: float, count: float) -> float:
