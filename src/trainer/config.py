@@ -65,6 +65,8 @@ class TrainerConfig(BaseModel):
     fp16_loss_scale_window: PositiveInt | None = None
     """Clean steps before the scale doubles; default 2**14 / (dp size * num_accumulate)."""
     max_consecutive_non_finite: int = Field(default=0, ge=0)
+    """0: a non-finite loss stops the run at the next publish/validate/checkpoint, naming its
+    step; N > 0: such steps are skipped on the device, and N + 1 in a row stop the run."""
     anomaly_detection: bool = False
     seed: int = 2
     data_parallel: Literal["ddp", "fsdp"] = "ddp"

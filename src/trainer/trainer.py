@@ -222,6 +222,9 @@ class Trainer(Generic[BatchT]):
         return self.checkpoints.dir / f"step_{step_nr}"
 
     def _loop(self, stop: StopSignal) -> str:
+        # Publish, validation and checkpoint steps are all multiples of this.
+        self._sync_every = math.gcd(self.publish_every, self.validate_every_n_steps or 0,
+                                    self.checkpoint_every_n_steps or 0)
         if self.validate_at_start and self.step_nr == 0 and self.validator:
             if self._validate():
                 return "early_stop"
@@ -238,22 +241,28 @@ class Trainer(Generic[BatchT]):
             self._train_step(batches)
             if self._console is not None:
                 self._console.advance(self.step_nr)
-
-            sync_point = False
-            if self.step_nr % self.publish_every == 0:
-                self._publish()
-                sync_point = True
-            if self._due(self.validate_every_n_steps) and self.validator:
-                if self._validate():
-                    reason = "early_stop"
-                    self._early_stopped = True
-                sync_point = True
-            if self._due(self.checkpoint_every_n_steps) and self.checkpoints is not None:
-                progress.save(self)
-                sync_point = True
-            if sync_point and reason is None and self._stop_agreed(stop):
-                reason = "signal"
+            if self.step_nr % self._sync_every == 0:
+                reason = self._sync_point(stop)
         self._finish(reason)
+        return reason
+
+    def _sync_point(self, stop: StopSignal) -> str | None:
+        """Publish, validate and checkpoint when due; the reason to stop, if any."""
+        reason = None
+        synced = False  # every rank is here: a stop signal can be agreed
+        if self.step_nr % self.publish_every == 0:
+            self._publish()
+            synced = True
+        if self._due(self.validate_every_n_steps) and self.validator:
+            if self._validate():
+                reason = "early_stop"
+                self._early_stopped = True
+            synced = True
+        if self._due(self.checkpoint_every_n_steps) and self.checkpoints is not None:
+            progress.save(self)
+            synced = True
+        if synced and reason is None and self._stop_agreed(stop):
+            reason = "signal"
         return reason
 
     def _finish(self, reason: str) -> None:
