@@ -10,7 +10,9 @@ when each record comes alone between two steps. Written in batches they run warm
 A record is never held longer than needed: "train" records go through at once when the
 last batch is `max_delay_s` old (so with slow steps every record goes at once), other
 sections (validation: rare, and awaited) go at once with everything before them, and
-`flush()` (before each checkpoint), `rewind()` and `close()` write everything first.
+`flush()` (before each checkpoint), `rewind()` and `close()` write everything first. The
+wall times recorders stamp (JSONL's ``time``, TensorBoard's) are those of the write, so up
+to `max_delay_s` late; the step numbers are exact.
 """
 
 from __future__ import annotations
