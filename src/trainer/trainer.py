@@ -10,7 +10,6 @@ scaling) lives in its own module.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -22,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from gangs import FakeGang, Gangs, ReduceOperation, setup_gangs
+from gangs import FakeGang, Gangs, setup_gangs
 from gangs.parallel import reduce_expert_gradients
-from trainer import gradients, progress, settings
+from trainer import gradients, progress, settings, sync_points
 from trainer.checkpoint import CheckpointManager, export_best, rank_by_score
 from trainer.data_position import DataPosition
 from trainer.early_stoppers import EarlyStopper
@@ -43,8 +42,6 @@ from trainer.stop_signal import StopSignal
 from trainer.validator import Validator
 from units import EvalUnit, MetricBag, TrainUnit
 from units.unit import BatchT
-
-log = logging.getLogger("gangtrain")
 
 Precision = Literal["fp32", "bf16", "fp16"]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -261,7 +258,7 @@ class Trainer(Generic[BatchT]):
         if self._due(self.checkpoint_every_n_steps) and self.checkpoints is not None:
             progress.save(self)
             synced = True
-        if synced and reason is None and self._stop_agreed(stop):
+        if synced and reason is None and sync_points.stop_agreed(self, stop):
             reason = "signal"
         return reason
 
@@ -398,81 +395,16 @@ class Trainer(Generic[BatchT]):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
-    # -- publish, validate, stop -----------------------------------------------------
+    # -- publish, validate (in `sync_points`) -------------------------------------------
     def _reset_window(self) -> None:
         self._window_start = time.perf_counter()
         self._grad_norm: torch.Tensor | None = None
 
     def _publish(self) -> None:
-        """Sync the window's metrics over DP (the only host copy) and record them."""
-        window = self.steps.take_window()  # a non-finite loss stops the run here
-        bag = self.metrics
-        if self.gangs.dp.size > 1:  # summed over the ranks with the unit's metrics
-            bag.update_total("loss", window.loss_sum, window.num_targets)
-            bag.update_sum("num_targets", window.num_targets)
-        values = bag.sync_and_compute(self.gangs.dp)
-        if self.gangs.dp.size == 1:  # already on the host: no device op
-            values["loss"] = _mean(window.loss_sum, window.num_targets)
-            values["num_targets"] = window.num_targets
-        if self._grad_norm is not None:  # global already: no reduction
-            values["grad_norm"] = self._grad_norm.item()
-        self.unit.derive_metrics(values)
-
-        elapsed = time.perf_counter() - self._window_start
-        values["num_skipped_steps"] = self.steps.total_skipped
-        values["lr"] = self.optimizer.param_groups[0]["lr"]
-        values["steps_per_s"] = window.num_steps / elapsed
-        values["targets_per_s"] = values.get("num_targets", 0.0) / elapsed
-        values["epoch"] = self.data.epoch_nr
-        if self._scaler is not None:
-            values["loss_scale"] = self._scaler.scale
-        self.recorder.record("train", self.step_nr, values)
-        self._last_published = values
-        bag.reset()
-        self._reset_window()
+        sync_points.publish(self)
 
     def _validate(self) -> bool:
-        """Validate, record the score; True when the early stopper says stop."""
-        self.steps.check()  # never validate (or save) a model a non-finite loss poisoned
-        self.recorder.flush()  # the train records so far, on disk while validation runs
-        started = time.perf_counter()
-        self._validated_step = self.step_nr
-        values = self.validator.run()
-        self._window_start += time.perf_counter() - started  # throughput excludes validation
-        sections: dict[str, dict[str, float]] = {}
-        for key, value in values.items():
-            section, _, name = key.rpartition("/")
-            sections.setdefault(section, {})[name] = value
-        for section, section_values in sections.items():
-            self.recorder.record(section, self.step_nr, section_values)
-        score = self.validator.score(values)
-        if score is None:
-            return False
-        self.score_history.append((self.step_nr, score))
-        if self.checkpoints is not None:
-            self.checkpoints.record_score(self.step_nr, score)
-        if self.early_stopper is None:
-            return False
-        decision = [False]
-        if self.gangs.root.rank == 0:
-            decision[0] = bool(self.early_stopper(self.step_nr, score))
-        self.gangs.root.broadcast_objects(decision, source_rank=0)
-        if decision[0] and self.gangs.root.rank == 0:
-            log.info("early stop at step %d (score %s)", self.step_nr, score)
-        return decision[0]
-
-    def _stop_agreed(self, stop: StopSignal) -> bool:
-        """A stop signal seen by any rank stops every rank, at the same step."""
-        if self.gangs.root.size == 1:
-            return stop.requested
-        flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
-        self.gangs.root.all_reduce(flag, ReduceOperation.MAX)
-        return bool(flag.item())
-
-
-
-def _mean(total: float, count: float) -> float:
-    return total / count if count != 0 else math.nan
+        return sync_points.validate(self)
 
 
 def _inner_module(model: torch.nn.Module) -> torch.nn.Module:
