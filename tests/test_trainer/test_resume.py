@@ -52,7 +52,9 @@ def run_with_kills(out: Path, ranks: int, rng: random.Random, kills: int) -> int
             if during_save and any(n.startswith(".tmp_step_") for n in names):
                 break
             if not during_save and {n for n in names if n.startswith("step_")} - seen:
-                time.sleep(rng.uniform(0.0, 0.5))
+                # A random moment within the next few steps (a tiny step takes ~10 ms: much
+                # longer and the job may be done before the kill).
+                time.sleep(rng.uniform(0.0, 0.1))
                 break
             time.sleep(0.002)
         if proc.poll() is None:
