@@ -155,7 +155,8 @@ class Trainer(Generic[BatchT]):
         self._autocast_dtype = _DTYPES[dtype] if dtype != "fp32" and amp else None
         self._skips_non_finite = max_consecutive_non_finite > 0
         # Most units ignore the step number: skip the call then.
-        self._unit_wants_step_nr = type(unit).set_step_nr is not TrainUnit.set_step_nr
+        self._unit_wants_step_nr = (type(unit).set_step_nr is not TrainUnit.set_step_nr
+                                    or "set_step_nr" in getattr(unit, "__dict__", {}))
 
         # Progress, restored on resume.
         self.step_nr = 0
