@@ -6,8 +6,9 @@ newest complete one.
 Everything a resumed run needs to continue exactly as if it had never stopped, beside the
 model and optimizer (saved through DCP): step and epoch, the data reader's position, every
 RNG, the LR scheduler, the loss scaler, the score history (replayed into the early
-stopper), skipped-step counters and the metric window not yet published. Plain tensors,
-numbers, strings, lists and dicts only, so it loads with `torch.load(weights_only=True)`.
+stopper), the step log (skipped steps, losses not yet published) and the unit metrics not
+yet published. Plain tensors, numbers, strings, lists and dicts only, so it loads with
+`torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,7 @@ def capture(trainer: Trainer) -> dict[str, Any]:
         "rng": rng_state(),
         "score_history": [[step, score] for step, score in trainer.score_history],
         "steps": trainer.steps.state_dict(),
-        "window": {
-            "metrics": trainer.metrics.state_dict(),
-        },
+        "unit_metrics": trainer.metrics.state_dict(),  # not published yet
     }
     if trainer.lr_scheduler is not None:
         state["lr_scheduler"] = trainer.lr_scheduler.state_dict()
@@ -70,8 +69,7 @@ def restore(trainer: Trainer, state: dict[str, Any]) -> None:
             trainer.early_stopper(step_nr, score)
     trainer.steps.load_state_dict(state["steps"])
 
-    window = state["window"]
-    trainer.metrics.load_state_dict(window["metrics"])
+    trainer.metrics.load_state_dict(state["unit_metrics"])
 
 
 def save(trainer: Trainer, blocking: bool | None = None) -> None:

@@ -286,8 +286,7 @@ class Trainer(Generic[BatchT]):
         loss, local_count, normalised = self._forward_backward(batches)
         if self._has_expert_params:
             reduce_expert_gradients(self.unit.model, self.gangs)
-        count = local_count if self.gangs.dp.size == 1 else gradients.global_target_count(
-            local_count, self.gangs.dp, self.device)
+        count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
         divisor, overflow = self._normalise_and_clip(count, normalised)
         self._optimizer_step(count, loss, local_count, overflow, divisor)
         self.optimizer.zero_grad(set_to_none=True)

@@ -111,15 +111,20 @@ def test_fp16_underflow_leaves_every_checkpoint_intact(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".tmp_*"))
 
 
+def nan_trainer(tmp_path, at_steps, fused=True, **settings):
+    """(a 10-step trainer whose loss is NaN at `at_steps`, its model)."""
+    model = make_model()
+    unit = InjectingUnit(model, at_steps=at_steps, factor=math.nan)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
+    return Trainer(unit, batches(), opt, output_dir=tmp_path, recorders=[], max_num_steps=10,
+                   **settings), model
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_nan_loss_stops_with_message(tmp_path, fused):
     from trainer.checkpoint import verify
 
-    model = make_model()
-    unit = InjectingUnit(model, at_steps={4}, factor=math.nan)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
-    trainer = Trainer(unit, batches(), opt, output_dir=tmp_path, recorders=[], max_num_steps=10,
-                      checkpoint_every_n_steps=3)
+    trainer, model = nan_trainer(tmp_path, {4}, fused, checkpoint_every_n_steps=3)
     with pytest.raises(NonFiniteLossError, match="step 4: the loss is not finite") as err:
         trainer.run()
     assert "max_consecutive_non_finite" in str(err.value)
@@ -152,7 +157,8 @@ def _nan_on_rank_1(max_consecutive_non_finite):
 
 def test_nan_on_one_rank_is_agreed_by_every_rank():
     # Skip policy: both ranks skip step 4 (DDP spread rank 1's NaN gradients to rank 0).
-    (skipped_0, params_0), (skipped_1, params_1) = run_ranks(functools.partial(_nan_on_rank_1, 2), world_size=2)
+    (skipped_0, params_0), (skipped_1, params_1) = run_ranks(
+        functools.partial(_nan_on_rank_1, 2), world_size=2)
     assert skipped_0 == skipped_1 == 1
     assert torch.isfinite(params_0).all() and torch.equal(params_0, params_1)
     # Default policy: both ranks stop, both naming step 4.
@@ -162,22 +168,16 @@ def test_nan_on_one_rank_is_agreed_by_every_rank():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_nan_loss_skipped_with_policy(tmp_path, fused):
-    model = make_model()
-    unit = InjectingUnit(model, at_steps={4}, factor=math.nan)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
-    result = Trainer(unit, batches(), opt, output_dir=tmp_path, recorders=[], max_num_steps=10,
-                     max_consecutive_non_finite=1).run()
+    trainer, model = nan_trainer(tmp_path, {4}, fused, max_consecutive_non_finite=1)
+    result = trainer.run()
     assert result.num_steps == 10 and result.num_skipped_steps == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_two_nan_steps_in_a_row_exceed_a_policy_of_one(tmp_path):
-    model = make_model()
-    unit = InjectingUnit(model, at_steps={4, 5}, factor=math.nan)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    trainer, _ = nan_trainer(tmp_path, {4, 5}, max_consecutive_non_finite=1)
     with pytest.raises(NonFiniteLossError, match="step 4: .* for 2 step"):
-        Trainer(unit, batches(), opt, output_dir=tmp_path, recorders=[], max_num_steps=10,
-                max_consecutive_non_finite=1).run()
+        trainer.run()
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
