@@ -16,11 +16,14 @@ trained by
 The two alternate in one process (``--reps`` short repetitions after a warm-up, the order
 flipped every repetition: many short runs rather than a few long ones, so that both see
 the same machine). Time is stamped at each batch drawn from the data reader and
-cut into windows of 10 steps, aligned so that each trainer window holds one publish; the
-per-step time of a variant is the median over every window of every repetition, divided
-by 10. A median over many short windows is robust to what shared 2-core machines do to
-one long run (another process taking the core for a few milliseconds); the mean over
-whole runs is printed beside it. The trainer's fixed cost per run (construction, setup,
+cut into windows of 10 steps, aligned so that each trainer window holds one publish. In
+each repetition the trainer's median window is divided by the loop's: the printed ratio is
+the median of these paired ratios, and the per-step times are the medians over every
+window of every repetition, divided by 10. Medians over many short windows are robust to
+what shared 2-core machines do to one long run (another process taking the core for a few
+milliseconds), and pairing the two runs of a repetition (a fraction of a second apart)
+cancels the machine's drift of speed over minutes; the ratio of the pooled medians and the
+mean over whole runs are printed beside it. The trainer's fixed cost per run (construction, setup,
 the last publish, closing recorders) is printed apart. Two sizes: ``small`` (~0.5 ms a step) and ``large`` (~20 ms), with one
 intra-op thread by default (``--threads``): on a shared 2-core machine, OpenMP barriers
 turn other processes' load into 10x outliers. For memory, each variant of the large size
@@ -74,7 +77,7 @@ SIZES = {
     "small": Size("small", batch=96, inputs=128, hidden=256, layers=1, classes=10, steps=300,
                   reps=24, target=1.05),
     "large": Size("large", batch=176, inputs=512, hidden=1024, layers=2, classes=10, steps=60,
-                  reps=10, target=1.01),
+                  reps=20, target=1.01),
 }
 NUM_DISTINCT_BATCHES = 16
 PUBLISH_EVERY = 10  # the trainer's default publish_metrics_every_n_steps
@@ -195,16 +198,21 @@ def measure_time(size: Size, reps: int, show_console: bool) -> None:
     windows: dict[str, list[float]] = {"loop": [], "trainer": []}
     per_step: dict[str, list[float]] = {"loop": [], "trainer": []}
     totals: dict[str, list[float]] = {"loop": [], "trainer": []}
+    paired: list[float] = []  # trainer / loop of the two runs of one repetition
     for rep in range(reps):
         order = ("loop", "trainer") if rep % 2 == 0 else ("trainer", "loop")
+        rep_median: dict[str, float] = {}
         for kind in order:
             window_s, step_s, total_s = one_run(kind, size, batches, size.steps, show_console)
             windows[kind] += window_s
             per_step[kind].append(step_s)
             totals[kind].append(total_s)
+            rep_median[kind] = statistics.median(window_s)
+        paired.append(rep_median["trainer"] / rep_median["loop"])
     loop_ms = statistics.median(windows["loop"]) * 1e3
     trainer_ms = statistics.median(windows["trainer"]) * 1e3
-    ratio = trainer_ms / loop_ms
+    ratio = statistics.median(paired)
+    pooled_ratio = trainer_ms / loop_ms
     mean_ratio = statistics.median(per_step["trainer"]) / statistics.median(per_step["loop"])
     fixed_ms = statistics.median(
         (t - s * size.steps) - (lt - ls * size.steps)
@@ -213,9 +221,9 @@ def measure_time(size: Size, reps: int, show_console: bool) -> None:
     ) * 1e3
     approx = "~0.5 ms/step" if size.name == "small" else "~20 ms/step"
     print(f"overhead {size.name} ({approx}): loop {loop_ms:.3f} ms, trainer {trainer_ms:.3f} ms, "
-          f"ratio {ratio:.3f} (target <= {size.target}; median of "
-          f"{len(windows['trainer'])} windows of {PUBLISH_EVERY} steps, {reps} reps x "
-          f"{size.steps} steps; whole-run mean ratio {mean_ratio:.3f})", flush=True)
+          f"ratio {ratio:.3f} (target <= {size.target}; median over {reps} reps x "
+          f"{size.steps} steps of the paired ratio of median {PUBLISH_EVERY}-step windows; "
+          f"pooled windows {pooled_ratio:.3f}, whole-run means {mean_ratio:.3f})", flush=True)
     print(f"  fixed cost per trainer run (construction, setup, last publish, close): "
           f"{fixed_ms:.1f} ms", flush=True)
 
@@ -274,7 +282,7 @@ def measure_memory(size: Size, steps: int, reps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per "
-                        "variant (default: 24 small, 10 large)")
+                        "variant (default: 24 small, 20 large)")
     parser.add_argument("--sizes", default="small,large", help="comma-separated: small,large")
     parser.add_argument("--steps", type=int, default=None, help="steps a repetition "
                         "(default: 300 small, 60 large)")

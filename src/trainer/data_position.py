@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -33,28 +34,30 @@ class DataPosition(Generic[BatchT]):
         self.ended = False  # an epoch yielded nothing: the data is spent
         self._iter: Iterator[BatchT] | None = None
         self._epoch_batches = 0
+        self._on_host = device.type == "cpu"  # readers yield host tensors: nothing to move
 
     def next_window(self, size: int) -> list[BatchT]:
         """Up to `size` micro-batches, on the device; empty when training data is over."""
-        batches: list[BatchT] = []
-        while len(batches) < size and not self.ended:
-            if self._iter is None:
+        while not self.ended:
+            if self._iter is None:  # a new epoch
                 if self.max_num_epochs is not None and self.epoch_nr >= self.max_num_epochs:
                     break
                 self._iter = iter(self.reader)
                 self._epoch_batches = 0
-            try:
-                batches.append(to_device(next(self._iter), self.device))
-                self._epoch_batches += 1
-            except StopIteration:
+            batches = list(islice(self._iter, size))
+            self._epoch_batches += len(batches)
+            if len(batches) < size:  # the epoch is over; its last window may be short
                 self._iter = None
-                if self._epoch_batches == 0:
+                if self._epoch_batches == 0:  # an epoch that yields nothing: data spent
                     self.ended = True
                     break
                 self.epoch_nr += 1
-                if batches:  # a window never spans two epochs
-                    break
-        return batches
+                if not batches:  # a window never spans two epochs
+                    continue
+            if self._on_host:
+                return batches
+            return [to_device(batch, self.device) for batch in batches]
+        return []
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {

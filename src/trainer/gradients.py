@@ -68,6 +68,15 @@ def gradient_norm(params: list[Tensor], max_norm: float | None) -> Tensor:
     return total
 
 
+def gradient_norm_parts(params: list[Tensor]) -> list[Tensor]:
+    """Tensors whose root sum of squares is the global L2 norm of the gradients: one op for
+    plain tensors (their combination is left to the host read that publishes it)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(isinstance(g, DTensor) for g in grads):
+        return [gradient_norm(params, None)]
+    return list(torch._foreach_norm(grads)) if grads else []
+
+
 def _local(grads: list[Tensor]) -> list[Tensor]:
     """The local shards of DTensor gradients (scaling a shard scales the DTensor), so that
     one foreach op can take gradients of any layout."""

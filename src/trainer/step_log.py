@@ -2,10 +2,10 @@
 sync in the hot loop.
 
 Every step logs its detached loss, its local target count and whether it was skipped (a
-bool, or a device flag when the decision was made on the device). Nothing is read then.
-At the next sync point (publish, validate, checkpoint) `check()` copies everything logged
-since to the host at once, agrees over the DP ranks, counts the skipped steps and enforces
-the non-finite policy:
+bool, or a device flag when the decision was made on the device); a publish step also logs
+its gradient norm. Nothing is read then. At the next sync point (publish, validate,
+checkpoint) `check()` copies everything logged since to the host at once, agrees over the
+DP ranks, counts the skipped steps and enforces the non-finite policy:
 
 * `max_consecutive_non_finite == 0` (the default): a non-finite loss stops the run with an
   error that names the step, at the next sync point, before anything is validated, saved
@@ -15,9 +15,9 @@ the non-finite policy:
   (`non_finite_flag`), the fused optimizer skips a flagged step, and more than N such
   steps in a row raise the same error.
 
-The host values form the metric window: `take_window()` returns its loss sum and target
-count (this rank's) and starts the next one. Per-step values are kept, not running sums,
-so that a resumed run adds them up exactly as a run never interrupted.
+The host values form the metric window: `take_window()` returns its loss sum, target count
+(this rank's) and gradient norm, and starts the next one. Per-step values are kept, not
+running sums, so that a resumed run adds them up exactly as a run never interrupted.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Window:
     num_steps: int
     loss_sum: float
     num_targets: float
+    grad_norm: float | None  # of the last step, when it was measured
 
 
 class StepLog:
@@ -52,19 +53,21 @@ class StepLog:
         self.device = device
         self.total_skipped = 0
         self.last_good_checkpoint: str = "no checkpoint was written"
-        # Logged, not read yet: (step, loss, target count, skipped, whether to check the loss).
-        self._unread: list[tuple[int, Tensor, Tensor | int, Tensor | bool, bool]] = []
-        self._losses: list[float] = []  # read, not published yet
+        # Logged, not read yet: one entry per step, from step `_first_unread` on.
+        self._first_unread = 1
+        self._losses_unread: list[Tensor] = []
+        self._counts_unread: list[Tensor | int] = []
+        self._skips_unread: list[Tensor | bool] = []
+        self._unchecked: set[int] = set()  # steps whose loss the fp16 scaler judges
+        self._grad_norm_unread: tuple[list[Tensor], Tensor | None] | None = None
+        # Read, not published yet.
+        self._losses: list[float] = []
         self._counts: list[float] = []
+        self._grad_norm: float | None = None
         self._run = 0  # current run of consecutive non-finite steps
         self._run_start = 0
 
     # -- the hot loop ----------------------------------------------------------------------
-    @property
-    def skips_non_finite(self) -> bool:
-        """Whether a non-finite step is skipped (and so must be flagged before it steps)."""
-        return self.max_consecutive > 0
-
     def non_finite_flag(self, loss: Tensor) -> Tensor:
         """1.0 where the step's loss is NaN or infinite on any DP rank, else 0.0: the float32
         flag a fused optimizer reads as `found_inf`. On the device, no host sync."""
@@ -77,25 +80,40 @@ class StepLog:
 
     def log(self, step_nr: int, loss: Tensor, count: Tensor | int, skipped: Tensor | bool, *,
             check_loss: bool = True, check_now: bool = False) -> None:
-        """Log a step: its detached `loss` (`check_loss=False`: fp16's scaler judges it), its
-        local target `count`, and whether it was `skipped`. `check_now` reads at once."""
-        self._unread.append((step_nr, loss, count, skipped, check_loss))
+        """Log step `step_nr` (steps are logged in order): its detached `loss`
+        (`check_loss=False`: fp16's scaler judges it), its local target `count`, and whether
+        it was `skipped`. `check_now` reads at once."""
+        if not self._losses_unread:
+            self._first_unread = step_nr
+        self._losses_unread.append(loss)
+        self._counts_unread.append(count)
+        self._skips_unread.append(skipped)
+        if not check_loss:
+            self._unchecked.add(step_nr)
         if check_now:
             self.check()
+
+    def log_grad_norm(self, parts: list[Tensor], divisor: Tensor | None = None) -> None:
+        """The last step's gradient norm: ``sqrt(sum(part ** 2)) / divisor``, read with the
+        losses (no op to combine the parts on the device)."""
+        self._grad_norm_unread = (parts, divisor)
 
     # -- sync points -----------------------------------------------------------------------
     def check(self) -> None:
         """Read the steps logged since the last check (one host copy), count the skipped
         ones, and raise `NonFiniteLossError` when the non-finite policy is broken. Every DP
         rank calls it at the same steps."""
-        if not self._unread:
+        if not self._losses_unread:
             return
-        unread, self._unread = self._unread, []
-        losses, counts, non_finite, skipped = self._read(unread)
+        first = self._first_unread
+        losses, counts, non_finite, skipped = self._read()
         self._losses += losses
         self._counts += counts
+        if not any(non_finite) and not any(skipped):  # the common case: nothing to tell
+            self._run = 0
+            return
         num_skipped = 0
-        for (step_nr, *_), bad, skip in zip(unread, non_finite, skipped):
+        for step_nr, bad, skip in zip(range(first, first + len(losses)), non_finite, skipped):
             num_skipped += skip
             if not bad:
                 self._run = 0
@@ -119,34 +137,51 @@ class StepLog:
     def take_window(self) -> Window:
         """Check, then hand over the steps not published yet (this rank's values)."""
         self.check()
-        window = Window(len(self._losses), sum(self._losses), sum(self._counts))
-        self._losses, self._counts = [], []
+        window = Window(len(self._losses), sum(self._losses), sum(self._counts),
+                        self._grad_norm)
+        self._losses, self._counts, self._grad_norm = [], [], None
         return window
 
     def __len__(self) -> int:
         """Steps logged and not published yet."""
-        return len(self._losses) + len(self._unread)
+        return len(self._losses) + len(self._losses_unread)
 
-    def _read(self, unread: list[tuple[int, Tensor, Tensor | int, Tensor | bool, bool]]
-              ) -> tuple[list[float], list[float], list[bool], list[bool]]:
-        """(losses, counts, non-finite on any DP rank, skipped) of each unread step: every
-        device value goes to the host in one copy."""
-        device_counts = [count for _, _, count, _, _ in unread if isinstance(count, Tensor)]
-        device_flags = [skip for _, _, _, skip, _ in unread if isinstance(skip, Tensor)]
-        losses, count_values, flag_values = _to_host(
-            [[loss for _, loss, _, _, _ in unread], device_counts, device_flags])
-        counts = iter(count_values)
-        flags = iter(flag_values)
-        non_finite, skipped, host_counts = [], [], []
-        for (_, _, count, skip, check_loss), loss in zip(unread, losses):
-            non_finite.append(check_loss and not math.isfinite(loss))
-            host_counts.append(next(counts) if isinstance(count, Tensor) else count)
-            skipped.append(next(flags) > 0 if isinstance(skip, Tensor) else bool(skip))
+    def _read(self) -> tuple[list[float], list[float], list[bool], list[bool]]:
+        """(losses, counts, non-finite on any DP rank, skipped) of each unread step, and the
+        gradient norm: every device value goes to the host in one copy."""
+        losses, counts, skips = self._losses_unread, self._counts_unread, self._skips_unread
+        first, unchecked = self._first_unread, self._unchecked
+        self._losses_unread, self._counts_unread, self._skips_unread = [], [], []
+        self._unchecked = set()
+        norm_parts, norm_divisor = self._grad_norm_unread or ([], None)
+
+        device_counts = [c for c in counts if isinstance(c, Tensor)]
+        device_skips = [s for s in skips if isinstance(s, Tensor)]
+        divisor = [norm_divisor] if norm_divisor is not None else []
+        loss_values, count_values, skip_values, part_values, divisor_value = _to_host(
+            [losses, device_counts, device_skips, norm_parts, divisor])
+        if device_counts:
+            device_count_values = iter(count_values)
+            counts = [next(device_count_values) if isinstance(c, Tensor) else c for c in counts]
+        if device_skips:
+            device_skip_values = iter(skip_values)
+            skips = [next(device_skip_values) > 0 if isinstance(s, Tensor) else s
+                     for s in skips]
+        if self._grad_norm_unread is not None:
+            norm = math.sqrt(sum(part * part for part in part_values))
+            self._grad_norm = norm / divisor_value[0] if divisor_value else norm
+            self._grad_norm_unread = None
+
+        if math.isfinite(sum(loss_values)):  # the common case: one check for the window
+            non_finite = [False] * len(loss_values)
+        else:
+            non_finite = [first + i not in unchecked and not math.isfinite(loss)
+                          for i, loss in enumerate(loss_values)]
         if self.dp.size > 1:  # DDP spreads one rank's NaN gradients to every rank
             agreed = torch.tensor(non_finite, dtype=torch.float32, device=self.device)
             self.dp.all_reduce(agreed, ReduceOperation.MAX)
             non_finite = [flag > 0 for flag in agreed.tolist()]
-        return losses, host_counts, non_finite, skipped
+        return loss_values, counts, non_finite, [bool(s) for s in skips]
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -159,16 +194,22 @@ class StepLog:
         self.total_skipped, self._run = state["total_skipped"], state["run"]
         self._run_start = state["run_start"]
         self._losses, self._counts = list(state["losses"]), list(state["counts"])
-        self._unread = []
+        self._losses_unread, self._counts_unread, self._skips_unread = [], [], []
+        self._unchecked, self._grad_norm_unread, self._grad_norm = set(), None, None
 
 
 def _to_host(groups: list[list[Tensor]]) -> list[list[float]]:
     """The values of each group of scalar tensors, in one device-to-host copy."""
-    stacked = [torch.stack(group).reshape(-1) for group in groups if group]
-    if len(stacked) == 1:
-        flat = stacked[0].tolist()
+    tensors = [t for group in groups for t in group]
+    if not tensors:
+        return [[] for _ in groups]
+    first = tensors[0]
+    if all(t.dtype == first.dtype and t.shape == first.shape for t in tensors):
+        flat = torch.stack(tensors).tolist()  # the common case: one op
+        if first.dim() > 0:
+            flat = [value for values in flat for value in values]
     else:
-        flat = torch.cat([values.double() for values in stacked]).tolist()
+        flat = torch.cat([t.reshape(-1).double() for t in tensors]).tolist()
     out, start = [], 0
     for group in groups:
         out.append(flat[start:start + len(group)])

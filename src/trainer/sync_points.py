@@ -34,8 +34,8 @@ def publish(trainer: Trainer) -> None:
     if dp.size == 1:  # already on the host: no device op
         values["loss"] = _mean(window.loss_sum, window.num_targets)
         values["num_targets"] = window.num_targets
-    if trainer._grad_norm is not None:  # global already: no reduction
-        values["grad_norm"] = trainer._grad_norm.item()
+    if window.grad_norm is not None:  # global already: no reduction
+        values["grad_norm"] = window.grad_norm
     trainer.unit.derive_metrics(values)
 
     elapsed = time.perf_counter() - trainer._window_start

@@ -13,6 +13,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Generic, Literal
 
@@ -141,7 +142,6 @@ class Trainer(Generic[BatchT]):
         self._console = next((r for r in composite.recorders
                               if isinstance(r, ConsoleRecorder)), None)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._device_skip = gradients.supports_device_skip(optimizer)
         # Expert-parallel MoE weights (`_is_expert`) are not reduced by DDP/FSDP2 over dp:
         # the trainer reduces them over the gang of their replicas after backward.
         self._has_expert_params = any(getattr(p, "_is_expert", False) for p in self._params)
@@ -149,9 +149,14 @@ class Trainer(Generic[BatchT]):
             self.gangs.root, self.device, *fp16_loss_scale, growth_interval=fp16_loss_scale_window,
             dp_size=self.gangs.dp.size, num_accumulate=num_accumulate,
         ) if dtype == "fp16" else None
+        # A fused optimizer without a loss scale normalises, clips and skips on the device.
+        self._fused_step_path = gradients.supports_device_skip(optimizer) and self._scaler is None
         # One process, no loss scale: a one-micro-batch step knows its target count before
         # backward, which then takes the mean itself (see `gradients.mean_seed`).
         self._may_seed_mean = self.gangs.dp.size == 1 and self._scaler is None
+        overrides_zero_grad = type(optimizer).zero_grad is not Optimizer.zero_grad
+        self._zero_grad = (partial(optimizer.zero_grad, set_to_none=True)
+                           if overrides_zero_grad else self._set_grads_to_none)
         self._autocast_dtype = _DTYPES[dtype] if dtype != "fp32" and amp else None
         self._skips_non_finite = max_consecutive_non_finite > 0
         # Most units ignore the step number: skip the call then.
@@ -283,40 +288,27 @@ class Trainer(Generic[BatchT]):
     def _train_step(self, batches: list[BatchT]) -> None:
         if self._unit_wants_step_nr:
             self.unit.set_step_nr(self.step_nr)
-        loss, local_count, normalised = self._forward_backward(batches)
+        # Forward and backward of each micro-batch, on its summed loss.
+        if len(batches) == 1:
+            loss, local_count, normalised = self._micro_batch(batches[0], self._may_seed_mean)
+        else:
+            loss, local_count = self._accumulate(batches)
+            normalised = False
         if self._has_expert_params:
             reduce_expert_gradients(self.unit.model, self.gangs)
+        # Normalise by the step's global target count, clip, step (or skip) the optimizer.
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
-        divisor, overflow = self._normalise_and_clip(count, normalised)
-        self._optimizer_step(count, loss, local_count, overflow, divisor)
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _forward_backward(
-        self, batches: list[BatchT]
-    ) -> tuple[torch.Tensor, torch.Tensor | int, bool]:
-        """Backward of each micro-batch's summed loss. Returns the loss sum (detached), the
-        local target count, and whether backward already took the mean over the step's
-        targets."""
-        model = self.unit.model
-        loss_sum: torch.Tensor | None = None
-        local_count: torch.Tensor | int = 0
-        last = len(batches) - 1
-        normalised = False
-        for i, batch in enumerate(batches):
-            if i < last and isinstance(model, DDP):  # DDP reduces on the last micro-batch only
-                with model.no_sync():
-                    loss, num_targets, _ = self._micro_batch(batch, may_seed_mean=False)
-            else:
-                loss, num_targets, normalised = self._micro_batch(batch, last == 0)
-            detached = loss.detach()
-            loss_sum = detached if loss_sum is None else loss_sum + detached
-            local_count = local_count + num_targets
-        return loss_sum, local_count, normalised  # type: ignore[return-value]
+        if self._fused_step_path:
+            self._fused_step(loss, local_count, count, normalised)
+        else:
+            self._host_step(loss, local_count, count, normalised)
+        self._zero_grad()
 
     def _micro_batch(self, batch: BatchT, may_seed_mean: bool
                      ) -> tuple[torch.Tensor, torch.Tensor | int, bool]:
-        """Forward and backward of one micro-batch: (its summed loss, its target count,
-        whether backward took the mean: `may_seed_mean` when it is the step's only one)."""
+        """Forward and backward of one micro-batch: (its summed loss, detached; its target
+        count; whether backward took the mean, which `may_seed_mean` allows when it is the
+        step's only micro-batch and the step's count is this one)."""
         if self._autocast_dtype is None:
             loss, num_targets = self.unit(batch, self.metrics)
         else:
@@ -326,68 +318,80 @@ class Trainer(Generic[BatchT]):
             num_targets = 1
         if self._scaler is not None:
             self._scaler.scale_loss(loss).backward()
-        elif may_seed_mean and self._may_seed_mean and isinstance(num_targets, int):
+        elif may_seed_mean and isinstance(num_targets, int):
             loss.backward(gradients.mean_seed(num_targets, loss))
-            return loss, num_targets, True
+            return loss.detach(), num_targets, True
         else:
             loss.backward()
-        return loss, num_targets, False
+        return loss.detach(), num_targets, False
 
-    def _normalise_and_clip(
-        self, count: torch.Tensor | int, normalised: bool
-    ) -> tuple[torch.Tensor | None, bool]:
-        """Divide the gradients by the step's global target count (unless backward did),
-        clip, and measure the norm on publish steps. Returns (what a fused optimizer should
-        divide the gradients by, or None for nothing; whether fp16 gradients overflowed)."""
-        measure = self.max_gradient_norm is not None or self.step_nr % self.publish_every == 0
-        if self._device_skip and self._scaler is None:
-            # The fused kernel divides the gradients by the count and the clip coefficient
-            # (its grad_scale): no extra pass over the gradients.
-            divisor = None if normalised else gradients.normalisation_divisor(
-                self.gangs.dp.size, count, self.device)
-            if measure:
-                norm = gradients.gradient_norm(self._params, None)
-                self._grad_norm = norm if divisor is None else norm / divisor
-                if self.max_gradient_norm is not None:
-                    clip = gradients.clip_divisor(self._grad_norm, self.max_gradient_norm)
-                    divisor = clip if divisor is None else divisor * clip
-            return divisor, False
+    def _accumulate(self, batches: list[BatchT]) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """Forward and backward of several micro-batches: (their loss sum, their target
+        count). DDP reduces the gradients on the last one only."""
+        model = self.unit.model
+        loss_sum: torch.Tensor | None = None
+        local_count: torch.Tensor | int = 0
+        for i, batch in enumerate(batches):
+            if i < len(batches) - 1 and isinstance(model, DDP):
+                with model.no_sync():
+                    loss, num_targets, _ = self._micro_batch(batch, may_seed_mean=False)
+            else:
+                loss, num_targets, _ = self._micro_batch(batch, may_seed_mean=False)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+            local_count = local_count + num_targets
+        return loss_sum, local_count  # type: ignore[return-value]
+
+    def _fused_step(self, loss: torch.Tensor, local_count: torch.Tensor | int,
+                    count: torch.Tensor | int, normalised: bool) -> None:
+        """A fused optimizer normalises, clips and skips inside its kernel: it divides the
+        gradients by its `grad_scale` (the count, unless backward took the mean, and the clip
+        coefficient) and leaves everything untouched where its `found_inf` is set (a step
+        without targets, or a non-finite loss under a skip policy). No extra pass over the
+        gradients, no host sync: the flags are read at the next sync point (`StepLog`)."""
+        divisor = None if normalised else gradients.normalisation_divisor(
+            self.gangs.dp.size, count, self.device)
+        if self.max_gradient_norm is not None:
+            norm = gradients.gradient_norm(self._params, None)
+            norm = norm if divisor is None else norm / divisor
+            self.steps.log_grad_norm([norm])
+            clip = gradients.clip_divisor(norm, self.max_gradient_norm)
+            divisor = clip if divisor is None else divisor * clip
+        elif self.step_nr % self.publish_every == 0:  # measured for the record only
+            self.steps.log_grad_norm(gradients.gradient_norm_parts(self._params), divisor)
+        if not isinstance(count, torch.Tensor) and count == 0:  # known on the host: skip
+            self.steps.log(self.step_nr, loss, local_count, True, check_now=True)
+            return
+        skip = self.steps.non_finite_flag(loss) if self._skips_non_finite else None
+        if isinstance(count, torch.Tensor):  # a device count: 0 targets skips on the device
+            zero = (count == 0).float()
+            skip = zero if skip is None else torch.maximum(skip, zero)
+        if skip is None and divisor is None:  # the common case: nothing to hand over
+            self.optimizer.step()
+        else:
+            gradients.step_with_device_skip(self.optimizer, skip, divisor)
+        self.steps.log(self.step_nr, loss, local_count, False if skip is None else skip)
+        if self.lr_scheduler is not None:  # also on a step skipped on the device
+            self.lr_scheduler.step()
+
+    def _host_step(self, loss: torch.Tensor, local_count: torch.Tensor | int,
+                   count: torch.Tensor | int, normalised: bool) -> None:
+        """Normalise, unscale (fp16), clip; then step, unless the step has no target on any
+        rank, its fp16 gradients overflowed, or its loss is not finite: decided on the host
+        (one read a step), the same on every rank. Under the default non-finite policy a
+        fused optimizer leaves that check to the next sync point instead (`StepLog.check`)."""
         grads = [p.grad for p in self._params if p.grad is not None]
         if not normalised:
             gradients.scale_gradients(grads, self.gangs.dp.size, count)
         overflow = self._scaler.unscale_and_check(grads) if self._scaler else False
-        if measure:
-            self._grad_norm = gradients.gradient_norm(self._params, self.max_gradient_norm)
-        return None, overflow
-
-    def _optimizer_step(self, count: torch.Tensor | int, loss: torch.Tensor,
-                        local_count: torch.Tensor | int, overflow: bool,
-                        divisor: torch.Tensor | None) -> None:
-        """Step, unless the step has no target on any rank, fp16 gradients overflowed, or
-        (under a skip policy) its loss is not finite: then skip the optimizer on every rank.
-        A non-finite loss under the default policy stops the run at the next sync point
-        (`StepLog.check`). The step is logged either way, for that check and to publish."""
-        zero = count == 0
+        if self.max_gradient_norm is not None or self.step_nr % self.publish_every == 0:
+            self.steps.log_grad_norm([gradients.gradient_norm(self._params,
+                                                              self.max_gradient_norm)])
         if self._scaler is not None:  # fp16: the scaler's agreed overflow flag decides
             self._scaler.update(overflow, self.step_nr)
-            skip = overflow or bool(zero)
+            skip = overflow or bool(count == 0)
             self.steps.log(self.step_nr, loss, local_count, skip, check_loss=False)
-        elif self._device_skip and zero is not True:
-            # Decided on the device, no host sync: the flags are read at the next sync point.
-            flag = self.steps.non_finite_flag(loss) if self._skips_non_finite else None
-            if isinstance(zero, torch.Tensor):  # a device count: 0 targets skips on the device
-                flag = zero.float() if flag is None else torch.maximum(flag, zero.float())
-            if flag is None and divisor is None:  # the common case: nothing to hand over
-                self.optimizer.step()
-            else:
-                gradients.step_with_device_skip(self.optimizer, flag, divisor)
-            self.steps.log(self.step_nr, loss, local_count, False if flag is None else flag)
-            if self.lr_scheduler is not None:  # also on a step skipped on the device
-                self.lr_scheduler.step()
-            return
         else:
-            # A non-fused optimizer cannot skip on the device: one host read a step.
-            skip = bool(self.steps.non_finite_flag(loss)) or bool(zero)
+            skip = bool(self.steps.non_finite_flag(loss)) or bool(count == 0)
             self.steps.log(self.step_nr, loss, local_count, skip, check_now=skip)
         if skip:
             return
@@ -395,10 +399,16 @@ class Trainer(Generic[BatchT]):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
+    def _set_grads_to_none(self) -> None:
+        """`optimizer.zero_grad(set_to_none=True)` without its profiler range (~8 us a step
+        on the CPU): the one the trainer calls when the optimizer does not override it."""
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
     # -- publish, validate (in `sync_points`) -------------------------------------------
     def _reset_window(self) -> None:
         self._window_start = time.perf_counter()
-        self._grad_norm: torch.Tensor | None = None
 
     def _publish(self) -> None:
         sync_points.publish(self)

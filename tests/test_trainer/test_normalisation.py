@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Mapping
 from functools import partial
 
 import pytest
@@ -15,6 +16,7 @@ from toy import TokenUnit, collate, make_model, make_samples, reference_run
 
 from gangs import setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
+from trainer.recorders import MetricRecorder
 from trainer.trainer import Trainer
 
 # Global micro-batches: sizes vary; sample 4 and the whole micro-batch 5 have no targets.
@@ -48,26 +50,40 @@ def optimizers(kind):
     return partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1, fused=True)
 
 
-def run_trainer(num_accumulate, opt_kind, mean=False, host_count=False):
+class ListRecorder(MetricRecorder):
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def record(self, section: str, step_nr: int, values: Mapping[str, float]) -> None:
+        self.rows.append((step_nr, dict(values)))
+
+
+def run_trainer(num_accumulate, opt_kind, mean=False, host_count=False, max_norm=None,
+                rows=None):
     root = setup_root_gang()
     gangs = setup_gangs(root)
     model = data_parallel(make_model(0), gangs)
     opt = optimizers(opt_kind)(model.parameters())
     reader = [collate(shard(mb, gangs.dp.rank, gangs.dp.size)) for mb in global_micro_batches()]
+    recorder = ListRecorder()
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(TokenUnit(model, mean=mean, host_count=host_count), reader, opt, output_dir=out, gangs=gangs,
                           num_accumulate=num_accumulate, max_num_data_epochs=1,
-                          publish_metrics_every_n_steps=2, progress=False, recorders=[])
+                          publish_metrics_every_n_steps=2, max_gradient_norm=max_norm,
+                          progress=False, recorders=[recorder])
         result = trainer.run()
     inner = model.module if hasattr(model, "module") else model
+    if rows is not None:
+        return recorder.rows
     return ({k: v.detach().clone() for k, v in inner.state_dict().items()},
             result.num_steps, result.num_skipped_steps)
 
 
-def reference(num_accumulate, opt_kind, mean=False):
+def reference(num_accumulate, opt_kind, mean=False, max_norm=None, curve=None):
     mbs = global_micro_batches()
     steps = [mbs[i : i + num_accumulate] for i in range(0, len(mbs), num_accumulate)]
-    return reference_run(steps, optimizers(opt_kind), mean_of_means=mean), len(steps)
+    return reference_run(steps, optimizers(opt_kind), mean_of_means=mean, max_norm=max_norm,
+                         curve=curve), len(steps)
 
 
 def assert_same(params, expected):
@@ -147,3 +163,37 @@ def _unwrapped_fails():
 def test_unwrapped_model_with_dp_fails_at_construction():
     for msg in run_ranks(_unwrapped_fails, world_size=2):
         assert msg is not None and "data_parallel(" in msg and "2 ranks" in msg
+
+
+def published(num_accumulate, opt_kind, host_count, max_norm):
+    """Rank 0's train records (every 2 steps and at the end)."""
+    return run_trainer(num_accumulate, opt_kind, host_count=host_count, max_norm=max_norm,
+                       rows=True)
+
+
+# The published loss is the target-weighted mean over the steps since the last publish, and
+# grad_norm the norm of the last step's mean-loss gradient before clipping: both global.
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("max_norm", [None, 0.05], ids=["no_clip", "clip"])
+@pytest.mark.parametrize("host_count", [False, True], ids=["device_count", "host_count"])
+@pytest.mark.parametrize("opt_kind", ["adamw", "adamw_fused"])
+@pytest.mark.parametrize("num_accumulate", [1, 3])
+def test_published_loss_and_grad_norm_match_the_loop(num_accumulate, opt_kind, host_count,
+                                                     max_norm, world_size):
+    job = partial(published, num_accumulate, opt_kind, host_count, max_norm)
+    rows = job() if world_size == 1 else run_ranks(job, world_size=2)[0]
+    curve: list = []
+    reference(num_accumulate, opt_kind, max_norm=max_norm, curve=curve)
+    assert [step for step, _ in rows] == sorted({*range(2, len(curve) + 1, 2), len(curve)})
+    start = 0
+    for step_nr, values in rows:
+        window = curve[start:step_nr]
+        loss_sum, count = sum(w[0] for w in window), sum(w[1] for w in window)
+        assert values["loss"] == pytest.approx(loss_sum / count, rel=1e-6), step_nr
+        assert values["num_targets"] == count
+        measured = step_nr % 2 == 0 or max_norm is not None  # else no norm to publish
+        assert ("grad_norm" in values) == measured, step_nr
+        if measured:
+            assert values["grad_norm"] == pytest.approx(window[-1][2], rel=1e-5), step_nr
+        start = step_nr
+    assert max(w[2] for w in curve) > 0.05  # the clip test clips some steps

@@ -203,6 +203,28 @@ def test_hot_loop_has_no_host_sync_outside_publish(tmp_path):
     assert len(publish_syncs) == 2 and all(n > 0 for n in publish_syncs)
 
 
+class FlatGradAdamW(torch.optim.AdamW):
+    """An optimizer with its own zero_grad (as one keeping gradients in a flat buffer would
+    have): the trainer must call it, not clear the gradients itself."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.zero_grad_calls = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grad_calls.append(set_to_none)
+        super().zero_grad(set_to_none)
+
+
+def test_gradients_are_cleared_by_an_optimizer_that_overrides_zero_grad(tmp_path):
+    model = make_model()
+    opt = FlatGradAdamW(model.parameters(), lr=0.01)
+    Trainer(TokenUnit(model), reader(), opt, output_dir=tmp_path, max_num_steps=6,
+            recorders=[]).run()
+    assert opt.zero_grad_calls == [True] * 6
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -3,6 +3,8 @@ independent reference: a hand-written full-batch loop (no trainer code)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,15 +59,23 @@ class TokenUnit(TrainUnit):
 
 
 def reference_run(steps: list[list], make_optimizer, seed: int = 0, mean_of_means=False,
-                  skip_empty=True):
+                  skip_empty=True, max_norm: float | None = None, curve: list | None = None):
     """`steps[k]` is the list of micro-batches (each a list of samples) of global step k.
 
     The gradient of each step is that of the mean loss over every target of the step (or,
-    for mean_of_means, the mean over micro-batches of each micro-batch's mean)."""
+    for mean_of_means, the mean over micro-batches of each micro-batch's mean), clipped to
+    `max_norm`. `curve` receives each step's (loss sum, target count, gradient norm before
+    clipping)."""
     model = make_model(seed)
     opt = make_optimizer(model.parameters())
     for micro_batches in steps:
         opt.zero_grad()
+        if curve is not None and not mean_of_means:
+            x, y = collate([s for mb in micro_batches for s in mb])
+            with torch.no_grad():
+                loss_sum = F.cross_entropy(model(x).flatten(0, 1), y.flatten(),
+                                           ignore_index=PAD, reduction="sum")
+            curve.append([loss_sum.item(), int((y != PAD).sum()), 0.0])
         if mean_of_means:
             losses = []
             for mb in micro_batches:
@@ -82,5 +92,9 @@ def reference_run(steps: list[list], make_optimizer, seed: int = 0, mean_of_mean
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=PAD,
                                    reduction="sum") / n
             loss.backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else math.inf)
+        if curve is not None:
+            curve[-1][2] = norm.item()
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
