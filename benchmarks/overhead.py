@@ -11,9 +11,13 @@ trained by
 * the `Trainer` with its defaults: metrics published every 10 steps to JSONL, TensorBoard
   and the console recorder (``recorders=None, progress=True``; the bar is live only on a
   terminal), no validation, ``output_dir`` a temporary directory. Its unit returns
-  ``(loss_sum, num_targets)`` with ``num_targets`` a Python int, so both do the same math.
+  ``(loss_sum, num_targets)`` with ``num_targets`` a Python int, so both do the same math;
+* the loop again, clearing the gradients as the trainer does (``grad = None`` for each
+  parameter instead of ``optimizer.zero_grad(set_to_none=True)``, which goes through
+  ``torch._disable_dynamo`` and a profiler range): the trainer/this-loop ratio is the cost
+  the trainer adds, apart from what it saves there.
 
-The two alternate in one process (``--reps`` short repetitions after a warm-up, the order
+They alternate in one process (``--reps`` short repetitions after a warm-up, the order
 flipped every repetition: many short runs rather than a few long ones, so that both see
 the same machine). Time is stamped at each batch drawn from the data reader and
 cut into windows of 10 steps, aligned so that each trainer window holds one publish. In
@@ -71,13 +75,14 @@ class Size:
     steps: int  # per repetition
     reps: int
     target: float  # the trainer/loop ratio we aim for
+    own_cost: bool  # also run the loop that clears gradients as the trainer does
 
 
 SIZES = {
     "small": Size("small", batch=96, inputs=128, hidden=256, layers=1, classes=10, steps=300,
-                  reps=24, target=1.05),
-    "large": Size("large", batch=176, inputs=512, hidden=1024, layers=2, classes=10, steps=60,
-                  reps=20, target=1.01),
+                  reps=24, target=1.05, own_cost=True),
+    "large": Size("large", batch=176, inputs=512, hidden=1024, layers=2, classes=10, steps=41,
+                  reps=30, target=1.01, own_cost=False),
 }
 NUM_DISTINCT_BATCHES = 16
 PUBLISH_EVERY = 10  # the trainer's default publish_metrics_every_n_steps
@@ -153,6 +158,20 @@ def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer, reader: TimedRe
         optimizer.zero_grad(set_to_none=True)
 
 
+def run_loop_grads_to_none(model: nn.Module, optimizer: torch.optim.Optimizer,
+                           reader: TimedReader) -> None:
+    """The loop, clearing gradients as the trainer does: `optimizer.zero_grad` goes through
+    `torch._disable_dynamo` and a profiler range, ~30 us a step at this size."""
+    model.train()
+    for x, y in reader:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+
 def run_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, reader: TimedReader,
                 show_console: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="gangtrain-overhead-") as output_dir:
@@ -182,25 +201,31 @@ def one_run(kind: str, size: Size, batches: list[Batch], steps: int,
     reader = TimedReader(batches, steps)
     gc.collect()
     started = time.perf_counter()
-    if kind == "loop":
-        run_loop(model, optimizer, reader)
-    else:
+    if kind == "trainer":
         run_trainer(model, optimizer, reader, show_console)
+    else:
+        LOOPS[kind](model, optimizer, reader)
     total = time.perf_counter() - started
     return reader.window_step_s(), reader.per_step_s(), total
+
+
+LOOPS = {"loop": run_loop, "loop_grads_to_none": run_loop_grads_to_none}
+KINDS = ("loop", "trainer", "loop_grads_to_none")
 
 
 def measure_time(size: Size, reps: int, show_console: bool) -> None:
     batches = build_batches(size)
     warmup = max(20, size.steps // 5)
-    for kind in ("loop", "trainer"):  # imports, lazy TensorBoard writer, allocator warm-up
+    kinds = KINDS if size.own_cost else KINDS[:2]
+    for kind in kinds:  # imports, lazy TensorBoard writer, allocator warm-up
         one_run(kind, size, batches, warmup, show_console)
-    windows: dict[str, list[float]] = {"loop": [], "trainer": []}
-    per_step: dict[str, list[float]] = {"loop": [], "trainer": []}
-    totals: dict[str, list[float]] = {"loop": [], "trainer": []}
-    paired: list[float] = []  # trainer / loop of the two runs of one repetition
+    windows: dict[str, list[float]] = {kind: [] for kind in kinds}
+    per_step: dict[str, list[float]] = {kind: [] for kind in kinds}
+    totals: dict[str, list[float]] = {kind: [] for kind in kinds}
+    loops = [kind for kind in kinds if kind != "trainer"]
+    paired: dict[str, list[float]] = {kind: [] for kind in loops}  # trainer / loop, per rep
     for rep in range(reps):
-        order = ("loop", "trainer") if rep % 2 == 0 else ("trainer", "loop")
+        order = kinds if rep % 2 == 0 else kinds[::-1]
         rep_median: dict[str, float] = {}
         for kind in order:
             window_s, step_s, total_s = one_run(kind, size, batches, size.steps, show_console)
@@ -208,11 +233,11 @@ def measure_time(size: Size, reps: int, show_console: bool) -> None:
             per_step[kind].append(step_s)
             totals[kind].append(total_s)
             rep_median[kind] = statistics.median(window_s)
-        paired.append(rep_median["trainer"] / rep_median["loop"])
-    loop_ms = statistics.median(windows["loop"]) * 1e3
-    trainer_ms = statistics.median(windows["trainer"]) * 1e3
-    ratio = statistics.median(paired)
-    pooled_ratio = trainer_ms / loop_ms
+        for loop in loops:
+            paired[loop].append(rep_median["trainer"] / rep_median[loop])
+    ms = {kind: statistics.median(windows[kind]) * 1e3 for kind in kinds}
+    ratio = statistics.median(paired["loop"])
+    pooled_ratio = ms["trainer"] / ms["loop"]
     mean_ratio = statistics.median(per_step["trainer"]) / statistics.median(per_step["loop"])
     fixed_ms = statistics.median(
         (t - s * size.steps) - (lt - ls * size.steps)
@@ -220,10 +245,17 @@ def measure_time(size: Size, reps: int, show_console: bool) -> None:
                                 per_step["loop"])
     ) * 1e3
     approx = "~0.5 ms/step" if size.name == "small" else "~20 ms/step"
-    print(f"overhead {size.name} ({approx}): loop {loop_ms:.3f} ms, trainer {trainer_ms:.3f} ms, "
-          f"ratio {ratio:.3f} (target <= {size.target}; median over {reps} reps x "
-          f"{size.steps} steps of the paired ratio of median {PUBLISH_EVERY}-step windows; "
-          f"pooled windows {pooled_ratio:.3f}, whole-run means {mean_ratio:.3f})", flush=True)
+    print(f"overhead {size.name} ({approx}): loop {ms['loop']:.3f} ms, trainer "
+          f"{ms['trainer']:.3f} ms, ratio {ratio:.3f} (target <= {size.target}; median over "
+          f"{reps} reps x {size.steps} steps of the paired ratio of median {PUBLISH_EVERY}-step "
+          f"windows; pooled windows {pooled_ratio:.3f}, whole-run means {mean_ratio:.3f})",
+          flush=True)
+    if size.own_cost:
+        own_ratio = statistics.median(paired["loop_grads_to_none"])
+        print(f"  the trainer's own cost: vs the loop clearing gradients as the trainer does "
+              f"(grad = None, not optimizer.zero_grad; {ms['loop_grads_to_none']:.3f} ms): "
+              f"ratio {own_ratio:.3f}, {(ms['trainer'] - ms['loop_grads_to_none']) * 1e3:+.0f} "
+              "us a step", flush=True)
     print(f"  fixed cost per trainer run (construction, setup, last publish, close): "
           f"{fixed_ms:.1f} ms", flush=True)
 
@@ -282,10 +314,10 @@ def measure_memory(size: Size, steps: int, reps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per "
-                        "variant (default: 24 small, 20 large)")
+                        "variant (default: 24 small, 30 large)")
     parser.add_argument("--sizes", default="small,large", help="comma-separated: small,large")
     parser.add_argument("--steps", type=int, default=None, help="steps a repetition "
-                        "(default: 300 small, 60 large)")
+                        "(default: 300 small, 41 large: 4 windows)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory figure")
