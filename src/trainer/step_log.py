@@ -147,8 +147,9 @@ class StepLog:
         return len(self._losses) + len(self._losses_unread)
 
     def _read(self) -> tuple[list[float], list[float], list[bool], list[bool]]:
-        """(losses, counts, non-finite on any DP rank, skipped) of each unread step, and the
-        gradient norm: every device value goes to the host in one copy."""
+        """(losses, counts, non-finite on any DP rank, skipped) of each unread step; the
+        logged gradient norm is read with them (into `_grad_norm`): every device value goes
+        to the host in one copy."""
         losses, counts, skips = self._losses_unread, self._counts_unread, self._skips_unread
         first, unchecked = self._first_unread, self._unchecked
         self._losses_unread, self._counts_unread, self._skips_unread = [], [], []

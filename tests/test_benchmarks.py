@@ -1,0 +1,25 @@
+"""The overhead benchmark runs end to end and prints its figures (its numbers are judged by
+running it, not here: timings do not belong in tests)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_overhead_benchmark_prints_its_ratios():
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.overhead", "--sizes", "small", "--reps", "1",
+         "--steps", "21", "--no-memory"],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=120,
+    ).stdout
+    ratio = re.search(r"overhead small .* ratio (\d+\.\d+) \(target <= 1.05", out)
+    own = re.search(r"the trainer's own cost: .* ratio (\d+\.\d+)", out)
+    assert ratio and own, out
+    # A trainer that did something heavy per step (a host sync, a recorder write) would be
+    # several times slower at this size; a broken loop would be instant.
+    assert 0.5 < float(ratio.group(1)) < 3.0 and 0.5 < float(own.group(1)) < 3.0, out
