@@ -154,7 +154,8 @@ class StepLog:
         first, unchecked = self._first_unread, self._unchecked
         self._losses_unread, self._counts_unread, self._skips_unread = [], [], []
         self._unchecked = set()
-        norm_parts, norm_divisor = self._grad_norm_unread or ([], None)
+        pending_norm, self._grad_norm_unread = self._grad_norm_unread, None
+        norm_parts, norm_divisor = pending_norm or ([], None)
 
         device_counts = [c for c in counts if isinstance(c, Tensor)]
         device_skips = [s for s in skips if isinstance(s, Tensor)]
@@ -168,10 +169,9 @@ class StepLog:
             device_skip_values = iter(skip_values)
             skips = [next(device_skip_values) > 0 if isinstance(s, Tensor) else s
                      for s in skips]
-        if self._grad_norm_unread is not None:
+        if pending_norm is not None:
             norm = math.sqrt(sum(part * part for part in part_values))
             self._grad_norm = norm / divisor_value[0] if divisor_value else norm
-            self._grad_norm_unread = None
 
         if math.isfinite(sum(loss_values)):  # the common case: one check for the window
             non_finite = [False] * len(loss_values)

@@ -383,9 +383,11 @@ class Trainer(Generic[BatchT]):
         if not normalised:
             gradients.scale_gradients(grads, self.gangs.dp.size, count)
         overflow = self._scaler.unscale_and_check(grads) if self._scaler else False
-        if self.max_gradient_norm is not None or self.step_nr % self.publish_every == 0:
+        if self.max_gradient_norm is not None:
             self.steps.log_grad_norm([gradients.gradient_norm(self._params,
                                                               self.max_gradient_norm)])
+        elif self.step_nr % self.publish_every == 0:  # measured for the record only
+            self.steps.log_grad_norm(gradients.gradient_norm_parts(self._params))
         if self._scaler is not None:  # fp16: the scaler's agreed overflow flag decides
             self._scaler.update(overflow, self.step_nr)
             skip = overflow or bool(count == 0)

@@ -59,7 +59,7 @@ class ListRecorder(MetricRecorder):
 
 
 def run_trainer(num_accumulate, opt_kind, mean=False, host_count=False, max_norm=None,
-                rows=None):
+                return_rows=False):
     root = setup_root_gang()
     gangs = setup_gangs(root)
     model = data_parallel(make_model(0), gangs)
@@ -73,7 +73,7 @@ def run_trainer(num_accumulate, opt_kind, mean=False, host_count=False, max_norm
                           progress=False, recorders=[recorder])
         result = trainer.run()
     inner = model.module if hasattr(model, "module") else model
-    if rows is not None:
+    if return_rows:  # rank 0's train records
         return recorder.rows
     return ({k: v.detach().clone() for k, v in inner.state_dict().items()},
             result.num_steps, result.num_skipped_steps)
@@ -168,7 +168,7 @@ def test_unwrapped_model_with_dp_fails_at_construction():
 def published(num_accumulate, opt_kind, host_count, max_norm):
     """Rank 0's train records (every 2 steps and at the end)."""
     return run_trainer(num_accumulate, opt_kind, host_count=host_count, max_norm=max_norm,
-                       rows=True)
+                       return_rows=True)
 
 
 # The published loss is the target-weighted mean over the steps since the last publish, and
