@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from trainer.config import AdamWConfig, TrainerConfig
-from trainer.early_stoppers import EarlyStopperConfig
+from trainer.early_stopper_config import EarlyStopperConfig
 
 
 class _Section(BaseModel):

@@ -14,7 +14,7 @@ from gangs import setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
 from recipes.classify.config import ClassifyConfig
 from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
-from trainer.early_stoppers import build_early_stopper
+from trainer.early_stopper_config import build_early_stopper
 from trainer.errors import UserError
 from trainer.result import TrainResult
 from units.classification import ClassificationEvalUnit, ClassificationUnit

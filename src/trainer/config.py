@@ -1,4 +1,5 @@
-"""`TrainerConfig`: the Trainer's settings as a pydantic model, for recipes and YAML."""
+"""`TrainerConfig`: the Trainer's settings as a pydantic model, for recipes and YAML, and
+`AdamWConfig`, the optimizer section both recipes share."""
 
 from __future__ import annotations
 
@@ -7,16 +8,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs
 from gangs.parallel import param_groups
-from trainer.early_stoppers import EarlyStopperConfig, build_early_stopper
+from trainer.early_stopper_config import EarlyStopperConfig, build_early_stopper
 from trainer.errors import UserError
 from trainer.recorders import MetricRecorder
+from trainer.settings import TrainerSettings
+from trainer.trainer import Trainer
 from units import EvalUnit, TrainUnit
 
 
@@ -38,41 +41,16 @@ class AdamWConfig(BaseModel):
                                  eps=self.eps, weight_decay=self.weight_decay, fused=self.fused)
 
 
-class TrainerConfig(BaseModel):
-    """The same names and meaning as the `Trainer` keywords (see `trainer.trainer`)."""
+class TrainerConfig(TrainerSettings):
+    """The Trainer's settings (`TrainerSettings`, the same names and meaning as the Trainer
+    keywords) plus what a config file names instead of passing objects: the early stopper
+    and the data-parallel wrapping. `build` makes the Trainer."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    max_num_steps: PositiveInt | None = None
-    max_num_data_epochs: PositiveInt | None = None
-    num_accumulate: PositiveInt = 1
-    validate_every_n_steps: PositiveInt | None = None
-    validate_at_start: bool = False
-    validate_at_end: bool = True
-    checkpoint_every_n_steps: PositiveInt | None = None
-    keep_last_n_checkpoints: PositiveInt | None = None
-    keep_best_n_checkpoints: PositiveInt | None = None
-    async_checkpoint: bool = False
-    score_metric: str | None = None
-    lower_better: bool = True
-    early_stopper: EarlyStopperConfig | None = None
-    publish_metrics_every_n_steps: PositiveInt = 10
-    max_gradient_norm: float | None = Field(default=None, gt=0)
-    amp: bool = True
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    fp16_loss_scale: tuple[float, float] = (2.0**15, 1e-4)
-    """(initial scale, minimum scale) of the dynamic fp16 loss scaler."""
-    fp16_loss_scale_window: PositiveInt | None = None
-    """Clean steps before the scale doubles; default 2**14 / (dp size * num_accumulate)."""
-    max_consecutive_non_finite: int = Field(default=0, ge=0)
-    """0: a non-finite loss stops the run at the next publish/validate/checkpoint, naming its
-    step; N > 0: such steps are skipped on the device, and N + 1 in a row stop the run."""
-    anomaly_detection: bool = False
-    seed: int = 2
-    data_parallel: Literal["ddp", "fsdp"] = "ddp"
-    compile_model: bool = False
-    progress: bool = True
-    wandb_project: str | None = None
+    early_stopper: EarlyStopperConfig | None = Field(None, description=(
+        "A built-in stopper by name ({name: patience, patience: 5}) or an import path "
+        "'pkg.mod:function'; see trainer.early_stopper_config."))
+    data_parallel: Literal["ddp", "fsdp"] = Field("ddp", description=(
+        "How the recipe wraps the model over the DP gang: DDP or FSDP2."))
 
     def build(
         self,
@@ -87,17 +65,15 @@ class TrainerConfig(BaseModel):
         valid_data_readers: Sequence[Iterable[Any]] = (),
         resume: bool = True,
         recorders: Sequence[MetricRecorder] | None = None,
-    ):
+    ) -> Trainer[Any]:
         """The Trainer; a setting it refuses becomes a `UserError` naming `trainer.<field>`."""
-        from trainer.trainer import Trainer
-
-        settings = self.model_dump(exclude={"early_stopper", "data_parallel"})
-        settings["early_stopper"] = build_early_stopper(self.early_stopper, self.lower_better)
+        settings = {name: getattr(self, name) for name in TrainerSettings.model_fields}
         try:
             return Trainer(
                 unit, data_reader, optimizer, output_dir=output_dir, gangs=gangs,
                 lr_scheduler=lr_scheduler, valid_units=valid_units,
                 valid_data_readers=valid_data_readers, resume=resume, recorders=recorders,
+                early_stopper=build_early_stopper(self.early_stopper, self.lower_better),
                 **settings,
             )
         except ValueError as ex:

@@ -70,7 +70,7 @@ class DataPosition(Generic[BatchT]):
             state["reader"] = self.reader.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any], step_nr: int) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch_nr = state["epoch_nr"]
         self._epoch_batches = state["epoch_batches"]
         self.ended = state["ended"]
@@ -78,7 +78,6 @@ class DataPosition(Generic[BatchT]):
             self.reader.load_state_dict(state["reader"])
         elif state["in_epoch"]:
             log.warning("the data reader has no state_dict/load_state_dict: the resumed run "
-                        "starts its epoch from the beginning, not where step %d left it",
-                        step_nr)
+                        "starts its epoch from the beginning, not where it was left")
         # Continue the interrupted epoch; a reader that was between epochs starts the next.
         self._iter = iter(self.reader) if state["in_epoch"] else None

@@ -12,7 +12,7 @@ In YAML, ``EarlyStopperConfig`` selects a built-in by name or a user function by
 
 The direction (``lower_better``) of the built-ins always comes from the trainer's setting, so
 that it cannot disagree with the score it judges. The policies themselves are in
-`trainer.early_stoppers`, which re-exports the names of this module.
+`trainer.early_stoppers`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,19 @@ import difflib
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainer.early_stoppers import (
+    AnyOf,
+    Divergence,
+    EarlyStopper,
+    NonFinite,
+    Patience,
+    Threshold,
+)
 from trainer.errors import UserError
-
-if TYPE_CHECKING:
-    from trainer.early_stoppers import EarlyStopper
 
 __all__ = ["EarlyStopperConfig", "build_early_stopper"]
 
@@ -54,10 +59,10 @@ class _UserStopper:
         return self.label
 
 
-# Config keys of each built-in -> keyword of its constructor. `lower_better` is left out on
-# purpose: it comes from the trainer. `patience` keeps its own name as the key for `n`.
+# Config keys of each built-in (the keywords of its constructor). `lower_better` is left out
+# on purpose: it comes from the trainer.
 _BUILTIN_KWARGS: dict[str, dict[str, str]] = {
-    "patience": {"patience": "n", "min_delta": "min_delta"},
+    "patience": {"patience": "patience", "min_delta": "min_delta"},
     "threshold": {"value": "value"},
     "divergence": {"value": "value"},
     "non_finite": {},
@@ -66,18 +71,12 @@ _BUILTIN_KWARGS: dict[str, dict[str, str]] = {
 _BUILTIN_REQUIRED = {"patience": ("patience",), "threshold": ("value",), "divergence": ("value",)}
 
 
-def _builtin_factory(name: str) -> Callable[..., EarlyStopper]:
-    # Imported here, not at the top: trainer.early_stoppers imports this module to re-export
-    # its names, so a top-level import would be circular.
-    from trainer.early_stoppers import Divergence, NonFinite, Patience, Threshold
-
-    factories: dict[str, Callable[..., EarlyStopper]] = {
-        "patience": Patience,
-        "threshold": Threshold,
-        "divergence": Divergence,
-        "non_finite": NonFinite,
-    }
-    return factories[name]
+_BUILTIN_FACTORIES: dict[str, Callable[..., EarlyStopper]] = {
+    "patience": Patience,
+    "threshold": Threshold,
+    "divergence": Divergence,
+    "non_finite": NonFinite,
+}
 
 
 def _import_object(path: str) -> Any:
@@ -228,7 +227,7 @@ class EarlyStopperConfig(BaseModel):
 
 def _build_builtin(config: EarlyStopperConfig, lower_better: bool) -> EarlyStopper:
     renamed = {_BUILTIN_KWARGS[config.name][key]: value for key, value in config.kwargs.items()}
-    factory = _builtin_factory(config.name)
+    factory = _BUILTIN_FACTORIES[config.name]
     if config.name == "non_finite":
         return factory()
     return factory(**renamed, lower_better=lower_better)
@@ -245,8 +244,6 @@ def build_early_stopper(
     if config is None:
         return None
     if config.name == "any_of":
-        from trainer.early_stoppers import AnyOf  # not at the top: see _builtin_factory
-
         assert config.stoppers  # checked by the config validator
         children = [build_early_stopper(child, lower_better) for child in config.stoppers]
         return AnyOf(*[child for child in children if child is not None])

@@ -49,7 +49,7 @@ def gradient_norm(params: list[Tensor], max_norm: float | None) -> Tensor:
     if not any(isinstance(g, DTensor) for g in grads):
         if max_norm is None:  # the norm alone: no clipping pass over every gradient
             # get_total_norm's grouping by device and dtype in Python costs as much again.
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # noqa: SLF001 (torch's foreach norm)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     # Tensor/FSDP2/expert parallelism mix plain tensors and DTensors of several meshes, which
     # one foreach op refuses: norm each kind apart (a DTensor's norm reduced over its mesh),
@@ -74,7 +74,7 @@ def gradient_norm_parts(params: list[Tensor]) -> list[Tensor]:
     grads = [p.grad for p in params if p.grad is not None]
     if any(isinstance(g, DTensor) for g in grads):
         return [gradient_norm(params, None)]
-    return list(torch._foreach_norm(grads)) if grads else []
+    return list(torch._foreach_norm(grads)) if grads else []  # noqa: SLF001 (torch's foreach norm)
 
 
 def _local(grads: list[Tensor]) -> list[Tensor]:

@@ -1,67 +1,142 @@
-"""The Trainer's settings checks: every mistake is caught at construction, before any step
-runs, with a message that names the setting (TNT PR #826 crashed at run time instead)."""
+"""`TrainerSettings`: every setting of the Trainer, defined once.
+
+Name, type, default, validation and a one-line description live here, and nowhere else:
+`Trainer(**settings)` validates its keywords with this model, `TrainerConfig` (YAML, recipes)
+extends it, and `help(Trainer)` lists these descriptions. Every mistake is caught at
+construction, before any step runs, with a message that names the setting (TNT PR #826
+crashed at run time instead).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import difflib
+from typing import Any, Literal
 
-from torch import nn
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gangs.parallel import is_data_parallel
-
-PRECISIONS = ("bf16", "fp16", "fp32")
-
-
-def check_positive(**settings: float | None) -> None:
-    for name, value in settings.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+Precision = Literal["fp32", "bf16", "fp16"]
 
 
-def check_precision(dtype: str, max_gradient_norm: float | None) -> None:
-    if max_gradient_norm is not None and max_gradient_norm <= 0:
-        raise ValueError(f"max_gradient_norm must be > 0, got {max_gradient_norm}")
-    if dtype not in PRECISIONS:
-        raise ValueError(f"dtype must be one of {list(PRECISIONS)}, got {dtype!r}")
+class TrainerSettings(BaseModel):
+    """The Trainer's settings (see each field's description)."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    # -- how long ------------------------------------------------------------------------
+    max_num_steps: int | None = Field(None, ge=1, description=(
+        "Stop after this many optimizer steps (skipped steps count). None: no limit."))
+    max_num_data_epochs: int | None = Field(None, ge=1, description=(
+        "Stop after this many passes over the data reader. None: until the reader is spent "
+        "(an epoch that yields nothing) or another limit."))
+    num_accumulate: int = Field(1, ge=1, description=(
+        "Micro-batches drawn per step; the step's gradient is that of the mean loss over "
+        "every target of all of them on all DP ranks. The last window of an epoch may be "
+        "shorter."))
+    # -- validation and scores -------------------------------------------------------------
+    validate_every_n_steps: int | None = Field(None, ge=1, description=(
+        "Run the valid units every this many steps (needs valid_units)."))
+    validate_at_start: bool = Field(False, description="Also validate before the first step.")
+    validate_at_end: bool = Field(True, description=(
+        "Validate the final step when it was not a scheduled validation step."))
+    score_metric: str | None = Field(None, description=(
+        "The validation metric that scores a step, '<valid unit name>/<metric>' "
+        "(e.g. 'valid/loss'); needed by keep_best_n_checkpoints and early_stopper."))
+    lower_better: bool = Field(True, description=(
+        "Direction of score_metric; the built-in early stoppers take it from here."))
+    # -- checkpoints -----------------------------------------------------------------------
+    checkpoint_every_n_steps: int | None = Field(None, ge=1, description=(
+        "Save a checkpoint every this many steps (and at the end); None: no checkpoints, "
+        "no resume."))
+    keep_last_n_checkpoints: int | None = Field(None, ge=1, description=(
+        "Retention: keep the newest N checkpoints (a union with keep_best; the newest is "
+        "always kept). None with keep_best unset: keep all."))
+    keep_best_n_checkpoints: int | None = Field(None, ge=1, description=(
+        "Retention: keep the N best-scoring checkpoints; every checkpoint step must be a "
+        "validation step (checkpoint_every_n_steps a multiple of validate_every_n_steps)."))
+    async_checkpoint: bool = Field(False, description=(
+        "Write checkpoints on a background thread from a host copy; training goes on."))
+    # -- the step --------------------------------------------------------------------------
+    max_gradient_norm: float | None = Field(None, gt=0, description=(
+        "Clip the global L2 norm of the (normalised, unscaled) gradients to this."))
+    amp: bool = Field(True, description=(
+        "Run the unit's forward under torch.autocast with `dtype` (bf16/fp16). Validation "
+        "runs without autocast."))
+    dtype: Precision = Field("fp32", description=(
+        "Training precision: 'fp32', 'bf16' (autocast) or 'fp16' (autocast and a dynamic "
+        "loss scale)."))
+    fp16_loss_scale: tuple[float, float] = Field((2.0**15, 1e-4), description=(
+        "(initial, minimum) dynamic fp16 loss scale; falling below the minimum is an error."))
+    fp16_loss_scale_window: int | None = Field(None, ge=1, description=(
+        "Clean steps before the fp16 scale doubles; default 2**14 / (dp size * "
+        "num_accumulate)."))
+    max_consecutive_non_finite: int = Field(0, ge=0, description=(
+        "0: a non-finite loss or gradient stops the run with an error naming the step, "
+        "before anything is saved. N > 0: such steps are skipped, and N + 1 in a row stop "
+        "the run."))
+    anomaly_detection: bool = Field(False, description=(
+        "torch.autograd.detect_anomaly around the run (slow; for debugging)."))
+    compile_model: bool = Field(False, description=(
+        "torch.compile the unit's model (the module inside DDP, never the wrapper)."))
+    seed: int | None = Field(2, description=(
+        "Seed of torch, numpy and random (plus the rank). None: leave them as they are."))
+    # -- output ------------------------------------------------------------------------
+    publish_metrics_every_n_steps: int = Field(10, ge=1, description=(
+        "Sync and record the train metrics every this many steps (the only per-step host "
+        "reads happen then)."))
+    progress: bool = Field(True, description="Show the rich progress bar on rank 0.")
+    wandb_project: str | None = Field(None, description=(
+        "Also record to Weights & Biases under this project (pip install gangtrain[wandb]; "
+        "WANDB_MODE=offline works)."))
+
+    @model_validator(mode="after")
+    def _check_checkpoint_needs(self) -> TrainerSettings:
+        if self.checkpoint_every_n_steps is None:
+            for name in ("keep_last_n_checkpoints", "keep_best_n_checkpoints"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs checkpoint_every_n_steps")
+            return self
+        every, validate = self.checkpoint_every_n_steps, self.validate_every_n_steps
+        if self.keep_best_n_checkpoints and (validate is None or every % validate != 0):
+            raise ValueError(
+                "keep_best_n_checkpoints needs every checkpoint step to be a validated step: "
+                f"checkpoint_every_n_steps ({every}) must be a multiple of "
+                f"validate_every_n_steps ({validate})"
+            )
+        return self
 
 
-def check_validation_needs(
-    validates: bool, score_metric: str | None, keep_best_n: int | None, early_stopper: Any
-) -> None:
-    """Keep-best and early stopping judge validation scores: they need both."""
-    for name, value in (("keep_best_n_checkpoints", keep_best_n),
-                        ("early_stopper", early_stopper)):
-        if value is None:
-            continue
-        if not validates:
-            raise ValueError(f"{name} needs validation: give valid_units and "
-                             "valid_data_readers and set validate_every_n_steps")
-        if score_metric is None:
-            raise ValueError(f"{name} needs a score_metric (e.g. 'valid/loss')")
+def validate_settings(settings: dict[str, Any], model: type[TrainerSettings] = TrainerSettings
+                      ) -> TrainerSettings:
+    """`model(**settings)`, with pydantic's errors turned into one line per setting: a
+    `TypeError` for an unknown keyword (with the closest known one), else a `ValueError`."""
+    unknown = [key for key in settings if key not in model.model_fields]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], model.model_fields, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise TypeError(f"Trainer got an unexpected keyword argument '{unknown[0]}'{hint}")
+    try:
+        return model(**settings)
+    except ValidationError as err:
+        raise ValueError(describe_errors(err)) from None
 
 
-def check_checkpoint_needs(
-    checkpoint_every: int | None, validate_every: int | None, keep_last_n: int | None,
-    keep_best_n: int | None,
-) -> None:
-    if checkpoint_every is None:
-        for name, value in (("keep_last_n_checkpoints", keep_last_n),
-                            ("keep_best_n_checkpoints", keep_best_n)):
-            if value is not None:
-                raise ValueError(f"{name} needs checkpoint_every_n_steps")
-        return
-    if keep_best_n and (validate_every is None or checkpoint_every % validate_every != 0):
-        raise ValueError(
-            f"keep_best_n_checkpoints needs every checkpoint step to be a validated step: "
-            f"checkpoint_every_n_steps ({checkpoint_every}) must be a multiple of "
-            f"validate_every_n_steps ({validate_every})"
-        )
+def describe_errors(err: ValidationError) -> str:
+    lines = []
+    for error in err.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        message = message.replace("Input should be", "must be")
+        if where:
+            lines.append(f"{where} {message}, got {error['input']!r}")
+        else:
+            lines.append(message)
+    return "; ".join(lines)
 
 
-def check_model_wrapped(model: nn.Module, dp_size: int) -> None:
-    if dp_size > 1 and not is_data_parallel(model):
-        raise ValueError(
-            f"the unit's model is not wrapped for data parallelism over {dp_size} ranks: "
-            "call `model = gangs.parallel.data_parallel(model, gangs)` before building the "
-            "optimizer and give the unit that model"
-        )
+def settings_doc(model: type[BaseModel] = TrainerSettings) -> str:
+    """Each setting with its default and description, for `help(Trainer)`."""
+    lines = []
+    for name, field in model.model_fields.items():
+        default = "required" if field.is_required() else f"default {field.default!r}"
+        lines.append(f"    {name} ({default}):\n        {field.description}")
+    return "\n".join(lines)

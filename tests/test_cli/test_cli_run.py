@@ -4,7 +4,8 @@ import pytest
 import yaml
 
 from trainer.cli import load_config, run_recipe
-from trainer.early_stoppers import Patience, build_early_stopper
+from trainer.early_stopper_config import build_early_stopper
+from trainer.early_stoppers import Patience
 from trainer.errors import UserError
 
 
@@ -107,7 +108,7 @@ def test_early_stopper_set_as_flow_mapping(run, tmp_path):
     )
     assert code == 0
     stopper = build_early_stopper(main.calls[0][0].trainer.early_stopper, lower_better=True)
-    assert isinstance(stopper, Patience) and stopper.n == 3
+    assert isinstance(stopper, Patience) and stopper.patience == 3
 
 
 def _error_of(run, capsys, *argv, **kwargs):
@@ -163,7 +164,7 @@ def _error_of(run, capsys, *argv, **kwargs):
         (
             ["--set", "trainer.early_stopper={name: patience, patience: 0}"],
             "error: config 'trainer.early_stopper' = {'name': 'patience', 'patience': 0}: "
-            "Value error, 'n' (patience) must be an integer >= 1, got 0\n",
+            "Value error, 'patience' must be an integer >= 1, got 0\n",
         ),
         (
             ["--set", "trainer.early_stopper={name: nowhere.stoppers:flat}"],

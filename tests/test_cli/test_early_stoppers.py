@@ -7,13 +7,12 @@ import textwrap
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from trainer.early_stopper_config import EarlyStopperConfig, build_early_stopper
 from trainer.early_stoppers import (
     AnyOf,
-    EarlyStopperConfig,
     Patience,
     Threshold,
     any_of,
-    build_early_stopper,
     divergence,
     non_finite,
     patience,
@@ -101,8 +100,8 @@ def test_reprs():
 @pytest.mark.parametrize(
     "make, name",
     [
-        (lambda: patience(0), "'n'"),
-        (lambda: patience(2.5), "'n'"),
+        (lambda: patience(0), "'patience'"),
+        (lambda: patience(2.5), "'patience'"),
         (lambda: patience(2, min_delta=-0.1), "'min_delta'"),
         (lambda: threshold(math.nan), "'value'"),
         (lambda: divergence("big"), "'value'"),
@@ -129,7 +128,7 @@ def test_config_forms_build_the_right_stopper():
     assert _build(None) is None
     stopper = _build({"name": "patience", "patience": 5, "min_delta": 0.001}, lower_better=False)
     assert isinstance(stopper, Patience)
-    assert (stopper.n, stopper.min_delta, stopper.lower_better) == (5, 0.001, False)
+    assert (stopper.patience, stopper.min_delta, stopper.lower_better) == (5, 0.001, False)
     assert repr(_build({"name": "threshold", "value": 2})) == "threshold(2.0)"
     assert repr(_build({"name": "divergence", "value": 9.5})) == "divergence(9.5)"
     assert repr(_build("non_finite")) == "non_finite()"

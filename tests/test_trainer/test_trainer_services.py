@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from toy import TokenUnit, collate, make_model, make_samples
 
 from gangs import setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
+from trainer import Callback
 from trainer.early_stoppers import patience
 from trainer.recorders import JsonlRecorder, TensorBoardRecorder, WandbRecorder
 from trainer.trainer import Trainer
@@ -166,7 +168,9 @@ class _SyncCounter:
             self._saved[name] = original
 
             def counting(t, *a, _original=original, **k):
-                self.calls += 1
+                # Non-fused Adam reads its step counter, a host tensor even on a GPU.
+                if sys._getframe(1).f_code.co_name != "_get_value":
+                    self.calls += 1
                 return _original(t, *a, **k)
 
             setattr(torch.Tensor, name, counting)
@@ -177,30 +181,49 @@ class _SyncCounter:
             setattr(torch.Tensor, name, original)
 
 
-def test_hot_loop_has_no_host_sync_outside_publish(tmp_path):
-    trainer = make_trainer(tmp_path, max_num_steps=20, publish_metrics_every_n_steps=10)
-    syncs_by_step = {}
-    original_train_step = trainer._train_step
-    original_publish = trainer._publish
+class _SyncsPerStep(Callback):
+    """Counts host syncs between consecutive step ends: the interval ending at step k holds
+    the sync point after step k - 1 and the whole of step k."""
 
-    def counted_step(batches):
-        with _SyncCounter() as counter:
-            original_train_step(batches)
-        syncs_by_step[trainer.step_nr] = counter.calls
+    def __init__(self):
+        self.counter = _SyncCounter()
+        self.by_step = {}
 
-    publish_syncs = []
+    def on_train_start(self, trainer):
+        self.counter.__enter__()
 
-    def counted_publish():
-        with _SyncCounter() as counter:
-            original_publish()
-        publish_syncs.append(counter.calls)
+    def on_step_end(self, trainer):
+        self.by_step[trainer.step_nr] = self.counter.calls
+        self.counter.calls = 0
 
-    trainer._train_step = counted_step
-    trainer._publish = counted_publish
-    trainer.run()
-    assert len(syncs_by_step) == 20
-    assert set(syncs_by_step.values()) == {0}, syncs_by_step
-    assert len(publish_syncs) == 2 and all(n > 0 for n in publish_syncs)
+    def on_train_end(self, trainer, result):
+        self.counter.__exit__()
+
+
+class ShapeCountUnit(TokenUnit):
+    """Counts every target slot, padding included: a host int known without a sync."""
+
+    def __call__(self, batch, metrics):
+        loss, _ = super().__call__(batch, metrics)
+        return loss, batch[1].numel()
+
+
+@pytest.mark.parametrize("fused, unit_type", [(True, TokenUnit), (True, ShapeCountUnit),
+                                              (False, ShapeCountUnit)])
+def test_hot_loop_has_no_host_sync_outside_publish(tmp_path, fused, unit_type):
+    """A fused optimizer never reads the device between sync points; the default (foreach)
+    one neither when the count is a host int (no decision the host cannot make)."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
+    syncs = _SyncsPerStep()
+    Trainer(unit_type(model), reader(), opt, output_dir=tmp_path, max_gradient_norm=1.0,
+            recorders=[], callbacks=[syncs], max_num_steps=20,
+            publish_metrics_every_n_steps=10).run()
+    assert len(syncs.by_step) == 20
+    after_publish = {11}  # the publish after step 10 reads the device values
+    assert {k: n for k, n in syncs.by_step.items() if k not in after_publish} == {
+        k: 0 for k in range(1, 21) if k not in after_publish}
+    assert syncs.by_step[11] > 0
 
 
 class FlatGradAdamW(torch.optim.AdamW):
@@ -228,16 +251,24 @@ def test_gradients_are_cleared_by_an_optimizer_that_overrides_zero_grad(tmp_path
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(max_num_steps=-1), "max_num_steps must be >= 1, got -1"),
-        (dict(num_accumulate=0), "num_accumulate must be >= 1"),
-        (dict(keep_best_n_checkpoints=2), "keep_best_n_checkpoints needs validation"),
+        (dict(max_num_steps=-1), "max_num_steps must be greater than or equal to 1, got -1"),
+        (dict(num_accumulate=0), "num_accumulate must be greater than or equal to 1, got 0"),
+        (dict(keep_best_n_checkpoints=2), "keep_best_n_checkpoints needs checkpoint_every_n"),
+        (dict(keep_best_n_checkpoints=2, checkpoint_every_n_steps=5, validate_every_n_steps=5),
+         "keep_best_n_checkpoints needs validation"),
         (dict(early_stopper=patience(2)), "early_stopper needs validation"),
-        (dict(dtype="fp8"), "dtype must be one of"),
+        (dict(dtype="fp8"), "dtype must be 'fp32', 'bf16' or 'fp16', got 'fp8'"),
     ],
 )
 def test_invalid_settings_fail_at_construction(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_trainer(tmp_path, **kwargs)
+
+
+def test_unknown_setting_names_the_closest_one(tmp_path):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_step'; did you "
+                                        "mean 'max_num_steps'"):
+        make_trainer(tmp_path, max_num_step=5)
 
 
 def test_score_metric_no_unit_reports(tmp_path):
@@ -247,16 +278,20 @@ def test_score_metric_no_unit_reports(tmp_path):
         make_trainer(tmp_path, [1.0], validate_every_n_steps=5, score_metric="dev/loss")
 
 
-def test_sigterm_finishes_the_step_and_stops(tmp_path):
-    trainer = make_trainer(tmp_path, max_num_steps=1000, publish_metrics_every_n_steps=1)
-    original = trainer._train_step
+class SignalAt(Callback):
+    """Sends SIGTERM to this process at the end of `step_nr` (on `rank`, if given)."""
 
-    def step_then_signal(batches):
-        original(batches)
-        if trainer.step_nr == 7:
+    def __init__(self, step_nr, rank=None):
+        self.step_nr, self.rank = step_nr, rank
+
+    def on_step_end(self, trainer):
+        if trainer.step_nr == self.step_nr and self.rank in (None, trainer.gangs.root.rank):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    trainer._train_step = step_then_signal
+
+def test_sigterm_finishes_the_step_and_stops(tmp_path):
+    trainer = make_trainer(tmp_path, max_num_steps=1000, publish_metrics_every_n_steps=1,
+                           callbacks=[SignalAt(7)])
     result = trainer.run()
     assert (result.stop_reason, result.num_steps) == ("signal", 7)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
@@ -293,15 +328,7 @@ def _signal_on_rank_1_only():
     gangs = setup_gangs(setup_root_gang())
     model = data_parallel(make_model(), gangs)
     trainer = make_trainer(tempfile.mkdtemp(), model=model, gangs=gangs, max_num_steps=1000,
-                           publish_metrics_every_n_steps=5)
-    original = trainer._train_step
-
-    def step_then_signal(batches):
-        original(batches)
-        if trainer.step_nr == 7 and gangs.root.rank == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    trainer._train_step = step_then_signal
+                           publish_metrics_every_n_steps=5, callbacks=[SignalAt(7, rank=1)])
     result = trainer.run()
     return result.stop_reason, result.num_steps
 

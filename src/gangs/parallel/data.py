@@ -26,7 +26,7 @@ def data_parallel(
     if kind == "ddp":
         # Expert weights differ per EP rank: `reduce_expert_gradients` reduces them instead.
         if ignored := ddp_ignored_names(model):
-            DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
+            DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)  # noqa: SLF001 (DDP's own way to leave parameters out)
         device_ids = [gangs.device.index] if gangs.device.type == "cuda" else None
         return DDP(model, device_ids=device_ids, process_group=gangs.dp.as_process_group(),
                    **kwargs)

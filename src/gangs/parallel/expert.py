@@ -11,7 +11,7 @@ Expert weights are DTensors sharded over the EP gang (`Shard(0)` of the stacked
 global experts like any other sharded parameter.
 
 Gradients. Expert weights differ across EP ranks, so DDP and FSDP2 must not average them
-over the whole DP gang. They carry `param._is_expert = True`; `data_parallel` and
+over the whole DP gang. They carry `param.is_expert_param = True`; `data_parallel` and
 `fully_shard_model` leave them alone and `reduce_expert_gradients` reduces them instead:
 thanks to the all_to_all, a local expert's gradient already sums the contributions of the
 tokens of every rank of its EP gang, so a SUM over `gangs.expert_dp` (the ranks holding the
@@ -60,7 +60,7 @@ class GroupedExperts(nn.Module):
         if self.ep_mesh is not None:  # src_data_rank=None: each rank keeps its slice, no comms
             weight = distribute_tensor(weight, self.ep_mesh, [Shard(0)], src_data_rank=None)
         param = nn.Parameter(weight)
-        param._is_expert = True  # type: ignore[attr-defined]
+        param.is_expert_param = True  # type: ignore[attr-defined]
         return param
 
     @torch.no_grad()
@@ -207,7 +207,7 @@ def moe_aux_loss(model: nn.Module) -> Tensor | None:
 def ddp_ignored_names(model: nn.Module) -> list[str]:
     """What DDP must leave alone: expert parameters (reduced by `reduce_expert_gradients`)
     and the per-rank token counters (DDP would overwrite them with rank 0's)."""
-    names = [n for n, p in model.named_parameters() if getattr(p, "_is_expert", False)]
+    names = [n for n, p in model.named_parameters() if getattr(p, "is_expert_param", False)]
     names += [f"{n}.tokens_per_expert" if n else "tokens_per_expert" for n, _ in moe_layers(model)]
     return names
 
@@ -218,7 +218,7 @@ def reduce_expert_gradients(model: nn.Module, gangs: Gangs) -> None:
 
     Call once a step, after the last backward and before the trainer's normalisation.
     """
-    params = [p for p in model.parameters() if getattr(p, "_is_expert", False)]
+    params = [p for p in model.parameters() if getattr(p, "is_expert_param", False)]
     if not params:
         return
     for p in params:

@@ -5,7 +5,7 @@ FSDP2 reduce-scatters gradients AVERAGED over the DP mesh (its default gradient 
 factor is the mesh size), which is what the trainer's normalisation assumes. Parameters
 already distributed over `mesh["tp"]` (tensor parallelism) become 2-D DTensors.
 
-Expert weights (`param._is_expert`, see `gangs.parallel.expert`) are left out: they differ
+Expert weights (`param.is_expert_param`, see `gangs.parallel.expert`) are left out: they differ
 per EP rank, so averaging them over the whole DP mesh would be wrong; they stay sharded over
 the EP gang only and `reduce_expert_gradients` reduces them, exactly as under DDP.
 """
@@ -34,7 +34,7 @@ def fully_shard_model(
     """
     if gangs.mesh is None:
         return model
-    experts = {p for p in model.parameters() if getattr(p, "_is_expert", False)}
+    experts = {p for p in model.parameters() if getattr(p, "is_expert_param", False)}
     options = {
         "mesh": gangs.mesh["dp"],
         "reshard_after_forward": reshard_after_forward,

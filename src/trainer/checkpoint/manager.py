@@ -33,6 +33,7 @@ from __future__ import annotations
 import io
 import logging
 import shutil
+from collections.abc import Mapping
 from concurrent.futures import Future
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,7 +47,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from gangs import FakeGang, Gangs, ReduceOperation
+from gangs import FakeGang, Gangs, first_error
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.manifest import (
     FORMAT_VERSION,
@@ -64,7 +65,7 @@ from trainer.checkpoint.state import check_plain, model_optim_state
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.errors import UserError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gangtrain")
 
 
 class CheckpointError(RuntimeError):
@@ -130,12 +131,16 @@ class CheckpointManager:
         step_nr: int,
         model: nn.Module,
         optimizer: Optimizer | None,
-        rank_state: dict[str, Any],
+        states: Mapping[str, Any],
         score: float | None = None,
         *,
         blocking: bool | None = None,
     ) -> None:
-        """Checkpoint `model`, `optimizer` and this rank's `rank_state` as step `step_nr`.
+        """Checkpoint `model`, `optimizer` and this rank's `states` as step `step_nr`.
+
+        `states` maps names to components with `state_dict()` (saved as that) or to plain
+        data (saved as it is): tensors, numbers, strings, lists and dicts, what
+        `torch.load(weights_only=True)` accepts.
 
         Async (when the manager has `async_save` and `blocking` is not True): returns once
         the state is copied to host memory; the files are written in the background and
@@ -144,6 +149,8 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
+        rank_state = {name: value.state_dict() if hasattr(value, "state_dict") else value
+                      for name, value in states.items()}
         check_plain(rank_state, "rank_state")
         # Snapshot the rank state now: the caller may change it as soon as we return.
         buffer = io.BytesIO()
@@ -180,14 +187,13 @@ class CheckpointManager:
         if job is None:
             return
         error = job.future.exception()  # blocks until this rank's writer is done
-        failed = torch.tensor([0.0 if error is None else 1.0], device=self.gangs.device)
-        self.gangs.root.all_reduce(failed, ReduceOperation.MAX)  # also the barrier
-        if failed.item():
-            if self._rank == 0:  # every writer has stopped: the all-reduce was a barrier
+        failure = first_error(self.gangs.root, None if error is None else _describe(error))
+        if failure is not None:
+            if self._rank == 0:  # every writer has stopped: the agreement was a barrier
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)
             self.gangs.root.barrier()
-            where = f"this rank: {_describe(error)}" if error is not None else "another rank"
-            raise CheckpointError(f"saving step {job.step_nr} failed on {where}") from error
+            raise CheckpointError(f"saving step {job.step_nr} failed on {failure}; "
+                                  "earlier checkpoints are intact") from error
         self._on_rank0(f"committing checkpoint step {job.step_nr}", lambda: self._commit(job))
 
     def _commit(self, job: PendingSave) -> None:
@@ -275,10 +281,13 @@ class CheckpointManager:
         return found
 
     def load(
-        self, step_nr: int, model: nn.Module, optimizer: Optimizer | None
+        self, step_nr: int, model: nn.Module, optimizer: Optimizer | None,
+        states: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Load step `step_nr` into `model` and `optimizer` in place (resharding through DCP
-        if the layout changed) and return this rank's rank state (collective).
+        if the layout changed) and return this rank's rank state (collective). Each
+        component of `states` saved in it gets its part through `load_state_dict`, in the
+        order of `states`.
 
         The rank state is this rank's `rank_{r}.pt`, or rank 0's when this rank has none
         (the world grew). Whenever the world size or the dp/tp/ep sizes differ from the
@@ -319,7 +328,11 @@ class CheckpointManager:
             raise UserError(
                 f"checkpoint {step_dir} does not fit the model or optimizer: {_describe(ex)}"
             ) from ex
-        return self._load_rank_state(step_dir, manifest)
+        rank_state = self._load_rank_state(step_dir, manifest)
+        for name, component in (states or {}).items():
+            if name in rank_state:
+                component.load_state_dict(rank_state[name])
+        return rank_state
 
     def _load_rank_state(self, step_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         name = rank_file(self._rank)

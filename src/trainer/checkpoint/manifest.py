@@ -158,7 +158,7 @@ def verify(step_dir: Path, step_nr: int | None = None) -> str | None:
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {
         ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # noqa: SLF001 (what torch.save pickles)
     }
     for cls in (PosixPath, WindowsPath, PurePosixPath, PureWindowsPath):
         allowed[("pathlib", cls.__name__)] = cls
@@ -170,7 +170,7 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
         if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__:
             if dataclasses.is_dataclass(obj) or issubclass(obj, Enum):
                 allowed[(dcp_metadata.__name__, name)] = obj
-    allowed[(dcp_filesystem.__name__, "_StorageInfo")] = dcp_filesystem._StorageInfo
+    allowed[(dcp_filesystem.__name__, "_StorageInfo")] = dcp_filesystem._StorageInfo  # noqa: SLF001 (DCP metadata record)
     return allowed
 
 

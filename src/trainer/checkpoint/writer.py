@@ -57,16 +57,22 @@ def write_shard(
     """This rank's part of a save (main thread or background thread): no collectives
     except DCP's, which run on `process_group`."""
     rank_path = tmp_dir / rank_file(rank)
-    with open(rank_path, "wb") as f:
-        f.write(rank_bytes)
-        f.flush()
-        os.fsync(f.fileno())
+    rank_file_error: OSError | None = None
+    try:
+        with open(rank_path, "wb") as f:
+            f.write(rank_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:  # raised after DCP's collectives, which every rank must enter
+        rank_file_error = error
     dcp.save(
         state,
         storage_writer=FileSystemWriter(tmp_dir / MODEL_OPTIM, sync_files=True),
         process_group=process_group,
         no_dist=no_dist,
     )
+    if rank_file_error is not None:
+        raise rank_file_error
     # dcp.save returns on every rank only after all data files and .metadata are
     # written, so each rank can hash its share; rank 0 hashes whatever is left.
     names = list_files(tmp_dir / MODEL_OPTIM)[rank::world]

@@ -1,6 +1,6 @@
 """A minimal TensorBoard event file writer: ``Event`` protos in TFRecord framing.
 
-Written on the caller's thread, with no writer thread: with :mod:`trainer.recorders.crc32c`
+Written on the caller's thread, with no writer thread: with the CRC below
 an event of eight scalars costs about 10 us of CPU. (torch's ``SummaryWriter`` hands events
 to a thread that then spends ~80 us of CPU on each, mostly computing CRCs in Python, and
 holds the GIL meanwhile.) Each record is::
@@ -22,7 +22,15 @@ from pathlib import Path
 
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-from trainer.recorders.crc32c import masked_crc32c
+try:  # the C implementation when installed; else TensorBoard's own (~35 us a record,
+    # written in one-second batches: invisible in `benchmarks/overhead`)
+    from google_crc32c import value as _crc32c
+
+    def masked_crc32c(data: bytes) -> int:
+        crc = _crc32c(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+except ImportError:
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
 FILE_VERSION = "brain.Event:2"
 

@@ -1,0 +1,99 @@
+"""Checks of what the Trainer is handed and of what it is about to save.
+
+Settings alone are checked by `TrainerSettings`; these need the run's objects: the valid
+units, the early stopper, the model, the unit's outputs, the optimizer's state. Each
+mistake gets one message that names the thing (and the step), raised before any training
+or any checkpoint is lost.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from gangs import Gang, any_rank
+from gangs.parallel import is_data_parallel
+from trainer.errors import NonFiniteLossError
+from trainer.settings import TrainerSettings
+from trainer.validator import Validator
+
+
+def check_run(settings: TrainerSettings, validator: Validator, early_stopper: Any,
+              model: nn.Module, dp_size: int) -> None:
+    """Keep-best and early stopping need validation with a score; DP needs a wrapped model."""
+    validates = bool(validator) and (settings.validate_every_n_steps is not None
+                                     or settings.validate_at_end)
+    for name, value in (("keep_best_n_checkpoints", settings.keep_best_n_checkpoints),
+                        ("early_stopper", early_stopper)):
+        if value is None:
+            continue
+        if not validates:
+            raise ValueError(f"{name} needs validation: give valid_units and "
+                             "valid_data_readers and set validate_every_n_steps")
+        if settings.score_metric is None:
+            raise ValueError(f"{name} needs a score_metric (e.g. 'valid/loss')")
+    if dp_size > 1 and not is_data_parallel(model):
+        raise ValueError(
+            f"the unit's model is not wrapped for data parallelism over {dp_size} ranks: "
+            "call `model = gangs.parallel.data_parallel(model, gangs)` before building the "
+            "optimizer and give the unit that model"
+        )
+
+
+def check_unit_output(unit: Any, loss: Any, num_targets: Any, step_nr: int) -> Tensor | int:
+    """The unit returned `(a scalar loss tensor, an int or scalar tensor count or None)`;
+    the count to use (None, a mean, counts 1). Cheap: no host read."""
+    name = type(unit).__name__
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
+                else f"a {type(loss).__name__} ({loss!r})")
+        raise TypeError(
+            f"step {step_nr}: {name} returned {what} as its loss; a TrainUnit returns "
+            "(loss, num_targets) with the loss a scalar tensor summed over the targets"
+        )
+    if num_targets is None:
+        return 1
+    if isinstance(num_targets, bool) or not isinstance(num_targets, (int, Tensor)) or (
+            isinstance(num_targets, Tensor) and num_targets.numel() != 1):
+        what = (f"a tensor of shape {tuple(num_targets.shape)}"
+                if isinstance(num_targets, Tensor)
+                else f"a {type(num_targets).__name__} ({num_targets!r})")
+        raise TypeError(
+            f"step {step_nr}: {name} returned {what} as num_targets; expected an int, a "
+            "one-element tensor, or None when the loss is already a mean"
+        )
+    return num_targets
+
+
+def check_finite_state(optimizer: Optimizer, root: Gang, step_nr: int,
+                       last_good: Path | None) -> None:
+    """Raise `NonFiniteLossError` on every rank when any rank's parameters or optimizer
+    state hold a NaN or an inf: a gradient nobody measured (no clipping, no publish) can
+    poison them while the loss stays finite. Run before each save: never save poison."""
+    tensors = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            tensors.append(param)
+            tensors.extend(value for value in optimizer.state.get(param, {}).values()
+                           if isinstance(value, Tensor) and value.is_floating_point())
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    local = [t.detach() for t in local if t.numel() > 0]
+    finite = True
+    if local:
+        norms = torch._foreach_norm(local)  # noqa: SLF001 (torch's foreach norm)
+        finite = math.isfinite(torch.stack([n.float() for n in norms]).sum().item())
+    if any_rank(root, not finite):
+        good = (f"the last good checkpoint is {last_good}" if last_good is not None
+                else "no checkpoint was written")
+        raise NonFiniteLossError(
+            f"step {step_nr}: the parameters or the optimizer state are not finite (NaN or "
+            f"inf), though the loss was: a gradient was not finite; not saved, {good}. "
+            "Lower the learning rate, check the model's ops (sqrt or log at 0), or set "
+            "max_consecutive_non_finite to skip such steps"
+        )

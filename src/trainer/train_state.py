@@ -1,0 +1,45 @@
+"""`TrainState`: the trainer's own counters, the one record of where a run stands.
+
+Everything else with state (data position, step log, RNG, ...) is its own component; this
+holds what only the loop knows: the step, the score of every validation, and which step was
+last validated and saved. It is checkpointed like every other component.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TrainState:
+    step_nr: int = 0
+    """Optimizer steps taken (skipped steps count: they drew their data)."""
+    score_history: list[tuple[int, float]] = field(default_factory=list)
+    """`(step_nr, score)` of every scheduled validation, in order."""
+    early_stopped_at: int | None = None
+    """The step whose validation made the early stopper stop the run."""
+    validated_step: int | None = None
+    """The last step validated (not saved: only to avoid validating a step twice)."""
+    last_saved_step: int | None = None
+    """The last step checkpointed by this run or the run it resumed."""
+
+    def score_at(self, step_nr: int) -> float | None:
+        """The score recorded at `step_nr`, if that step was validated."""
+        if self.score_history and self.score_history[-1][0] == step_nr:
+            return self.score_history[-1][1]
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step_nr": self.step_nr,
+            "score_history": [[step, score] for step, score in self.score_history],
+            "early_stopped_at": self.early_stopped_at,
+            "validated_step": self.validated_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_nr = int(state["step_nr"])
+        self.score_history = [(int(step), float(score)) for step, score in state["score_history"]]
+        self.early_stopped_at = state["early_stopped_at"]
+        self.validated_step = state["validated_step"]
