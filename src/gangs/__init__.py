@@ -1,6 +1,6 @@
 """Process gangs: the root, data-, tensor- and expert-parallel groups of a job."""
 
-from gangs.decisions import any_rank, any_rank_each, broadcast_flag, first_error
+from gangs.decisions import any_rank, any_rank_each, first_error, on_rank0
 from gangs.fake import FakeGang
 from gangs.gang import Gang, GangError, ReduceOperation
 from gangs.process_group import ProcessGroupGang, default_device, setup_root_gang
@@ -15,10 +15,10 @@ __all__ = [
     "ReduceOperation",
     "any_rank",
     "any_rank_each",
-    "broadcast_flag",
     "check_sizes",
     "default_device",
     "first_error",
+    "on_rank0",
     "setup_gangs",
     "setup_root_gang",
 ]

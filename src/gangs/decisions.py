@@ -7,11 +7,14 @@ mismatch. Every such decision goes through one of these helpers, called by every
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from gangs.gang import Gang, ReduceOperation
+
+T = TypeVar("T")
 
 
 def any_rank(gang: Gang, flag: bool) -> bool:
@@ -28,26 +31,16 @@ def any_rank_each(gang: Gang, flags: Sequence[bool]) -> list[bool]:
     return [value > 0 for value in agreed.tolist()]
 
 
-def broadcast_flag(gang: Gang, flag: bool, source_rank: int = 0) -> bool:
-    """`flag` as decided on `source_rank` (e.g. rank 0's early stopper), on every rank."""
-    if gang.size == 1:
-        return bool(flag)
-    shared = [bool(flag)]
-    gang.broadcast_objects(shared, source_rank=source_rank)
-    return shared[0]
-
-
 def first_error(gang: Gang, message: str | None) -> str | None:
-    """`"rank r: <message>"` of the lowest rank whose `message` is not None, on every rank;
-    None when no rank has one. Lets every rank raise the same clear error instead of one
-    rank raising and the others hanging in their next collective."""
+    """The `message` of the lowest rank that has one, on every rank; None when no rank has
+    one. Lets every rank raise the same clear error (name the rank in the message) instead
+    of one rank raising and the others hanging in their next collective."""
     if not any_rank(gang, message is not None):
         return None
     if gang.size == 1:
-        return f"rank {gang.rank}: {message}"
+        return message
     for rank in range(gang.size):  # only on failure: one small broadcast per rank
-        shared = [f"rank {rank}: {message}" if rank == gang.rank and message is not None
-                  else None]
+        shared = [message if rank == gang.rank else None]
         gang.broadcast_objects(shared, source_rank=rank)
         if shared[0] is not None:
             return shared[0]
@@ -59,3 +52,22 @@ def describe(error: BaseException) -> str:
     text = str(error).strip()
     name = type(error).__name__
     return f"{name}: {text.splitlines()[0]}" if text else name
+
+
+def on_rank0(gang: Gang, action: Callable[[], T], what: str,
+             error_type: type[Exception] = RuntimeError) -> T:
+    """Run `action` on rank 0 only and return its result on every rank (picklable); when it
+    raises, every rank raises `error_type` naming `what` and the cause, rather than rank 0
+    alone while the others wait in their next collective."""
+    outcome: list[Any] = [None, None]
+    error: BaseException | None = None
+    if gang.rank == 0:
+        try:
+            outcome[0] = action()
+        except Exception as ex:
+            error, outcome[1] = ex, f"{what} failed on rank 0: {describe(ex)}"
+    if gang.size > 1:
+        gang.broadcast_objects(outcome, source_rank=0)
+    if outcome[1] is not None:
+        raise error_type(outcome[1]) from error
+    return outcome[0]

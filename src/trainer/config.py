@@ -64,6 +64,7 @@ class TrainerConfig(TrainerSettings):
         valid_units: Sequence[EvalUnit[Any]] = (),
         valid_data_readers: Sequence[Iterable[Any]] = (),
         resume: bool = True,
+        overwrite: bool = False,
         recorders: Sequence[MetricRecorder] | None = None,
     ) -> Trainer[Any]:
         """The Trainer; a setting it refuses becomes a `UserError` naming `trainer.<field>`."""
@@ -72,7 +73,8 @@ class TrainerConfig(TrainerSettings):
             return Trainer(
                 unit, data_reader, optimizer, output_dir=output_dir, gangs=gangs,
                 lr_scheduler=lr_scheduler, valid_units=valid_units,
-                valid_data_readers=valid_data_readers, resume=resume, recorders=recorders,
+                valid_data_readers=valid_data_readers, resume=resume, overwrite=overwrite,
+                recorders=recorders,
                 early_stopper=build_early_stopper(self.early_stopper, self.lower_better),
                 **settings,
             )

@@ -38,6 +38,13 @@ def check_run(settings: TrainerSettings, validator: Validator, early_stopper: An
                              "valid_data_readers and set validate_every_n_steps")
         if settings.score_metric is None:
             raise ValueError(f"{name} needs a score_metric (e.g. 'valid/loss')")
+    if settings.dtype != "fp32" and not settings.amp and any(
+            p.dtype == torch.float32 for p in model.parameters()):
+        raise ValueError(
+            f"dtype={settings.dtype!r} with amp=False would train the fp32 model in fp32: "
+            f"set amp=True (autocast to {settings.dtype}), or cast the model to "
+            f"{settings.dtype} yourself"
+        )
     if dp_size > 1 and not is_data_parallel(model):
         raise ValueError(
             f"the unit's model is not wrapped for data parallelism over {dp_size} ranks: "

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from gangs import FakeGang, Gangs, any_rank, broadcast_flag, setup_gangs
+from gangs import FakeGang, Gangs, any_rank, any_rank_each, on_rank0, setup_gangs
 from gangs.parallel import reduce_expert_gradients
 from trainer import gradients
 from trainer.callbacks import Callback
@@ -34,8 +34,10 @@ from trainer.checkpoint import CheckpointManager, export_best, rank_by_score
 from trainer.console_log import show_on_console
 from trainer.data_position import DataPosition
 from trainer.early_stoppers import EarlyStopper
+from trainer.errors import UserError
 from trainer.loss_scaler import LossScaler
 from trainer.optimizer_step import OptimizerStep
+from trainer.output_dir import prepare_output_dir
 from trainer.recorders import BufferedRecorder, CompositeRecorder, MetricRecorder, default_recorders
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
@@ -77,6 +79,9 @@ class Trainer(Generic[BatchT]):
             TensorBoard, the console, W&B when `wandb_project` is set).
         callbacks: `Callback`s, called on every rank at the run's events.
         resume: continue from the newest complete checkpoint in `output_dir`, if any.
+            Starting over (False) where another run left checkpoints or metrics is refused.
+        overwrite: start over, deleting another run's checkpoints, metrics and TensorBoard
+            files in `output_dir` first.
 
     Settings (validated at construction; `trainer.settings.TrainerSettings`):
     """
@@ -96,6 +101,7 @@ class Trainer(Generic[BatchT]):
         recorders: Sequence[MetricRecorder] | None = None,
         callbacks: Sequence[Callback] = (),
         resume: bool = True,
+        overwrite: bool = False,
         **settings: Any,
     ) -> None:
         self.settings = s = validate_settings(settings)
@@ -113,6 +119,8 @@ class Trainer(Generic[BatchT]):
         if hasattr(early_stopper, "follow"):  # a built-in judges in the trainer's direction
             early_stopper.follow(s.lower_better)
         show_on_console(self.gangs.root.rank)
+        prepare_output_dir(self.output_dir, resume=resume, overwrite=overwrite,
+                           root=self.gangs.root)
 
         # The components that hold the run's state (checkpointed by name, `_states`).
         self.state = TrainState()
@@ -206,9 +214,13 @@ class Trainer(Generic[BatchT]):
         sync_every = math.gcd(s.publish_metrics_every_n_steps, s.validate_every_n_steps or 0,
                               s.checkpoint_every_n_steps or 0)
         if self.state.early_stopped_at is not None:
-            log.info("the run early-stopped at step %d: nothing to do",
-                     self.state.early_stopped_at)
-            return "early_stop"
+            if self.early_stopper is not None:
+                log.warning("the run early-stopped at step %d: nothing to do (to train on, "
+                            "remove the early stopper)", self.state.early_stopped_at)
+                return "early_stop"
+            log.warning("the run early-stopped at step %d; no early stopper now: training "
+                        "on", self.state.early_stopped_at)
+            self.state.early_stopped_at = None
         if s.validate_at_start and self.state.step_nr == 0 and self.validator:
             if self._validate():
                 return "early_stop"
@@ -217,8 +229,14 @@ class Trainer(Generic[BatchT]):
                 reason = "max_num_steps"
                 break
             batches = self.data.next_window(s.num_accumulate)
-            if not batches:
-                reason = "end_of_data" if self.data.ended else "max_num_data_epochs"
+            # Every rank stops at the same step when any rank's data is over.
+            some_out, some_left = any_rank_each(self.gangs.dp, [not batches, bool(batches)])
+            if some_out:
+                limit = not batches and not self.data.ended and not some_left
+                reason = "max_num_data_epochs" if limit else "end_of_data"
+                if self.state.step_nr == 0 and not batches and self.data.epoch_nr == 0:
+                    raise UserError(f"the data reader ({type(self.data.reader).__name__}) "
+                                    "yielded no batch: nothing to train on")
                 break
             self.state.step_nr += 1
             self._train_step(batches)
@@ -357,8 +375,9 @@ class Trainer(Generic[BatchT]):
             self.checkpoints.record_score(step_nr, score)
         if self.early_stopper is None:
             return False
-        root = self.gangs.root
-        stop = broadcast_flag(root, root.rank == 0 and bool(self.early_stopper(step_nr, score)))
+        stopper = self.early_stopper
+        stop = on_rank0(self.gangs.root, lambda: bool(stopper(step_nr, score)),
+                        f"early stopper {stopper!r} at step {step_nr}", UserError)
         if stop:
             self.state.early_stopped_at = step_nr
             log.warning("early stop at step %d (score %s)", step_nr, score)
@@ -379,19 +398,20 @@ class Trainer(Generic[BatchT]):
         self.steps.last_good_checkpoint = self.checkpoints.dir / f"step_{step_nr}"
 
     def _resume(self) -> None:
-        """Continue from the newest complete checkpoint, if any; recorders forget later
-        steps."""
-        if self.checkpoints is None:
-            return
-        step_nr = self.checkpoints.find_latest()
-        if step_nr is None:
+        """Continue from the newest complete checkpoint, if any; recorders forget the steps
+        after it (all of them when there is none)."""
+        step_nr = self.checkpoints.find_latest() if self.checkpoints is not None else None
+        if step_nr is None:  # nothing to resume: start over cleanly
+            self.recorder.rewind(0)
             return
         states = self._states()
+        assert self.checkpoints is not None
         loaded = self.checkpoints.load(step_nr, self.unit.model, self.optimizer, states)
         if self.early_stopper is not None and "early_stopper" not in loaded:
             # A plain callable keeps its state to itself: rebuild it from the scores.
             for history_step, score in self.state.score_history:
                 self.early_stopper(history_step, score)
+        self.checkpoints.remember_scores(dict(self.state.score_history))
         self.state.last_saved_step = step_nr
         path = self.checkpoints.dir / f"step_{step_nr}"
         self.steps.last_good_checkpoint = path

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from gangs import FakeGang, Gangs, first_error
+from gangs import FakeGang, Gangs, first_error, on_rank0
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.manifest import (
     FORMAT_VERSION,
@@ -187,7 +187,7 @@ class CheckpointManager:
         if job is None:
             return
         error = job.future.exception()  # blocks until this rank's writer is done
-        failure = first_error(self.gangs.root, None if error is None else _describe(error))
+        failure = first_error(self.gangs.root, None if error is None else self._rank_cause(error))
         if failure is not None:
             if self._rank == 0:  # every writer has stopped: the agreement was a barrier
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)
@@ -371,9 +371,16 @@ class CheckpointManager:
 
     @property
     def best_step(self) -> int | None:
+        """The best-scoring step of the run, when its checkpoint is on disk: None when
+        retention deleted it (keep_last alone), so `best` never names a lesser one."""
         manifests = self._disk.manifests()
-        ranked = rank_by_score(manifests, scores_of(manifests), self.lower_better)
-        return ranked[0] if ranked else None
+        scores = {**self._scores, **scores_of(manifests)}
+        ranked = rank_by_score(scores, scores, self.lower_better)
+        return ranked[0] if ranked and ranked[0] in manifests else None
+
+    def remember_scores(self, scores: dict[int, float]) -> None:
+        """Scores of steps validated before a resume (local): `best_step` judges them too."""
+        self._scores.update(scores)
 
     def write_pointers(self) -> None:
         """Rank 0: `checkpoint_dir/last` and `best` name the newest and best step
@@ -386,16 +393,14 @@ class CheckpointManager:
 
     def _on_rank0(self, what: str, action: Any) -> None:
         """Run `action` on rank 0 and share its outcome: every rank returns or raises."""
-        outcome: list[str | None] = [None]
-        error: BaseException | None = None
-        if self._rank == 0:
-            try:
-                action()
-            except Exception as ex:
-                error, outcome = ex, [f"{what} failed on rank 0: {ex!r}"]
-        self.gangs.root.broadcast_objects(outcome)
-        if outcome[0] is not None:
-            raise CheckpointError(outcome[0]) from error
+        on_rank0(self.gangs.root, action, what, CheckpointError)
+
+    def _rank_cause(self, error: BaseException) -> str:
+        """`"rank R: cause"`: DCP reports the rank whose write failed, else it is this one."""
+        if isinstance(error, CheckpointException) and error.failures:
+            rank, failure = min(error.failures.items(), key=lambda kv: kv[0])
+            return f"rank {rank}: {_describe(failure[0] if isinstance(failure, tuple) else failure)}"
+        return f"rank {self._rank}: {_describe(error)}"
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,55 @@
+"""The output directory: one run's files, never two runs mixed.
+
+A run writes `checkpoints/`, `metrics/*.jsonl`, `tb/` and `wandb/` under `output_dir`.
+Starting over (`resume=False`) where another run left any of them would mix the two: its
+checkpoints would count as the newest, retention would delete the new run's own, and the
+JSONL files would go on with the old steps. So that is refused, naming what is there and the
+way out; `overwrite=True` (`--overwrite`) deletes the old run's files first.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from gangs import Gang, first_error
+from trainer.errors import UserError
+
+RUN_DIRS = ("checkpoints", "metrics", "tb", "wandb")
+
+
+def previous_run(output_dir: Path) -> list[str]:
+    """What another run left in `output_dir`: its checkpoints and metric files."""
+    found = sorted(p.name for p in (output_dir / "checkpoints").glob("step_*"))
+    found += [f"metrics/{p.name}" for p in sorted((output_dir / "metrics").glob("*.jsonl"))]
+    found += [f"tb/{p.name}" for p in sorted((output_dir / "tb").glob("events.out.*"))]
+    return found
+
+
+def prepare_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, root: Gang) -> None:
+    """Check that `output_dir` can take this run (collective): a writable directory, and,
+    when starting over, no other run's files unless `overwrite` deletes them (rank 0)."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"output_dir {output_dir} is a file, not a directory")
+    problem = None
+    if root.rank == 0:
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            probe = output_dir / ".write_test"
+            probe.write_text("")
+            probe.unlink()
+            if overwrite:
+                for name in RUN_DIRS:
+                    shutil.rmtree(output_dir / name, ignore_errors=True)
+            elif not resume and (old := previous_run(output_dir)):
+                shown = ", ".join(old[:4]) + (f" and {len(old) - 4} more" if len(old) > 4 else "")
+                problem = (f"output_dir {output_dir} holds another run ({shown}); starting over "
+                           "there would mix the two runs. Resume it (drop --no-resume / "
+                           "resume=False), start over with --overwrite (overwrite=True), "
+                           "which deletes its checkpoints, metrics and TensorBoard files, or "
+                           "choose another directory")
+        except OSError as error:
+            problem = f"output_dir {output_dir} is not writable: {error}"
+    message = first_error(root, problem)
+    if message is not None:
+        raise UserError(message)
