@@ -2,9 +2,9 @@
 
     .venv/bin/python -m benchmarks.overhead [--reps N] [--sizes small,large] [--no-memory]
 
-The same MLP classifier, data and optimizer (AdamW with ``fused=True``: the trainer's
-sync-free path, where a step is skipped on the device instead of after a host read) are
-trained by
+The same MLP classifier, data and optimizer are trained by (each optimizer of ``--optimizers``
+in turn: AdamW with ``fused=True``, whose kernel normalises, clips and skips on the device,
+and the default AdamW with ``foreach=True``, normalised by foreach ops)
 
 * a minimal loop: forward, mean cross-entropy, backward, ``optimizer.step()``,
   ``zero_grad(set_to_none=True)``;
@@ -97,8 +97,11 @@ def build_model(size: Size) -> nn.Module:
     return nn.Sequential(*modules)
 
 
-def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}}
+
+
+def build_optimizer(model: nn.Module, kind: str = "fused") -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, **OPTIMIZERS[kind])
 
 
 def build_batches(size: Size) -> list[Batch]:
@@ -193,11 +196,11 @@ def _console_sink(show_console: bool) -> Iterator[None]:
 
 
 def one_run(kind: str, size: Size, batches: list[Batch], steps: int,
-            show_console: bool) -> tuple[list[float], float, float]:
+            show_console: bool, optimizer_kind: str) -> tuple[list[float], float, float]:
     """(seconds a step in each 10-step window, seconds a step over the whole steady state,
     seconds for the whole run incl. construction)."""
     model = build_model(size)
-    optimizer = build_optimizer(model)
+    optimizer = build_optimizer(model, optimizer_kind)
     reader = TimedReader(batches, steps)
     gc.collect()
     started = time.perf_counter()
@@ -213,12 +216,12 @@ LOOPS = {"loop": run_loop, "loop_grads_to_none": run_loop_grads_to_none}
 KINDS = ("loop", "trainer", "loop_grads_to_none")
 
 
-def measure_time(size: Size, reps: int, show_console: bool) -> None:
+def measure_time(size: Size, reps: int, show_console: bool, optimizer_kind: str) -> None:
     batches = build_batches(size)
     warmup = max(20, size.steps // 5)
     kinds = KINDS if size.own_cost else KINDS[:2]
     for kind in kinds:  # imports, lazy TensorBoard writer, allocator warm-up
-        one_run(kind, size, batches, warmup, show_console)
+        one_run(kind, size, batches, warmup, show_console, optimizer_kind)
     windows: dict[str, list[float]] = {kind: [] for kind in kinds}
     per_step: dict[str, list[float]] = {kind: [] for kind in kinds}
     totals: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -228,7 +231,8 @@ def measure_time(size: Size, reps: int, show_console: bool) -> None:
         order = kinds if rep % 2 == 0 else kinds[::-1]
         rep_median: dict[str, float] = {}
         for kind in order:
-            window_s, step_s, total_s = one_run(kind, size, batches, size.steps, show_console)
+            window_s, step_s, total_s = one_run(kind, size, batches, size.steps, show_console,
+                                                optimizer_kind)
             windows[kind] += window_s
             per_step[kind].append(step_s)
             totals[kind].append(total_s)
@@ -245,7 +249,7 @@ def measure_time(size: Size, reps: int, show_console: bool) -> None:
                                 per_step["loop"])
     ) * 1e3
     approx = "~0.5 ms/step" if size.name == "small" else "~20 ms/step"
-    print(f"overhead {size.name} ({approx}): loop {ms['loop']:.3f} ms, trainer "
+    print(f"overhead {size.name} ({approx}), AdamW {optimizer_kind}: loop {ms['loop']:.3f} ms, trainer "
           f"{ms['trainer']:.3f} ms, ratio {ratio:.3f} (target <= {size.target}; median over "
           f"{reps} reps x {size.steps} steps of the paired ratio of median {PUBLISH_EVERY}-step "
           f"windows; pooled windows {pooled_ratio:.3f}, whole-run means {mean_ratio:.3f})",
@@ -320,6 +324,8 @@ def main() -> None:
                         "(default: 300 small, 41 large: 4 windows)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--optimizers", default="fused,foreach",
+                        help="comma-separated AdamW kinds: fused,foreach")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory figure")
     parser.add_argument("--memory-reps", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=40)
@@ -338,7 +344,7 @@ def main() -> None:
         memory_child(args.memory_child, names[0], args.memory_steps)
         return
 
-    print(f"optimizer: AdamW(fused=True) for both (the trainer's sync-free path); torch "
+    print(f"optimizers: AdamW {args.optimizers} (the same for loop and trainer); torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads; trainer with default "
           f"recorders (JSONL, TensorBoard, console{'' if args.show_console else ' to /dev/null'})"
           f", publish every 10 steps, no validation", flush=True)
@@ -346,7 +352,8 @@ def main() -> None:
         size = SIZES[name]
         if args.steps is not None:
             size = Size(**{**size.__dict__, "steps": args.steps})
-        measure_time(size, args.reps or size.reps, args.show_console)
+        for optimizer_kind in args.optimizers.split(","):
+            measure_time(size, args.reps or size.reps, args.show_console, optimizer_kind)
     if not args.no_memory and "large" in names:
         measure_memory(SIZES["large"], args.memory_steps, args.memory_reps)
 

@@ -8,7 +8,8 @@ A recipe module ends with::
 and is run as::
 
     python -m recipes.NAME OUTPUT_DIR [--preset NAME] [--config-file F.yaml ...]
-        [--set a.b=value ...] [--resume/--no-resume] [--dump-config] [--list-presets]
+        [--set a.b=value ...] [--resume/--no-resume] [--overwrite] [--dump-config]
+        [--list-presets]
 
 The config is built from, lowest precedence first: the config type's defaults, the preset, each
 ``--config-file`` in order, each ``--set`` in order (see `trainer.config_loading` for the
@@ -36,6 +37,7 @@ from pydantic import BaseModel
 from trainer.config_errors import format_validation_error
 from trainer.config_loading import PRESET_DOC_KEY, load_config, parse_override
 from trainer.errors import UserError
+from trainer.output_dir import clear_previous_run, used_by_another_run
 from trainer.resume_guard import check_resume_config
 
 __all__ = [
@@ -99,8 +101,15 @@ def run_recipe(
         return 0
 
     output_dir = Path(args.output_dir)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    # Before config.yaml, the record of the checkpoints' config, changes.
+    if args.overwrite:
+        if rank0:  # the Trainer's first collective waits for this
+            clear_previous_run(output_dir)
+    elif not args.resume and (reason := used_by_another_run(output_dir)):
+        return _fail(reason)
     try:
-        if args.resume:  # before config.yaml, the record of the checkpoints' config, changes
+        if args.resume and not args.overwrite:
             check_resume_config(output_dir, config.model_dump(mode="json"), resume_guard)
     except UserError as err:
         return _fail(str(err))
@@ -111,7 +120,7 @@ def run_recipe(
         return _fail(f"output directory '{args.output_dir}' is not writable: {reason}")
 
     try:
-        code = main(config, output_dir, args.resume)
+        code = main(config, output_dir, args.resume and not args.overwrite)
     except UserError as err:
         return _fail(str(err))
     return 0 if code is None else int(code)
@@ -176,6 +185,12 @@ def _make_parser(
         action=argparse.BooleanOptionalAction,
         default=True,
         help="resume from the checkpoints in OUTPUT_DIR, if any (default: on)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over, deleting the previous run's checkpoints, metrics and TensorBoard "
+        "files in OUTPUT_DIR first",
     )
     parser.add_argument(
         "--dump-config", action="store_true", help="print the merged config as YAML and exit"

@@ -26,6 +26,25 @@ def previous_run(output_dir: Path) -> list[str]:
     return found
 
 
+def used_by_another_run(output_dir: Path) -> str | None:
+    """Why starting over in `output_dir` would mix two runs, naming what is there; None when
+    nothing is."""
+    old = previous_run(output_dir)
+    if not old:
+        return None
+    shown = ", ".join(old[:4]) + (f" and {len(old) - 4} more" if len(old) > 4 else "")
+    return (f"output_dir {output_dir} holds another run ({shown}); starting over there would "
+            "mix the two runs. Resume it (drop --no-resume / resume=False), start over with "
+            "--overwrite (overwrite=True), which deletes its checkpoints, metrics and "
+            "TensorBoard files, or choose another directory")
+
+
+def clear_previous_run(output_dir: Path) -> None:
+    """Delete another run's checkpoints, metrics, TensorBoard and W&B files (one process)."""
+    for name in RUN_DIRS:
+        shutil.rmtree(output_dir / name, ignore_errors=True)
+
+
 def prepare_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, root: Gang) -> None:
     """Check that `output_dir` can take this run (collective): a writable directory, and,
     when starting over, no other run's files unless `overwrite` deletes them (rank 0)."""
@@ -39,15 +58,9 @@ def prepare_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, root:
             probe.write_text("")
             probe.unlink()
             if overwrite:
-                for name in RUN_DIRS:
-                    shutil.rmtree(output_dir / name, ignore_errors=True)
-            elif not resume and (old := previous_run(output_dir)):
-                shown = ", ".join(old[:4]) + (f" and {len(old) - 4} more" if len(old) > 4 else "")
-                problem = (f"output_dir {output_dir} holds another run ({shown}); starting over "
-                           "there would mix the two runs. Resume it (drop --no-resume / "
-                           "resume=False), start over with --overwrite (overwrite=True), "
-                           "which deletes its checkpoints, metrics and TensorBoard files, or "
-                           "choose another directory")
+                clear_previous_run(output_dir)
+            elif not resume:
+                problem = used_by_another_run(output_dir)
         except OSError as error:
             problem = f"output_dir {output_dir} is not writable: {error}"
     message = first_error(root, problem)

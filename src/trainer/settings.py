@@ -10,6 +10,7 @@ crashed at run time instead).
 from __future__ import annotations
 
 import difflib
+import inspect
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -131,6 +132,18 @@ def describe_errors(err: ValidationError) -> str:
         else:
             lines.append(message)
     return "; ".join(lines)
+
+
+def signature_with_settings(function: Any, model: type[BaseModel] = TrainerSettings
+                            ) -> inspect.Signature:
+    """`function`'s signature with its `**settings` spelled out as keyword arguments, so
+    that `help()` and editors show every setting with its default."""
+    signature = inspect.signature(function)
+    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                                 annotation=field.annotation)
+               for name, field in model.model_fields.items()]
+    return signature.replace(parameters=params)
 
 
 def settings_doc(model: type[BaseModel] = TrainerSettings) -> str:

@@ -42,7 +42,7 @@ from trainer.recorders import BufferedRecorder, CompositeRecorder, MetricRecorde
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
 from trainer.seeding import RngState
-from trainer.settings import settings_doc, validate_settings
+from trainer.settings import settings_doc, signature_with_settings, validate_settings
 from trainer.step_log import StepLog
 from trainer.stop_signal import StopSignal
 from trainer.train_state import TrainState
@@ -456,6 +456,7 @@ class Trainer(Generic[BatchT]):
 
 
 Trainer.__doc__ = (Trainer.__doc__ or "") + "\n" + settings_doc() + "\n"
+Trainer.__init__.__signature__ = signature_with_settings(Trainer.__init__)  # type: ignore[attr-defined]
 
 
 def _due(step_nr: int, every: int | None) -> bool:

@@ -231,3 +231,21 @@ def test_unwritable_output_dir(mistakes):
     _check_user_error(procs["unwritable"],
                       f"error: output directory '{paths['unwritable']}' is not writable")
     assert not paths["unwritable"].exists()
+
+
+def test_no_resume_over_another_run_is_refused_and_overwrite_starts_clean(tmp_path):
+    out = tmp_path / "out"
+    first = run_module("recipes.lm", out, "--preset", "tiny", "--set",
+                       "trainer.max_num_steps=20")
+    assert first.returncode == 0, describe(first)
+    config_before = (out / "config.yaml").read_bytes()
+    refused = run_module("recipes.lm", out, "--preset", "tiny", "--no-resume", "--set",
+                         "trainer.max_num_steps=10")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "holds another run" in refused.stderr and "--overwrite" in refused.stderr
+    assert (out / "config.yaml").read_bytes() == config_before  # nothing lost
+    again = run_module("recipes.lm", out, "--preset", "tiny", "--overwrite", "--set",
+                       "trainer.max_num_steps=10")
+    assert again.returncode == 0, describe(again)
+    assert [r["step"] for r in read_jsonl(out / "metrics" / "train.jsonl")] == [10]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_10"]

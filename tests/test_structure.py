@@ -1,0 +1,108 @@
+"""The structure DESIGN.md asks for, checked on the source: no import cycle among our
+modules, and `trainer.trainer` imported only by the package face, the config and the CLI."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("gangs", "units", "trainer", "recipes")
+
+
+def module_files() -> dict[str, Path]:
+    files = {}
+    for base in (ROOT / "src", ROOT):
+        for package in PACKAGES:
+            for path in (base / package).rglob("*.py") if (base / package).is_dir() else []:
+                parts = list(path.relative_to(base).with_suffix("").parts)
+                if parts[-1] == "__init__":
+                    parts.pop()
+                files[".".join(parts)] = path
+    return files
+
+
+def top_level_imports(path: Path, modules: set[str], package: str) -> set[str]:
+    """Our modules that `path` imports when it is imported (not inside functions, not under
+    TYPE_CHECKING); `from pkg import name` counts as `pkg.name` when that is a module."""
+    tree = ast.parse(path.read_text())
+    found = set()
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                    + [node.module])
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    found.add(full if full in modules else base)
+
+    visit(tree.body)
+    return {name for name in found if name in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+    modules = set(files)
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        graph[name] = top_level_imports(path, modules, package) - {name}
+    return graph
+
+
+def test_no_import_cycle_among_our_modules():
+    graph = import_graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def walk(node, trail):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(trail[trail.index(nxt):] + [nxt] if nxt in trail else [node, nxt])
+            elif nxt not in state:
+                walk(nxt, trail + [nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    # A package face importing its own submodules is not a cycle of code.
+    real = [c for c in cycles if not any(len(a) < len(b) and b.startswith(a + ".")
+                                         for a, b in zip(c, c[1:]))]
+    assert real == []
+
+
+def test_only_the_face_the_config_and_the_cli_import_the_trainer_module():
+    importers = {name for name, deps in import_graph().items() if "trainer.trainer" in deps}
+    assert importers <= {"trainer", "trainer.config", "trainer.cli"}, importers
+
+
+def test_help_trainer_explains_every_argument():
+    import inspect
+    import pydoc
+
+    from trainer import Trainer, TrainerConfig
+    from trainer.settings import TrainerSettings
+
+    text = pydoc.render_doc(Trainer, renderer=pydoc.plaintext)
+    names = [name for name in inspect.signature(Trainer.__init__).parameters if name != "self"]
+    assert set(TrainerSettings.model_fields) <= set(names)  # every setting is a keyword
+    for name in names:
+        assert f"{name}:" in text or f"{name} (default" in text, name
+    # One definition: the config has every setting, with the same default.
+    for name, field in TrainerSettings.model_fields.items():
+        assert TrainerConfig.model_fields[name].default == field.default, name
+        assert field.description, name
