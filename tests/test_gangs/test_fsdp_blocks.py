@@ -57,6 +57,7 @@ def test_a_block_holding_a_tied_weight_is_left_to_the_root():
 def test_blocks_by_class_or_name_and_a_clear_error_for_none():
     gpt = GPT(GPTConfig(seq_len=8, dim=16, num_layers=2, num_heads=2))
     assert find_blocks(gpt, ["TransformerBlock"]) == list(gpt.layers)
+    assert find_blocks(gpt, "TransformerBlock") == list(gpt.layers)
     assert find_blocks(gpt, [TransformerBlock]) == list(gpt.layers)
     with pytest.raises(ValueError, match=r"blocks \['GPT2Block'\] match no module of GPT; "
                                          r"repeated classes it holds: \['TransformerBlock'\]"):

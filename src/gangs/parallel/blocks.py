@@ -32,6 +32,8 @@ BlockSpec = Sequence[str | type[nn.Module]]
 def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Module]:
     """The repeated blocks of `model`, outermost first in module order (see the module
     docstring). A `ValueError` when `blocks` names a class that `model` does not contain."""
+    if isinstance(blocks, str):  # one class name
+        blocks = [blocks]
     if blocks is not None:
         found = _modules_of_classes(model, blocks)
         missing = [b for b in blocks if not any(_matches(m, b) for m in model.modules())]
