@@ -68,6 +68,7 @@ class SampleReader(GlobalBatchReader[dict[str, torch.Tensor]]):
 
 
 TRAIN, VALID = padded_samples(64, seed=1), padded_samples(16, seed=2)
+MAX_NORM = 0.2  # below these models' gradient norms: every step is clipped
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -115,7 +116,9 @@ def train(
             valid_units=[CausalLMEvalUnit(model)],
             valid_data_readers=[SampleReader(VALID, 8, rank, size, shuffle=False)],
             score_metric="valid/loss", checkpoint_every_n_steps=checkpoint_every_n_steps,
-            recorders=[], progress=False,
+            max_gradient_norm=MAX_NORM, publish_metrics_every_n_steps=1, recorders=[],
+            progress=False,
         ).run()
     assert result.num_steps == max_num_steps
+    assert result.last_metrics["grad_norm"] > MAX_NORM  # clipping engaged (DTensor-aware)
     return Run(result.score_history[-1][1], full_parameters(model), reader.num_batches_made)
