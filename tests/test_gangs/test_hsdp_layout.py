@@ -1,5 +1,6 @@
 """HSDP gangs (`dp_shard_size`): which ranks shard together and which replicate, on 4 real
-Gloo ranks, the `[dp_replicate, dp_shard, tp]` mesh FSDP2 shards over, and the errors."""
+Gloo ranks, the `[dp_replicate, dp_shard, tp]` mesh FSDP2 shards over, and the errors of
+`setup_gangs` and `data_parallel`."""
 
 from __future__ import annotations
 
@@ -77,3 +78,25 @@ def test_ddp_with_hsdp_gangs_is_refused():
     with pytest.raises(ValueError, match="dp_shard_size 2 \\(HSDP\\) shards the model with "
                                          "FSDP2: use data_parallel kind 'fsdp'"):
         data_parallel(torch.nn.Linear(2, 2), gangs, "ddp")
+
+
+def _wrap_twice():
+    gangs = setup_gangs(setup_root_gang())
+    messages = []
+    for first, second in (("ddp", "fsdp"), ("fsdp", "ddp")):
+        model = data_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), gangs, first)
+        try:
+            data_parallel(model, gangs, second)
+        except ValueError as ex:
+            messages.append(str(ex))
+    return messages
+
+
+def test_wrapping_twice_is_refused():
+    messages = run_ranks(_wrap_twice, world_size=2)[0]
+    assert messages == [
+        "the model is already wrapped for data parallelism (DistributedDataParallel): call "
+        "data_parallel once, on the plain model",
+        "the model is already wrapped for data parallelism (FSDPSequential): call "
+        "data_parallel once, on the plain model",
+    ]

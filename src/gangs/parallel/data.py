@@ -24,7 +24,14 @@ def data_parallel(
     "fsdp": FSDP2, or HSDP when the gangs have a `dp_shard_size`; kwargs go to
     `gangs.parallel.fully_shard_model` (`blocks`, `param_dtype`, `activation_checkpointing`,
     ...), which leaves the model unsharded in one process.
+
+    A model already wrapped (DDP, or any FSDP2 module) is refused with a `ValueError`.
     """
+    if is_data_parallel(model):
+        raise ValueError(
+            f"the model is already wrapped for data parallelism ({type(model).__name__}): "
+            "call data_parallel once, on the plain model"
+        )
     if kind == "fsdp":
         from gangs.parallel.fsdp import fully_shard_model
 
