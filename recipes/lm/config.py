@@ -55,6 +55,9 @@ class LRSchedulerSection(_Section):
 class GangsSection(_Section):
     tp_size: PositiveInt = 1
     ep_size: PositiveInt = 1
+    dp_shard_size: PositiveInt | None = None
+    """HSDP: FSDP2 shards over groups of this many DP ranks (one node) and replicates across
+    them; needs trainer.data_parallel=fsdp. null: shard over every DP rank."""
     timeout_s: PositiveInt = 600
 
 

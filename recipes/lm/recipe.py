@@ -43,9 +43,12 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
     from datetime import timedelta
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if config.gangs.dp_shard_size is not None and config.trainer.data_parallel != "fsdp":
+        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs trainer.data_parallel=fsdp")
     root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
     try:
-        gangs = setup_gangs(root, config.gangs.tp_size, config.gangs.ep_size)
+        gangs = setup_gangs(root, config.gangs.tp_size, config.gangs.ep_size,
+                            config.gangs.dp_shard_size)
     except ValueError as ex:
         raise UserError(f"config 'gangs': {ex}") from None
     console = Console(stderr=False) if root.rank == 0 else None

@@ -1,9 +1,14 @@
-"""Stock units for causal language models: summed NLL over the non-padding targets."""
+"""Stock units for causal language models: summed NLL over the non-padding targets.
+
+The model returns logits, or a Hugging Face output with `.logits` (its own `.loss` is a
+mean, so it is not used: the unit sums, the trainer divides by the global target count).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -13,13 +18,59 @@ from gangs.parallel.expert import moe_layers
 from units.metrics import MetricBag
 from units.unit import EvalUnit, TrainUnit
 
-LMBatch = Mapping[str, Tensor]  # {"input_ids": [b, t], "target_ids": [b, t]}
+LMBatch = Mapping[str, Tensor]
+"""One of two forms, both [b, t]:
+
+- `{"input_ids", "target_ids"}`: targets already shifted (`target_ids[:, i]` follows
+  `input_ids[:, i]`), padding marked with the ignore index;
+- Hugging Face style `{"input_ids", "attention_mask"?, "labels"?}`: `labels` (default: the
+  input ids) are shifted here, as HF models do; positions whose attention mask is 0 and
+  labels equal to the ignore index (-100 by default) are not targets.
+
+An `attention_mask` is handed to the model (`model(input_ids, attention_mask=...)`).
+"""
+
+
+def output_logits(output: Any) -> Tensor:
+    """The logits of a model's output: the tensor itself, or a Hugging Face output's
+    `.logits` (e.g. `CausalLMOutputWithPast`)."""
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    raise TypeError(
+        f"the model returned a {type(output).__name__}: a causal LM unit needs logits, "
+        "a tensor or an output with a `.logits` tensor (Hugging Face models)"
+    )
+
+
+def lm_targets(batch: LMBatch, pad_idx: int) -> tuple[Tensor, bool]:
+    """(targets aligned with the logits to score, whether the logits' last position must be
+    dropped: True for an HF-style batch, whose labels are shifted here)."""
+    if "target_ids" in batch:
+        return batch["target_ids"], False
+    labels = batch.get("labels", batch["input_ids"])
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        labels = labels.masked_fill(mask == 0, pad_idx)
+    return labels[:, 1:], True
 
 
 def lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int) -> tuple[Tensor, Tensor]:
-    """(summed NLL in nats, number of targets that are not `pad_idx`)."""
-    logits = model(batch["input_ids"])
-    targets = batch["target_ids"]
+    """(summed NLL in nats, number of targets), targets equal to `pad_idx` (the ignore
+    index) excluded; see `LMBatch` for the two batch forms."""
+    if "input_ids" not in batch:
+        raise ValueError(f"a causal LM batch needs 'input_ids'; this one has {sorted(batch)}")
+    mask = batch.get("attention_mask")
+    if mask is None:
+        output = model(batch["input_ids"])
+    else:
+        output = model(batch["input_ids"], attention_mask=mask)
+    logits = output_logits(output)
+    targets, shift = lm_targets(batch, pad_idx)
+    if shift:
+        logits = logits[:, :-1]
     loss = F.cross_entropy(
         logits.flatten(0, -2).float(), targets.flatten(), ignore_index=pad_idx, reduction="sum"
     )
@@ -38,6 +89,9 @@ def derive_lm_metrics(values: dict[str, float], bytes_per_token: float | None) -
 
 class CausalLMUnit(TrainUnit[LMBatch]):
     """Next-token prediction; `num_targets` counts the targets that are not padding.
+
+    Takes our models (logits) and Hugging Face causal LMs (`.logits`), with either batch
+    form of `LMBatch`. `pad_idx` is the ignore index (-100, as in Hugging Face labels).
 
     `bytes_per_token=1` (byte-level models) adds `bits_per_byte` to the published metrics.
     """
@@ -78,6 +132,9 @@ class CausalLMUnit(TrainUnit[LMBatch]):
 
 
 class CausalLMEvalUnit(EvalUnit[LMBatch]):
+    """Records the mean NLL (`loss`, weighted by target count) and perplexity; models and
+    batches as `CausalLMUnit`."""
+
     metric_names = ("loss", "perplexity", "bits_per_byte")
 
     def __init__(

@@ -5,7 +5,7 @@ Wrap once, before the optimizer is built, and give the unit the returned model.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -15,26 +15,42 @@ from gangs.setup import Gangs
 
 
 def data_parallel(
-    model: nn.Module, gangs: Gangs, kind: Literal["ddp", "fsdp"] = "ddp", **kwargs
+    model: nn.Module, gangs: Gangs, kind: Literal["ddp", "fsdp"] = "ddp", **kwargs: Any
 ) -> nn.Module:
-    """Wrap `model` for data parallelism over `gangs.dp` (a no-op when dp size is 1).
+    """Wrap `model` for data parallelism over `gangs.dp`.
 
-    kwargs go to `DistributedDataParallel` (e.g. `find_unused_parameters=True`).
+    "ddp": `DistributedDataParallel`; kwargs go to it (e.g. `find_unused_parameters=True`).
+    A no-op in one process.
+    "fsdp": FSDP2, or HSDP when the gangs have a `dp_shard_size`; kwargs go to
+    `gangs.parallel.fully_shard_model` (`blocks`, `param_dtype`, `activation_checkpointing`,
+    ...), which leaves the model unsharded in one process.
+
+    A model already wrapped (DDP, or any FSDP2 module) is refused with a `ValueError`.
     """
-    if gangs.dp.size == 1:
-        return model
-    if kind == "ddp":
-        # Expert weights differ per EP rank: `reduce_expert_gradients` reduces them instead.
-        if ignored := ddp_ignored_names(model):
-            DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)  # noqa: SLF001 (DDP's own way to leave parameters out)
-        device_ids = [gangs.device.index] if gangs.device.type == "cuda" else None
-        return DDP(model, device_ids=device_ids, process_group=gangs.dp.as_process_group(),
-                   **kwargs)
+    if is_data_parallel(model):
+        raise ValueError(
+            f"the model is already wrapped for data parallelism ({type(model).__name__}): "
+            "call data_parallel once, on the plain model"
+        )
     if kind == "fsdp":
         from gangs.parallel.fsdp import fully_shard_model
 
         return fully_shard_model(model, gangs, **kwargs)
-    raise ValueError(f"data_parallel kind must be 'ddp' or 'fsdp', got {kind!r}")
+    if kind != "ddp":
+        raise ValueError(f"data_parallel kind must be 'ddp' or 'fsdp', got {kind!r}")
+    if gangs.dp_shard is not None:
+        raise ValueError(
+            f"dp_shard_size {gangs.dp_shard.size} (HSDP) shards the model with FSDP2: use "
+            "data_parallel kind 'fsdp' (DDP keeps a whole replica on every rank)"
+        )
+    if gangs.dp.size == 1:
+        return model
+    # Expert weights differ per EP rank: `reduce_expert_gradients` reduces them instead.
+    if ignored := ddp_ignored_names(model):
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)  # noqa: SLF001 (DDP's own way to leave parameters out)
+    device_ids = [gangs.device.index] if gangs.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, process_group=gangs.dp.as_process_group(),
+               **kwargs)
 
 
 def is_data_parallel(model: nn.Module) -> bool:
