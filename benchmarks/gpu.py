@@ -388,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if config.trainer.dtype == "fp16":
+        print("error: trainer.dtype fp16: the hand-written loop has no loss scaler to match the "
+              "trainer's; use bf16 or fp32", file=sys.stderr)
+        return 2
 
     device = torch.device(args.device)
     if device.type == "cuda":
