@@ -56,6 +56,8 @@ PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[str, float | None]:
+    """(the device's name, its dense peak FLOP/s for `dtype` from `PEAK_FLOPS`, or None for a
+    CPU or a GPU not in the table)."""
     if device.type != "cuda":
         return "cpu", None
     name = torch.cuda.get_device_name(device)
@@ -63,6 +65,28 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[str, float | None]:
         if key in name:
             return name, table[dtype]
     return name, None
+
+
+def gpt_config_from(config: LMConfig) -> GPTConfig:
+    """The model of an `LMConfig`, as the recipe builds it."""
+    m, d = config.model, config.data
+    return GPTConfig(seq_len=d.seq_len, dim=m.dim, num_layers=m.num_layers,
+                     num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
+                     num_experts=m.num_experts, top_k=m.top_k, tie_embeddings=m.tie_embeddings)
+
+
+def synthetic_pool(vocab_size: int, batch_size: int, seq_len: int, device: torch.device,
+                   num_batches: int = 4) -> list[Batch]:
+    """`num_batches` LM batches of random tokens, made on `device` (seeded: the same on
+    every call)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    pool = []
+    for _ in range(num_batches):
+        tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator,
+                               device=device)
+        pool.append({"input_ids": tokens[:, :-1].contiguous(),
+                     "target_ids": tokens[:, 1:].contiguous()})
+    return pool
 
 
 class SyntheticReader:
@@ -165,11 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     from gangs import FakeGang, setup_gangs
 
     gangs = setup_gangs(FakeGang(device=device))
-    m, d, o = config.model, config.data, config.optimizer
-    gpt_config = GPTConfig(seq_len=d.seq_len, dim=m.dim, num_layers=m.num_layers,
-                           num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
-                           num_experts=m.num_experts, top_k=m.top_k,
-                           tie_embeddings=m.tie_embeddings)
+    d, o = config.data, config.optimizer
+    gpt_config = gpt_config_from(config)
     torch.manual_seed(config.trainer.seed)
     model = GPT(gpt_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
@@ -177,13 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     num_batches = args.warmup + args.steps
     if args.data == "synthetic":
-        generator = torch.Generator(device=device).manual_seed(0)
-        pool = []
-        for _ in range(4):
-            tokens = torch.randint(0, gpt_config.vocab_size, (d.batch_size, d.seq_len + 1),
-                                   generator=generator, device=device)
-            pool.append({"input_ids": tokens[:, :-1].contiguous(),
-                         "target_ids": tokens[:, 1:].contiguous()})
+        pool = synthetic_pool(gpt_config.vocab_size, d.batch_size, d.seq_len, device)
         reader: SyntheticReader = SyntheticReader(pool, num_batches, args.warmup, device)
     else:
         reader = DeviceReader(_real_batches(config), num_batches, args.warmup, device)
