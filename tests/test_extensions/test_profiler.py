@@ -116,3 +116,21 @@ def test_config_mistakes_name_the_field(key, value, message):
     error = info.value.errors()[0]
     assert error["loc"] == (key,)
     assert message in error["msg"]
+
+
+def test_tensorboard_profiler_plugin_reads_the_trace(tmp_path):
+    """The TensorBoard plugin's own parser (``pip install torch-tb-profiler``; skipped
+    without it) builds its views from the trace: overview, operators, trace, memory."""
+    data_module = pytest.importorskip("torch_tb_profiler.profiler.data")
+    generator_module = pytest.importorskip("torch_tb_profiler.profiler.run_generator")
+    consts = pytest.importorskip("torch_tb_profiler.consts")
+    profiler = StepProfiler(ProfilerConfig(skip_steps=2, record_steps=3, record_memory=True),
+                            tmp_path, rank=0, device="cpu")
+    _train(profiler, num_steps=6)
+    path = profiler.trace_path
+    match = consts.WORKER_PATTERN.match(path.name)  # how the plugin finds traces in a run dir
+    assert match is not None and match.group(1) == "rank_0.step_3-5"
+    data = data_module.RunProfileData.parse(match.group(1), None, str(path), str(tmp_path))
+    assert data.steps_names == ["2", "3", "4"]
+    run = generator_module.RunGenerator(match.group(1), None, data).generate_run_profile()
+    assert {"overall", "operator", "trace", "memory"} <= {view.name for view in run.views}
