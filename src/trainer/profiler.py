@@ -51,10 +51,11 @@ class ProfilerConfig(BaseModel):
     with_stack: bool = False
     """Record the Python stack of each op: much larger traces."""
 
-    def build(self, output_dir: str | Path, rank: int, device: torch.device | str
-              ) -> StepProfiler:
-        """The profiler of ``rank`` for a run writing to ``output_dir`` on ``device``."""
-        return StepProfiler(self, output_dir, rank, device)
+    def build(self, output_dir: str | Path, rank: int, device: torch.device | str,
+              start_step: int = 0) -> StepProfiler:
+        """The profiler of ``rank`` for a run writing to ``output_dir`` on ``device`` that
+        continues from step ``start_step`` (0, or the step a resumed run starts from)."""
+        return StepProfiler(self, output_dir, rank, device, start_step)
 
 
 class StepProfiler:

@@ -64,8 +64,8 @@ def test_without_skipped_steps_and_with_memory(tmp_path):
 
 
 def test_a_resumed_run_counts_from_its_start(tmp_path):
-    profiler = StepProfiler(ProfilerConfig(skip_steps=1, record_steps=1), tmp_path, rank=0,
-                            device="cpu", start_step=40)
+    profiler = ProfilerConfig(skip_steps=1, record_steps=1).build(tmp_path, rank=0,
+                                                                   device="cpu", start_step=40)
     _train(profiler, num_steps=3)
     assert profiler.trace_path == tmp_path / "profile" / "rank_0.step_42-42.pt.trace.json"
 
