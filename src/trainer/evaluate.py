@@ -40,6 +40,7 @@ from trainer.checkpoint.manifest import (
     check_model_fits,
 )
 from trainer.checkpoint.state import model_optim_state
+from trainer.console_log import show_on_console
 from trainer.errors import UserError
 from trainer.recorders import ConsoleRecorder, JsonlRecorder
 from trainer.validator import Validator
@@ -124,6 +125,7 @@ def evaluate(
     rank. ``console``: where rank 0 prints the metrics (default: stdout)."""
     output_dir = Path(output_dir)
     gangs = gangs if gangs is not None else setup_gangs(FakeGang())
+    show_on_console(gangs.root.rank)
     try:
         checkpoint = parse_checkpoint_choice(checkpoint)
         validator = Validator(valid_units, valid_data_readers, gangs)
