@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,46 @@ def test_a_damaged_checkpoint_or_another_model_is_refused(run, tmp_path):
     units, _ = fresh_units()
     with pytest.raises(UserError, match=r"checkpoint .*step_16 cannot be loaded: .*sha256"):
         evaluate(units, [valid], output_dir=out, checkpoint="last")
+
+
+# --- two ranks --------------------------------------------------------------------------------
+
+
+def _train_then_evaluate_on_two_ranks(out: Path):
+    from gangs import setup_gangs, setup_root_gang
+    from gangs.parallel import data_parallel
+
+    gangs = setup_gangs(setup_root_gang())
+    rank = gangs.dp.rank
+    train, valid = make_data()
+    shard = [(x[rank::2], y[rank::2]) for x, y in train]  # each rank its half of each batch
+    valid_shard = [(x[rank::2], y[rank::2]) for x, y in valid]
+    model = data_parallel(make_model(0), gangs)
+    result = Trainer(
+        Regression(model), shard, torch.optim.SGD(model.parameters(), lr=0.02),
+        output_dir=out, gangs=gangs, max_num_steps=8, validate_every_n_steps=4,
+        checkpoint_every_n_steps=4, score_metric="valid/loss",
+        valid_units=[RegressionEval(model)], valid_data_readers=[valid_shard],
+        progress=False, recorders=[],
+    ).run()
+    fresh = data_parallel(make_model(1 + rank), gangs)  # other weights on each rank
+    values = evaluate([RegressionEval(fresh)], [valid_shard], output_dir=out, gangs=gangs,
+                      checkpoint="step_4", console=Console(file=io.StringIO()))
+    weights = [p.detach().clone() for p in fresh.parameters()]
+    return dict(result.score_history), values["valid/loss"], weights
+
+
+def test_two_ranks_evaluate_what_they_trained(tmp_path):
+    from ranks import run_ranks
+
+    results = run_ranks(partial(_train_then_evaluate_on_two_ranks, tmp_path), world_size=2)
+    (scores, loss, weights), (scores_1, loss_1, weights_1) = results
+    assert scores_1 == scores
+    assert loss == loss_1 == scores[4]  # synced over both ranks' shards, as in training
+    assert all(torch.equal(a, b) for a, b in zip(weights, weights_1))  # both got step 4
+    # One process, the whole validation set, the unwrapped model: the same loss.
+    _, valid = make_data()
+    units, _ = fresh_units()
+    alone = evaluate(units, [valid], output_dir=tmp_path, checkpoint="step_4",
+                     console=Console(file=io.StringIO()))
+    assert alone["valid/loss"] == pytest.approx(scores[4], rel=1e-6)
