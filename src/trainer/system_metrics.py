@@ -126,11 +126,15 @@ _PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
     ("H100 PCIe", {"half": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
     ("H100 NVL", {"half": 835e12, "tf32": 418e12, "fp32": 60e12}),
     ("H100", {"half": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
-    ("H200", {"half": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # H100 SXM's compute
+    ("H200", {"half": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # and GH200
     ("H800", {"half": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("B200", {"half": 2250e12, "tf32": 1100e12, "fp32": 80e12}),
     ("A100", {"half": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
     ("A800", {"half": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
     ("L40S", {"half": 362.05e12, "tf32": 183e12, "fp32": 91.6e12}),
+    ("L40", {"half": 181e12, "tf32": 90.5e12, "fp32": 90.5e12}),
+    ("L4", {"half": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    ("RTX 4090", {"half": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}),
 )
 _HALF = {torch.bfloat16, torch.float16}
 _NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,

@@ -103,6 +103,10 @@ def test_mfu_is_unknown_on_cpu_and_computed_from_the_table_on_a_gpu(monkeypatch)
     assert peak_flops("cuda", "bf16") == 989.4e12
     names["name"] = "NVIDIA A100-SXM4-80GB"
     assert peak_flops("cuda", "bf16") == 312e12
+    names["name"] = "NVIDIA L40S"  # not the L4 (first match wins)
+    assert peak_flops("cuda", "bf16") == 362.05e12
+    names["name"] = "NVIDIA L4"
+    assert peak_flops("cuda", "bf16") == 121e12
     names["name"] = "NVIDIA GeForce GTX 1080"
     assert peak_flops("cuda", "bf16") is None
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
