@@ -8,9 +8,9 @@ checkpoint is kept.
 import sys
 
 from recipes.classify.config import PRESETS, ClassifyConfig
-from recipes.classify.recipe import main
+from recipes.classify.recipe import eval_main, main
 from trainer.cli import run_recipe
 
 if __name__ == "__main__":
     sys.exit(run_recipe(ClassifyConfig, PRESETS, main, prog="python -m recipes.classify",
-                        default_preset="default"))
+                        default_preset="default", eval_main=eval_main))

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 from torch import nn
 
-from gangs import setup_gangs, setup_root_gang
+from gangs import Gangs, setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
 from recipes.classify.config import ClassifyConfig
 from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
 from trainer.early_stopper_config import build_early_stopper
 from trainer.errors import UserError
+from trainer.evaluate import evaluate
 from trainer.result import TrainResult
 from units.classification import ClassificationEvalUnit, ClassificationUnit
 
@@ -40,7 +44,19 @@ class MLP(nn.Module):
         return self.net(inputs)
 
 
-def main(config: ClassifyConfig, output_dir: Path, resume: bool) -> int:
+@dataclass
+class _Setup:
+    """What training and evaluation share: gangs, the (wrapped) model, validation."""
+
+    gangs: Gangs
+    console: Console | None
+    model: nn.Module
+    valid_units: list[ClassificationEvalUnit]
+    valid_readers: list[Iterable[Any]]
+    reader: ShardedBatchReader
+
+
+def _setup(config: ClassifyConfig) -> _Setup:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
     try:
@@ -70,17 +86,31 @@ def main(config: ClassifyConfig, output_dir: Path, resume: bool) -> int:
         num_params = sum(p.numel() for p in model.parameters())
         console.print(f"model: MLP {d.dim} -> {m.num_layers} x {m.hidden_dim} -> "
                       f"{d.num_classes}, {num_params:,} parameters")
+    return _Setup(gangs, console, model, [ClassificationEvalUnit(model)], [valid_reader],
+                  reader)
 
-    optimizer = config.optimizer.build(model)
+
+def main(config: ClassifyConfig, output_dir: Path, resume: bool) -> int:
+    s = _setup(config)
+    optimizer = config.optimizer.build(s.model)
     trainer = config.trainer.build(
-        ClassificationUnit(model), reader, optimizer, output_dir=output_dir, gangs=gangs,
-        valid_units=[ClassificationEvalUnit(model)], valid_data_readers=[valid_reader],
+        ClassificationUnit(s.model), s.reader, optimizer, output_dir=output_dir,
+        gangs=s.gangs, valid_units=s.valid_units, valid_data_readers=s.valid_readers,
         resume=resume,
     )
     result = trainer.run()
-    if console:
-        _summary(console, result, config)
-    gangs.close()
+    if s.console:
+        _summary(s.console, result, config)
+    s.gangs.close()
+    return 0
+
+
+def eval_main(config: ClassifyConfig, output_dir: Path, checkpoint: str) -> int:
+    """``--eval-only``: validate a checkpoint of ``output_dir`` (see `trainer.evaluate`)."""
+    s = _setup(config)
+    evaluate(s.valid_units, s.valid_readers, output_dir=output_dir, gangs=s.gangs,
+             checkpoint=checkpoint, console=s.console)
+    s.gangs.close()
     return 0
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 
-from gangs import setup_gangs, setup_root_gang
+from gangs import Gangs, setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
 from recipes.lm.config import LMConfig
 from recipes.lm.data import (
@@ -23,6 +25,7 @@ from recipes.lm.data import (
 )
 from recipes.lm.model import GPT, GPTConfig, num_parameters
 from trainer.errors import UserError
+from trainer.evaluate import evaluate
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
 
@@ -39,7 +42,20 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int | No
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
+@dataclass
+class _Setup:
+    """What training and evaluation share: gangs, the (wrapped) model, validation."""
+
+    gangs: Gangs
+    console: Console | None
+    model: torch.nn.Module
+    valid_units: list[CausalLMEvalUnit]
+    valid_readers: list[Iterable[Any]]
+    gzip_bpb: float
+    reader: ByteWindowReader | None  # training data; None when only evaluating
+
+
+def _setup(config: LMConfig, train: bool) -> _Setup:
     from datetime import timedelta
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -58,16 +74,21 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
     d = config.data
     train_files, valid_files = split_files(find_source_files(d.root), d.valid_fraction,
                                            d.split_seed)
-    train_bytes = load_bytes(train_files, d.max_train_bytes)
+    reader = None
+    if train:
+        train_bytes = load_bytes(train_files, d.max_train_bytes)
+        reader = ByteWindowReader(train_bytes, d.seq_len, d.batch_size, dp_rank, dp_size,
+                                  seed=d.shuffle_seed)
     valid_bytes = load_bytes(valid_files, d.max_valid_bytes)
-    reader = ByteWindowReader(train_bytes, d.seq_len, d.batch_size, dp_rank, dp_size,
-                              seed=d.shuffle_seed)
     valid_reader = eval_batches(valid_bytes, d.seq_len, d.valid_batch_size, dp_rank, dp_size)
     scored = valid_bytes[: (len(valid_bytes) - 1) // d.seq_len * d.seq_len + 1]
     gzip_bpb = gzip_bits_per_byte(scored[1:])
     if console:
-        console.print(f"data: {len(train_files)} train files ({len(train_bytes):,} bytes), "
-                      f"{len(valid_files)} valid files ({len(valid_bytes):,} bytes)")
+        if train:
+            console.print(f"data: {len(train_files)} train files ({len(train_bytes):,} bytes), "
+                          f"{len(valid_files)} valid files ({len(valid_bytes):,} bytes)")
+        else:
+            console.print(f"data: {len(valid_files)} valid files ({len(valid_bytes):,} bytes)")
         console.print(f"reference: gzip -9 on the {len(scored) - 1:,} validation bytes: "
                       f"{gzip_bpb:.3f} bits/byte")
 
@@ -81,21 +102,39 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
     model = _build_model(gpt_config, gangs, config)
     if console:
         console.print(f"model: {num_parameters(model):,} parameters, {asdict(gpt_config)}")
+    return _Setup(gangs, console, model, [CausalLMEvalUnit(model, bytes_per_token=1)],
+                  [valid_reader], gzip_bpb, reader)
 
-    optimizer = config.optimizer.build(model)
+
+def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
+    s = _setup(config, train=True)
+    m = config.model
+    optimizer = config.optimizer.build(s.model)
     scheduler = warmup_cosine(optimizer, config.lr_scheduler.warmup_steps,
                               config.trainer.max_num_steps, config.lr_scheduler.final_lr_scale)
     trainer = config.trainer.build(
-        CausalLMUnit(model, bytes_per_token=1, moe_aux_loss_weight=m.moe_aux_loss_weight),
-        reader, optimizer, output_dir=output_dir,
-        gangs=gangs, lr_scheduler=scheduler,
-        valid_units=[CausalLMEvalUnit(model, bytes_per_token=1)],
-        valid_data_readers=[valid_reader], resume=resume,
+        CausalLMUnit(s.model, bytes_per_token=1, moe_aux_loss_weight=m.moe_aux_loss_weight),
+        s.reader, optimizer, output_dir=output_dir,
+        gangs=s.gangs, lr_scheduler=scheduler,
+        valid_units=s.valid_units, valid_data_readers=s.valid_readers, resume=resume,
     )
     result = trainer.run()
-    if console:
-        _summary(console, result, output_dir, gzip_bpb)
-    gangs.close()
+    if s.console:
+        _summary(s.console, result, output_dir, s.gzip_bpb)
+    s.gangs.close()
+    return 0
+
+
+def eval_main(config: LMConfig, output_dir: Path, checkpoint: str) -> int:
+    """``--eval-only``: validate a checkpoint of ``output_dir`` (see `trainer.evaluate`)."""
+    s = _setup(config, train=False)
+    values = evaluate(s.valid_units, s.valid_readers, output_dir=output_dir, gangs=s.gangs,
+                      checkpoint=checkpoint, console=s.console)
+    if s.console:
+        bpb = values["valid/bits_per_byte"]
+        verdict = "beats" if bpb < s.gzip_bpb else "does not beat"
+        s.console.print(f"valid bits/byte: {bpb:.4f} ({verdict} gzip -9: {s.gzip_bpb:.4f})")
+    s.gangs.close()
     return 0
 
 

@@ -1,36 +1,247 @@
-"""`Callback`: code of yours that the Trainer calls at the run's events, on every rank.
+"""Callbacks: user code the trainer calls at fixed points of a run, on every rank.
 
-Subclass it and override what you need; every method is optional. Events:
+Subclass `Callback` and override the events you need (every method is optional)::
 
-* `on_train_start(trainer)`: after resuming, before the first step;
-* `on_step_end(trainer)`: after each optimizer step (`trainer.step_nr` is that step);
-* `on_validation_end(trainer, scores)`: after each validation, with the metrics synced
-  over the ranks (`{"<unit name>/<metric>": value}`);
-* `on_checkpoint_saved(trainer, step_nr, path)`: once `path` is complete (renamed);
-* `on_train_end(trainer, result)`: after the run, with its `TrainResult`.
+    class PrintLR(Callback):
+        def on_step_end(self, trainer):
+            if trainer.step_nr % 100 == 0 and trainer.gangs.root.rank == 0:
+                print(trainer.step_nr, trainer.optimizer.param_groups[0]["lr"])
+
+    Trainer(..., callbacks=[PrintLR()])
+
+or name it in a config (extra keys are the constructor's keyword arguments)::
+
+    trainer:
+      callbacks:
+        - {name: "mypkg.callbacks:PrintLR"}
+        - {name: "mypkg.callbacks:SaveSamples", every: 500}
+
+Any object with at least one of the event methods works, `Callback` subclass or not.
+
+The events, in the order of a run:
+
+- ``on_train_start(trainer)``: once ``run()`` starts, after a resume restored the state
+  (``trainer.step_nr`` is the step the run continues from);
+- ``on_step_end(trainer)``: after each optimizer step (``trainer.step_nr`` is that step);
+- ``on_validation_end(trainer, scores)``: after each validation, with its metrics
+  (``{"valid/loss": ...}``);
+- ``on_checkpoint_saved(trainer, step_nr, path)``: once the checkpoint of ``step_nr`` is
+  complete and renamed to ``path``;
+- ``on_train_end(trainer, result)``: with the `TrainResult`, before ``run()`` returns.
+
+Callbacks run on the training thread of every rank, so they may run collectives as long as
+every rank does the same. ``on_step_end`` runs every step: keep it cheap (no host sync).
+`CallbackList` is what the trainer holds: it calls only the callbacks that implement an
+event and turns an exception raised by one into a `CallbackError` naming it.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from trainer.errors import UserError
+from trainer.import_path import import_object
 
 if TYPE_CHECKING:
     from trainer.result import TrainResult
 
+__all__ = [
+    "EVENTS",
+    "Callback",
+    "CallbackConfig",
+    "CallbackError",
+    "CallbackList",
+    "build_callbacks",
+    "implemented_events",
+]
+
+EVENTS = (
+    "on_train_start",
+    "on_step_end",
+    "on_validation_end",
+    "on_checkpoint_saved",
+    "on_train_end",
+)
+"""The callback events, in the order a run reaches them."""
+
 
 class Callback:
+    """Base class of callbacks: every method is a no-op, override the ones you need.
+
+    ``trainer`` is the running `trainer.Trainer`; read its public attributes (``step_nr``,
+    ``unit``, ``optimizer``, ``gangs``, ``output_dir``, ...), do not change its state.
+    """
+
     def on_train_start(self, trainer: Any) -> None:
-        """After resuming, before the first step."""
+        """The run starts (after a resume restored its state)."""
 
     def on_step_end(self, trainer: Any) -> None:
-        """After each optimizer step; `trainer.step_nr` is that step."""
+        """The optimizer step of ``trainer.step_nr`` is done. Called every step."""
 
     def on_validation_end(self, trainer: Any, scores: dict[str, float]) -> None:
-        """After each validation, with the synced metrics."""
+        """Validation at ``trainer.step_nr`` gave ``scores`` (``{"valid/loss": ...}``)."""
 
     def on_checkpoint_saved(self, trainer: Any, step_nr: int, path: Path) -> None:
-        """Once the checkpoint of `step_nr` is complete at `path`."""
+        """The checkpoint of ``step_nr`` is complete, under its final name ``path``."""
 
     def on_train_end(self, trainer: Any, result: TrainResult) -> None:
-        """After the run."""
+        """The run is over; ``result`` is what ``run()`` returns."""
+
+
+class CallbackError(RuntimeError):
+    """A callback raised; the message names its class, the event and the step, and the
+    callback's own exception is the cause (``__cause__``)."""
+
+
+def implemented_events(callback: object) -> list[str]:
+    """The events ``callback`` (an object or a class) implements: methods it has that are
+    not `Callback`'s no-op defaults."""
+    cls = callback if inspect.isclass(callback) else type(callback)
+    own = {} if inspect.isclass(callback) else getattr(callback, "__dict__", {})
+    events = []
+    for event in EVENTS:
+        if not callable(getattr(callback, event, None)):
+            continue
+        if getattr(cls, event, None) is getattr(Callback, event) and event not in own:
+            continue  # the inherited no-op
+        events.append(event)
+    return events
+
+
+class CallbackList:
+    """Calls a list of callbacks, in order, for each event.
+
+    Only the callbacks that implement an event are called for it (`has` tells whether any
+    does, so that the trainer can skip the call altogether: no cost without callbacks). An
+    exception raised by a callback becomes a `CallbackError` naming the callback's class,
+    the event and the step (a `UserError` stays a `UserError`, with the same prefix, so
+    that the command line prints it without a traceback).
+    """
+
+    def __init__(self, callbacks: Sequence[object] = ()) -> None:
+        for callback in callbacks:
+            if not implemented_events(callback) and not isinstance(callback, Callback):
+                raise TypeError(
+                    f"{type(callback).__name__} is not a callback: subclass "
+                    f"trainer.Callback or define one of {', '.join(EVENTS)}"
+                )
+        self.callbacks = tuple(callbacks)
+        self._hooks: dict[str, tuple[tuple[object, Any], ...]] = {
+            event: tuple((cb, getattr(cb, event)) for cb in self.callbacks
+                         if event in implemented_events(cb))
+            for event in EVENTS
+        }
+
+    def __len__(self) -> int:
+        return len(self.callbacks)
+
+    def __bool__(self) -> bool:
+        return bool(self.callbacks)
+
+    def has(self, event: str) -> bool:
+        """Whether any callback implements ``event``."""
+        if event not in self._hooks:
+            raise ValueError(f"unknown callback event '{event}'; events: {', '.join(EVENTS)}")
+        return bool(self._hooks[event])
+
+    def on_train_start(self, trainer: Any) -> None:
+        self._call("on_train_start", _step_of(trainer), trainer)
+
+    def on_step_end(self, trainer: Any) -> None:
+        self._call("on_step_end", _step_of(trainer), trainer)
+
+    def on_validation_end(self, trainer: Any, scores: dict[str, float]) -> None:
+        self._call("on_validation_end", _step_of(trainer), trainer, scores)
+
+    def on_checkpoint_saved(self, trainer: Any, step_nr: int, path: Path) -> None:
+        self._call("on_checkpoint_saved", step_nr, trainer, step_nr, path)
+
+    def on_train_end(self, trainer: Any, result: TrainResult) -> None:
+        self._call("on_train_end", _step_of(trainer), trainer, result)
+
+    def _call(self, event: str, step_nr: int | None, *args: Any) -> None:
+        for callback, method in self._hooks[event]:
+            try:
+                method(*args)
+            except Exception as err:
+                at = f" at step {step_nr}" if step_nr is not None else ""
+                message = (f"callback {type(callback).__name__}.{event}{at}: "
+                           f"{type(err).__name__}: {err}")
+                if isinstance(err, UserError):
+                    raise UserError(message) from err
+                raise CallbackError(message) from err
+
+
+def _step_of(trainer: Any) -> int | None:
+    step_nr = getattr(trainer, "step_nr", None)
+    return step_nr if isinstance(step_nr, int) else None
+
+
+class CallbackConfig(BaseModel):
+    """A callback in a config: ``{name: "package.module:Class", **kwargs}``.
+
+    ``name`` is the import path of a `Callback` subclass (or of any class with at least one
+    of the event methods, or of a function returning such an object); every other key is a
+    keyword argument of it. A bare string is short for ``{name: <string>}``. Checked when
+    the config is validated: the path imports, the arguments bind to the signature, and a
+    class is a callback. The object is built by `build` / `build_callbacks`.
+    """
+
+    # Extra keys are the callback's keyword arguments (`model_extra`).
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_only(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The callback's keyword arguments: every key but ``name``."""
+        return dict(self.model_extra or {})
+
+    @model_validator(mode="after")
+    def _check(self) -> CallbackConfig:
+        obj = import_object(self.name, "callback")
+        if not callable(obj):
+            raise ValueError(f"callback '{self.name}' is a {type(obj).__name__}, not a class")
+        if inspect.isclass(obj) and not issubclass(obj, Callback) and not implemented_events(obj):
+            raise ValueError(
+                f"callback '{self.name}' is not a callback: subclass trainer.Callback or "
+                f"define one of {', '.join(EVENTS)}"
+            )
+        try:
+            inspect.signature(obj).bind(**self.kwargs)
+        except TypeError as err:
+            raise ValueError(f"callback '{self.name}': {err}") from None
+        except ValueError:  # no signature to check against (some builtins)
+            pass
+        return self
+
+    def build(self) -> Callback:
+        """A new callback object; a `UserError` naming the path when it cannot be built."""
+        obj = import_object(self.name, "callback")
+        try:
+            callback = obj(**self.kwargs)
+        except Exception as err:
+            raise UserError(
+                f"callback '{self.name}' could not be built: {type(err).__name__}: {err}"
+            ) from err
+        if not isinstance(callback, Callback) and not implemented_events(callback):
+            raise UserError(
+                f"callback '{self.name}' returned {callback!r}, which is not a callback: "
+                f"subclass trainer.Callback or define one of {', '.join(EVENTS)}"
+            )
+        return callback
+
+
+def build_callbacks(configs: Sequence[CallbackConfig] | None) -> list[Callback]:
+    """The callbacks of ``configs`` (``trainer.callbacks``), built in order."""
+    return [config.build() for config in configs or ()]

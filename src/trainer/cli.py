@@ -9,7 +9,11 @@ and is run as::
 
     python -m recipes.NAME OUTPUT_DIR [--preset NAME] [--config-file F.yaml ...]
         [--set a.b=value ...] [--resume/--no-resume] [--overwrite] [--dump-config]
-        [--list-presets]
+        [--list-presets] [--eval-only [--checkpoint best|last|step_N]]
+
+``--eval-only`` calls the recipe's ``eval_main(config, output_dir, checkpoint)`` instead of
+``main`` (typically a call of `trainer.evaluate.evaluate` with the recipe's valid units), and
+leaves ``OUTPUT_DIR/config.yaml`` and the checkpoints as they are.
 
 The config is built from, lowest precedence first: the config type's defaults, the preset, each
 ``--config-file`` in order, each ``--set`` in order (see `trainer.config_loading` for the
@@ -38,6 +42,7 @@ from trainer.config_errors import format_validation_error
 from trainer.config_loading import PRESET_DOC_KEY, load_config, parse_override
 from trainer.errors import UserError
 from trainer.output_dir import clear_previous_run, used_by_another_run
+from trainer.evaluate import CHECKPOINT_DIR, find_checkpoint, parse_checkpoint_choice
 from trainer.resume_guard import check_resume_config
 
 __all__ = [
@@ -61,9 +66,14 @@ def run_recipe(
     prog: str = "python -m recipes.NAME",
     default_preset: str | None = None,
     resume_guard: Sequence[str] = (),
+    eval_main: Callable[[ConfigT, Path, str], int] | None = None,
 ) -> int:
     """Parses the command line, builds and validates the config, writes it to
     ``OUTPUT_DIR/config.yaml`` and calls ``main(config, output_dir, resume)``.
+
+    With ``--eval-only`` it calls ``eval_main(config, output_dir, checkpoint)`` instead
+    (``checkpoint``: ``"best"``, ``"last"`` or ``"step_N"``) and writes nothing itself; a
+    recipe without ``eval_main`` refuses ``--eval-only``.
 
     Returns the exit code: main's, 0 for ``--help``/``--dump-config``/``--list-presets``, 2 for
     a user mistake (including a `UserError` raised by main). Other exceptions propagate.
@@ -84,6 +94,15 @@ def run_recipe(
         return 0
     if args.output_dir is None and not args.dump_config:
         return _fail(f"OUTPUT_DIR is required (see '{prog} --help')")
+    if args.checkpoint is not None and not args.eval_only:
+        return _fail(f"--checkpoint is only used with --eval-only (see '{prog} --help')")
+    if args.eval_only and eval_main is None:
+        return _fail(f"{prog} does not support --eval-only")
+    checkpoint = args.checkpoint if args.checkpoint is not None else "best"
+    try:
+        parse_checkpoint_choice(checkpoint)
+    except ValueError as err:
+        return _fail(f"--checkpoint: {err}")
 
     try:
         config = load_config(
@@ -101,6 +120,14 @@ def run_recipe(
         return 0
 
     output_dir = Path(args.output_dir)
+    if args.eval_only:
+        assert eval_main is not None  # checked above
+        try:
+            find_checkpoint(output_dir / CHECKPOINT_DIR, checkpoint)  # fail before building
+            code = eval_main(config, output_dir, checkpoint)
+        except UserError as err:
+            return _fail(str(err))
+        return 0 if code is None else int(code)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     # Before config.yaml, the record of the checkpoints' config, changes.
     if args.overwrite:
@@ -196,6 +223,15 @@ def _make_parser(
         "--dump-config", action="store_true", help="print the merged config as YAML and exit"
     )
     parser.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    parser.add_argument(
+        "--eval-only", action="store_true",
+        help="do not train: validate a checkpoint of OUTPUT_DIR, print the metrics and append "
+        "them to OUTPUT_DIR/metrics/eval.jsonl; no checkpoint or config.yaml is changed",
+    )
+    parser.add_argument(
+        "--checkpoint", metavar="best|last|step_N", default=None,
+        help="with --eval-only: the checkpoint to validate (default: best, else last)",
+    )
     return parser
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import io
 import logging
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from datetime import datetime, timezone
 from pathlib import Path
@@ -92,6 +92,7 @@ class CheckpointManager:
         lower_better: bool = True,
         async_save: bool = False,
         config_digest: str = "",
+        on_commit: Callable[[int, Path], None] | None = None,
     ) -> None:
         steps_to_keep([], {}, keep_last_n, keep_best_n, lower_better)  # validates the Ns
         self.dir = Path(checkpoint_dir)
@@ -101,6 +102,9 @@ class CheckpointManager:
         self.lower_better = lower_better
         self.async_save = async_save
         self.config_digest = config_digest
+        self.on_commit = on_commit
+        """Called on every rank as `on_commit(step_nr, step_dir)` once a save is committed
+        (renamed to its final name), by whichever call commits it: `save`, `wait`, `close`."""
 
         root = gangs.root
         self._rank, self._world = root.rank, root.size
@@ -195,6 +199,8 @@ class CheckpointManager:
             raise CheckpointError(f"saving step {job.step_nr} failed on {failure}; "
                                   "earlier checkpoints are intact") from error
         self._on_rank0(f"committing checkpoint step {job.step_nr}", lambda: self._commit(job))
+        if self.on_commit is not None:
+            self.on_commit(job.step_nr, self._disk.step_dir(job.step_nr))
 
     def _commit(self, job: PendingSave) -> None:
         """Rank 0: manifest, rename, retention, pointers."""

@@ -1,0 +1,214 @@
+"""Evaluate only: run the valid units on one checkpoint of a run, change nothing of it.
+
+    metrics = evaluate(valid_units, valid_data_readers, output_dir="runs/lm", checkpoint="best")
+
+picks ``output_dir/checkpoints/step_N`` (``"best"``: the best-scored checkpoint, or the
+newest when none has a score; ``"last"``: the newest; ``"step_N"`` or ``N``: that one),
+verifies it against its manifest, loads its model weights into the units' model(s), runs
+validation exactly as training does (`trainer.validator.Validator`), prints the metrics
+(rank 0), appends them to ``output_dir/metrics/eval.jsonl`` under the checkpoint's step, and
+returns them (``{"valid/loss": ...}``). On the checkpoint a score was recorded for, it gives
+that score again.
+
+Nothing under ``checkpoints/`` is written, renamed or removed, not even the leftovers of an
+interrupted save: a run still training in the same directory may own them. Recipes offer
+the same through ``--eval-only [--checkpoint best|last|step_N]`` (`trainer.cli.run_recipe`).
+Call it on every rank (it is collective), with the models built and wrapped as for training.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from rich.console import Console
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+from gangs import FakeGang, Gangs, setup_gangs
+from trainer.checkpoint import rank_by_score, verify
+from trainer.checkpoint.directory import CheckpointDir, scores_of
+from trainer.checkpoint.manifest import (
+    MODEL_OPTIM,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_model_fits,
+)
+from trainer.checkpoint.state import model_optim_state
+from trainer.console_log import show_on_console
+from trainer.errors import UserError
+from trainer.recorders import ConsoleRecorder, JsonlRecorder
+from trainer.validator import Validator
+from units import EvalUnit
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "EVAL_SECTION",
+    "evaluate",
+    "find_checkpoint",
+    "parse_checkpoint_choice",
+]
+
+log = logging.getLogger("gangtrain")
+
+CHECKPOINT_DIR = "checkpoints"
+"""The checkpoints' folder under a run's output directory."""
+
+EVAL_SECTION = "eval"
+"""The metrics section (``metrics/eval.jsonl``) evaluate-only runs append to."""
+
+_STEP_RE = re.compile(r"^(?:step_)?(\d+)$")
+
+
+def parse_checkpoint_choice(choice: str | int) -> str | int:
+    """``"best"``, ``"last"``, or the step number of ``"step_N"`` / ``"N"`` / ``N``; a
+    `ValueError` saying what is allowed otherwise."""
+    if isinstance(choice, int) and not isinstance(choice, bool):
+        if choice < 0:
+            raise ValueError(f"checkpoint step must be >= 0, got {choice}")
+        return choice
+    text = str(choice).strip()
+    if text in ("best", "last"):
+        return text
+    match = _STEP_RE.match(text)
+    if match is None:
+        raise ValueError(f"checkpoint must be 'best', 'last' or 'step_N', got {choice!r}")
+    return int(match.group(1))
+
+
+def find_checkpoint(checkpoint_dir: Path, choice: str | int = "best") -> tuple[int, str]:
+    """The step of the complete checkpoint ``choice`` names under ``checkpoint_dir`` and how
+    it was chosen (``"best"``, ``"last"``, ``"step_N"``). Reads manifests only (local, no
+    verification). `UserError` when there is none, listing what exists."""
+    wanted = parse_checkpoint_choice(choice)
+    disk = CheckpointDir(Path(checkpoint_dir))
+    manifests = disk.manifests()
+    listing = _listing(manifests)
+    if not manifests:
+        incomplete = sorted(disk.step_dirs())
+        extra = (f" (incomplete: {', '.join(f'step_{s}' for s in incomplete)})"
+                 if incomplete else "")
+        raise UserError(f"no checkpoint to evaluate in {checkpoint_dir}: it holds no "
+                        f"complete step_N directory{extra}; train first")
+    if isinstance(wanted, int):
+        if wanted not in manifests:
+            raise UserError(f"checkpoint step_{wanted} not found in {checkpoint_dir}; "
+                            f"complete checkpoints: {listing}")
+        return wanted, f"step_{wanted}"
+    newest = max(manifests)
+    if wanted == "best":
+        lower_better = bool(manifests[newest].get("lower_better", True))
+        ranked = rank_by_score(manifests, scores_of(manifests), lower_better)
+        if ranked:
+            return ranked[0], "best"
+        log.info("no checkpoint in %s has a score: evaluating the newest, step_%d",
+                 checkpoint_dir, newest)
+    return newest, "last"
+
+
+def evaluate(
+    valid_units: Sequence[EvalUnit[Any]],
+    valid_data_readers: Sequence[Iterable[Any]],
+    *,
+    output_dir: str | Path,
+    gangs: Gangs | None = None,
+    checkpoint: str | int = "best",
+    console: Console | None = None,
+) -> dict[str, float]:
+    """Validate the checkpoint ``checkpoint`` of the run in ``output_dir`` (see the module
+    docstring); returns ``{"<unit name>/<metric>": value}``. Collective: call it on every
+    rank. ``console``: where rank 0 prints the metrics (default: stdout)."""
+    output_dir = Path(output_dir)
+    gangs = gangs if gangs is not None else setup_gangs(FakeGang())
+    show_on_console(gangs.root.rank)
+    try:
+        checkpoint = parse_checkpoint_choice(checkpoint)
+        validator = Validator(valid_units, valid_data_readers, gangs)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if not validator:
+        raise UserError("evaluate needs at least one valid unit and its data reader")
+    checkpoint_dir = output_dir / CHECKPOINT_DIR
+    root = gangs.root
+
+    # Rank 0 chooses and verifies; every rank then loads the same step (or raises the same).
+    answer: list[Any] = [None]
+    if root.rank == 0:
+        try:
+            step_nr, how = find_checkpoint(checkpoint_dir, checkpoint)
+            problem = verify(checkpoint_dir / f"step_{step_nr}", step_nr)
+            if problem is not None:
+                raise UserError(f"checkpoint {checkpoint_dir / f'step_{step_nr}'} cannot be "
+                                f"loaded: {problem}")
+            answer = [(step_nr, how, None)]
+        except UserError as err:
+            answer = [(None, None, str(err))]
+    root.broadcast_objects(answer, source_rank=0)
+    step_nr, how, error = answer[0]
+    if error is not None:
+        raise UserError(error)
+    step_dir = checkpoint_dir / f"step_{step_nr}"
+
+    for model in _distinct_models(valid_units):
+        _load_model(step_dir, model, gangs)
+    values = validator.run()
+
+    if root.rank == 0:
+        recorded = CheckpointDir(checkpoint_dir).manifests().get(step_nr, {}).get("score")
+        note = f"; recorded score {recorded!r}" if recorded is not None else ""
+        printer = ConsoleRecorder(None, console=console, show_progress=False)
+        printer.console.print(f"evaluating checkpoint {step_dir} ({how}{note})",
+                              highlight=False, soft_wrap=True)
+        printer.record(EVAL_SECTION, step_nr, values)
+        printer.close()
+        jsonl = JsonlRecorder(output_dir)
+        try:
+            jsonl.record(EVAL_SECTION, step_nr, values)
+        finally:
+            jsonl.close()
+    return values
+
+
+def _listing(manifests: dict[int, dict[str, Any]]) -> str:
+    if not manifests:
+        return "none"
+    parts = []
+    for step_nr in sorted(manifests):
+        score = manifests[step_nr].get("score")
+        parts.append(f"step_{step_nr}" + (f" (score {score:.6g})" if score is not None else ""))
+    return ", ".join(parts)
+
+
+def _distinct_models(units: Sequence[EvalUnit[Any]]) -> list[nn.Module]:
+    """Each model of the units once (recipes give every unit the same model)."""
+    models: dict[int, nn.Module] = {}
+    for unit in units:
+        models.setdefault(id(unit.model), unit.model)
+    return list(models.values())
+
+
+def _load_model(step_dir: Path, model: nn.Module, gangs: Gangs) -> None:
+    """The model weights of a verified ``step_dir`` into ``model`` (wrapped or sharded as
+    for training: DCP reshards), reading nothing else and writing nothing."""
+    state = model_optim_state(model, None)
+    reader = SafeFileSystemReader(step_dir / MODEL_OPTIM)
+    check_model_fits(reader.read_metadata(), state["model"], step_dir)
+    no_dist = isinstance(gangs.root, FakeGang) or gangs.root.size == 1
+    try:
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(step_dir / MODEL_OPTIM),
+            planner=SafeLoadPlanner(),
+            process_group=None if no_dist else gangs.root.as_process_group(),
+            no_dist=no_dist,
+        )
+        set_model_state_dict(model, state["model"])
+    except (Exception, CheckpointException) as err:  # the latter is a BaseException
+        text = str(err).strip().splitlines()
+        raise UserError(f"checkpoint {step_dir} does not fit the model: "
+                        f"{text[0] if text else type(err).__name__}") from err

@@ -1,0 +1,258 @@
+"""System metrics published with the train metrics: peak memory, the share of wall time spent
+waiting for data, model FLOPs utilisation (MFU) and the learning rates.
+
+Nothing here touches the device in the hot loop: `DataWaitClock` reads the host clock twice a
+step; everything else runs at publish time only. `SystemMetrics` bundles them for the trainer:
+one object, one `collect` call per publish.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = [
+    "DataWaitClock",
+    "SystemMetrics",
+    "flops_per_target_of",
+    "lr_metrics",
+    "memory_peak_gib",
+    "mfu",
+    "peak_flops",
+]
+
+_GIB = float(1 << 30)
+T = TypeVar("T")
+
+
+# --- memory -------------------------------------------------------------------------------
+
+
+def memory_peak_gib(device: torch.device | str) -> float:
+    """The peak memory of this process so far, in GiB.
+
+    On a CUDA device: the peak of tensor memory allocated on it
+    (`torch.cuda.max_memory_allocated`). Elsewhere: the peak resident set size of the process
+    (`resource.getrusage`; NaN where the platform has no `resource` module).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / _GIB
+    try:
+        import resource
+    except ImportError:  # Windows
+        return math.nan
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return peak / _GIB if sys.platform == "darwin" else peak * 1024 / _GIB
+
+
+# --- waiting for data -----------------------------------------------------------------------
+
+
+class DataWaitClock:
+    """Accumulates the seconds spent waiting for the next batch, and gives them as a share of
+    a window of wall time.
+
+    The loop times each draw from the data reader::
+
+        batches = clock.timed(data.next_window, num_accumulate)
+        ...
+        values["data_wait_fraction"] = clock.take_fraction(elapsed)  # at publish
+
+    `wrap(reader)` times a plain iterator instead (it hides `state_dict`, so use it only on
+    readers that have none). Two `time.perf_counter()` calls a draw, no device op.
+    """
+
+    def __init__(self) -> None:
+        self.waited_s = 0.0
+        self._window_start = time.perf_counter()
+
+    def add(self, seconds: float) -> None:
+        """Count ``seconds`` more of waiting in the current window."""
+        self.waited_s += seconds
+
+    def timed(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, its duration counted as waiting."""
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.waited_s += time.perf_counter() - start
+
+    def wrap(self, iterable: Any) -> Any:
+        """Iterate ``iterable``, counting the time each ``next`` takes as waiting."""
+        iterator = iter(iterable)
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                self.waited_s += time.perf_counter() - start
+                return
+            self.waited_s += time.perf_counter() - start
+            yield item
+
+    def take_fraction(self, elapsed_s: float | None = None) -> float:
+        """The waiting of the window as a share of ``elapsed_s`` (default: the wall time since
+        the previous take), clamped to [0, 1]; starts a new window. NaN for an empty window.
+        Give the trainer's own elapsed time when it leaves validation out of its windows."""
+        now = time.perf_counter()
+        if elapsed_s is None:
+            elapsed_s = now - self._window_start
+        waited, self.waited_s, self._window_start = self.waited_s, 0.0, now
+        if elapsed_s <= 0:
+            return math.nan
+        return min(1.0, max(0.0, waited / elapsed_s))
+
+    def reset(self) -> None:
+        """Forget the current window (e.g. after validation, which is not training time)."""
+        self.waited_s = 0.0
+        self._window_start = time.perf_counter()
+
+
+# --- model FLOPs utilisation ------------------------------------------------------------------
+
+# Dense peak FLOP/s (no 2:4 sparsity) from the vendors' data sheets, per precision:
+# "half" (bf16/fp16 tensor cores), "tf32" (fp32 matmuls on tensor cores), "fp32" (CUDA cores).
+# Matched against `torch.cuda.get_device_name` in order: the first key contained wins.
+_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"half": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    ("H100 NVL", {"half": 835e12, "tf32": 418e12, "fp32": 60e12}),
+    ("H100", {"half": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("H200", {"half": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # and GH200
+    ("H800", {"half": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("B200", {"half": 2250e12, "tf32": 1100e12, "fp32": 80e12}),
+    ("A100", {"half": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("A800", {"half": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("L40S", {"half": 362.05e12, "tf32": 183e12, "fp32": 91.6e12}),
+    ("L40", {"half": 181e12, "tf32": 90.5e12, "fp32": 90.5e12}),
+    ("L4", {"half": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    ("RTX 4090", {"half": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}),
+)
+_HALF = {torch.bfloat16, torch.float16}
+_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; one of {', '.join(_NAMES)}")
+    return _NAMES[dtype]
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype | str) -> float | None:
+    """The dense peak FLOP/s of one ``device`` computing matmuls in ``dtype`` (``"bf16"``,
+    ``torch.float32``, ...); None when unknown (a CPU, a GPU not in the table).
+
+    fp32 counts TF32 tensor cores when PyTorch may use them
+    (``torch.set_float32_matmul_precision("high")`` or ``"medium"``).
+    """
+    device = torch.device(device)
+    dtype = _as_dtype(dtype)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in _PEAKS:
+        if key in name:
+            if dtype in _HALF:
+                return peaks["half"]
+            if dtype == torch.float32:
+                tf32 = torch.get_float32_matmul_precision() != "highest"
+                return peaks["tf32"] if tf32 else peaks["fp32"]
+            return None
+    return None
+
+
+def mfu(
+    flops_per_target: float | None,
+    targets_per_s: float,
+    device: torch.device | str,
+    dtype: torch.dtype | str,
+    num_devices: int = 1,
+) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of ``num_devices``
+    devices, in [0, 1] for an honest FLOP count.
+
+    ``flops_per_target``: the FLOPs one training target costs, forward and backward (for a
+    dense transformer about ``6 * num_parameters + 12 * num_layers * dim * seq_len`` per
+    token). ``targets_per_s``: the throughput of all ``num_devices`` devices together (what
+    the trainer publishes: global targets over wall time). None when the FLOPs or the peak
+    are unknown.
+    """
+    if flops_per_target is None or num_devices < 1:
+        return None
+    peak = peak_flops(device, dtype)
+    if peak is None:
+        return None
+    return flops_per_target * targets_per_s / (peak * num_devices)
+
+
+def flops_per_target_of(unit: object) -> float | None:
+    """The FLOPs per target a unit states: its ``flops_per_target`` attribute, property or
+    zero-argument method; None when it states none."""
+    value = getattr(unit, "flops_per_target", None)
+    if callable(value):
+        value = value()
+    return None if value is None else float(value)
+
+
+# --- learning rates ---------------------------------------------------------------------------
+
+
+def lr_metrics(optimizer: Optimizer) -> dict[str, float]:
+    """``{"lr": lr of group 0}``, plus ``lr/group_{i}`` of every group when there are
+    several (a tensor learning rate is read to the host: call it at publish time)."""
+    groups = optimizer.param_groups
+    values = {"lr": float(groups[0]["lr"])}
+    if len(groups) > 1:
+        values.update({f"lr/group_{i}": float(g["lr"]) for i, g in enumerate(groups)})
+    return values
+
+
+# --- for the trainer --------------------------------------------------------------------------
+
+
+class SystemMetrics:
+    """What the trainer adds to each published train record, in one place.
+
+    ``flops_per_target``: see `mfu` (`flops_per_target_of(unit)`); ``num_devices``: the
+    devices the published throughput covers (the root gang's size). ``data_wait`` is the
+    clock the loop times its data draws with.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        dtype: torch.dtype | str,
+        num_devices: int = 1,
+        flops_per_target: float | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = _as_dtype(dtype)
+        self.num_devices = num_devices
+        self.flops_per_target = flops_per_target
+        self.data_wait = DataWaitClock()
+        self._peak = peak_flops(self.device, self.dtype) if flops_per_target else None
+
+    def collect(
+        self, optimizer: Optimizer, targets_per_s: float, elapsed_s: float | None = None
+    ) -> dict[str, float]:
+        """``lr`` (and ``lr/group_i``), ``memory_peak_gib``, ``data_wait_fraction`` over
+        ``elapsed_s`` (the publish window) and, when known, ``mfu``; starts a new data-wait
+        window."""
+        values = lr_metrics(optimizer)
+        values["memory_peak_gib"] = memory_peak_gib(self.device)
+        values["data_wait_fraction"] = self.data_wait.take_fraction(elapsed_s)
+        if self._peak is not None and self.flops_per_target is not None:
+            values["mfu"] = (self.flops_per_target * targets_per_s
+                             / (self._peak * self.num_devices))
+        return values
