@@ -41,8 +41,8 @@ from pydantic import BaseModel
 from trainer.config_errors import format_validation_error
 from trainer.config_loading import PRESET_DOC_KEY, load_config, parse_override
 from trainer.errors import UserError
-from trainer.output_dir import clear_previous_run, used_by_another_run
 from trainer.evaluate import CHECKPOINT_DIR, find_checkpoint, parse_checkpoint_choice
+from trainer.output_dir import clear_previous_run, used_by_another_run
 from trainer.resume_guard import check_resume_config
 
 __all__ = [

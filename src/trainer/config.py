@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs
 from gangs.parallel import param_groups
+from trainer.callbacks import CallbackConfig, build_callbacks
 from trainer.early_stopper_config import EarlyStopperConfig, build_early_stopper
 from trainer.errors import UserError
 from trainer.recorders import MetricRecorder
@@ -49,6 +50,9 @@ class TrainerConfig(TrainerSettings):
     early_stopper: EarlyStopperConfig | None = Field(None, description=(
         "A built-in stopper by name ({name: patience, patience: 5}) or an import path "
         "'pkg.mod:function'; see trainer.early_stopper_config."))
+    callbacks: list[CallbackConfig] = Field([], description=(
+        "Callbacks by import path with their keyword arguments: "
+        "[{name: 'pkg.mod:Class', every: 100}]; see trainer.callbacks."))
     data_parallel: Literal["ddp", "fsdp"] = Field("ddp", description=(
         "How the recipe wraps the model over the DP gang: DDP or FSDP2."))
 
@@ -76,6 +80,7 @@ class TrainerConfig(TrainerSettings):
                 valid_data_readers=valid_data_readers, resume=resume, overwrite=overwrite,
                 recorders=recorders,
                 early_stopper=build_early_stopper(self.early_stopper, self.lower_better),
+                callbacks=build_callbacks(self.callbacks),
                 **settings,
             )
         except ValueError as ex:

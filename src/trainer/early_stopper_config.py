@@ -18,7 +18,6 @@ that it cannot disagree with the score it judges. The policies themselves are in
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +33,7 @@ from trainer.early_stoppers import (
     Threshold,
 )
 from trainer.errors import UserError
+from trainer.import_path import import_object
 
 __all__ = ["EarlyStopperConfig", "build_early_stopper"]
 
@@ -80,20 +80,8 @@ _BUILTIN_FACTORIES: dict[str, Callable[..., EarlyStopper]] = {
 
 
 def _import_object(path: str) -> Any:
-    """Resolves ``package.module:attr[.attr...]``; raises ValueError naming the path."""
-    module_name, _, attr_path = path.partition(":")
-    if not module_name or not attr_path:
-        raise ValueError(f"early stopper path '{path}' must look like 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as err:  # a user module can fail to import in any way
-        raise ValueError(
-            f"cannot import early stopper '{path}': {type(err).__name__}: {err}"
-        ) from None
-    for attr in attr_path.split("."):
-        if not hasattr(obj, attr):
-            raise ValueError(f"cannot import early stopper '{path}': '{attr}' not found")
-        obj = getattr(obj, attr)
+    """The early stopper (or its factory) that ``path`` names; ValueError naming the path."""
+    obj = import_object(path, "early stopper")
     if not callable(obj):
         raise ValueError(f"early stopper '{path}' is not callable: {obj!r}")
     return obj

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from trainer.profiler import ProfilerConfig
+
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
@@ -81,6 +83,9 @@ class TrainerSettings(BaseModel):
     seed: int | None = Field(2, description=(
         "Seed of torch, numpy and random (plus the rank). None: leave them as they are."))
     # -- output ------------------------------------------------------------------------
+    profiler: ProfilerConfig | None = Field(None, description=(
+        "Record a torch.profiler trace of record_steps steps after skip_steps under "
+        "OUTPUT_DIR/profile/ ({skip_steps: 5, record_steps: 3}); see trainer.profiler."))
     publish_metrics_every_n_steps: int = Field(10, ge=1, description=(
         "Sync and record the train metrics every this many steps (the only per-step host "
         "reads happen then)."))

@@ -29,7 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from gangs import FakeGang, Gangs, any_rank, any_rank_each, on_rank0, setup_gangs
 from gangs.parallel import reduce_expert_gradients
 from trainer import gradients
-from trainer.callbacks import Callback
+from trainer.callbacks import Callback, CallbackList
 from trainer.checkpoint import CheckpointManager, export_best, rank_by_score
 from trainer.console_log import show_on_console
 from trainer.data_position import DataPosition
@@ -38,6 +38,7 @@ from trainer.errors import UserError
 from trainer.loss_scaler import LossScaler
 from trainer.optimizer_step import OptimizerStep
 from trainer.output_dir import prepare_output_dir
+from trainer.profiler import StepProfiler
 from trainer.recorders import BufferedRecorder, CompositeRecorder, MetricRecorder, default_recorders
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
@@ -45,6 +46,7 @@ from trainer.seeding import RngState
 from trainer.settings import settings_doc, signature_with_settings, validate_settings
 from trainer.step_log import StepLog
 from trainer.stop_signal import StopSignal
+from trainer.system_metrics import SystemMetrics, flops_per_target_of
 from trainer.train_state import TrainState
 from trainer.validator import Validator
 from units import EvalUnit, MetricBag, TrainUnit
@@ -112,7 +114,7 @@ class Trainer(Generic[BatchT]):
         self.gangs = gangs if gangs is not None else setup_gangs(FakeGang())
         self.device = self.gangs.device
         self.early_stopper = early_stopper
-        self.callbacks = list(callbacks)
+        self.callbacks = CallbackList(callbacks)
         self.resume = resume
         self.validator = Validator(valid_units, valid_data_readers, self.gangs, s.score_metric)
         check_run(s, self.validator, early_stopper, unit.model, self.gangs.dp.size)
@@ -142,8 +144,12 @@ class Trainer(Generic[BatchT]):
             self.output_dir / "checkpoints", self.gangs,
             keep_last_n=s.keep_last_n_checkpoints, keep_best_n=s.keep_best_n_checkpoints,
             lower_better=s.lower_better, async_save=s.async_checkpoint,
+            on_commit=self._on_checkpoint_saved,
         ) if s.checkpoint_every_n_steps is not None else None
         self.recorder = self._build_recorder(recorders)
+        self.system = SystemMetrics(self.device, s.dtype, self.gangs.root.size,
+                                    flops_per_target_of(unit))
+        self._profiler: StepProfiler | None = None  # built in run(), from the resumed step
 
         self._autocast_dtype = _AUTOCAST.get(s.dtype) if s.amp else None
         # One process, no loss scale: a one-micro-batch step knows its target count before
@@ -196,17 +202,24 @@ class Trainer(Generic[BatchT]):
             try:
                 if self.resume and self.state.step_nr == 0:  # a fresh trainer, not a re-run
                     self._resume()
-                for callback in self.callbacks:
-                    callback.on_train_start(self)
+                self.callbacks.on_train_start(self)
+                if self.settings.profiler is not None:
+                    self._profiler = self.settings.profiler.build(
+                        self.output_dir, self.gangs.root.rank, self.device,
+                        start_step=self.state.step_nr)
                 reason = self._loop(stop)
             finally:
+                if self._profiler is not None:
+                    self._profiler.close()
                 self.recorder.close()
                 if self.checkpoints is not None:
                     self.checkpoints.close()
         result = self._result(reason)
-        for callback in self.callbacks:
-            callback.on_train_end(self, result)
+        self.callbacks.on_train_end(self, result)
         return result
+
+    def _on_checkpoint_saved(self, step_nr: int, path: Path) -> None:
+        self.callbacks.on_checkpoint_saved(self, step_nr, path)
 
     def _loop(self, stop: StopSignal) -> str:
         s = self.settings
@@ -228,7 +241,7 @@ class Trainer(Generic[BatchT]):
             if s.max_num_steps is not None and self.state.step_nr >= s.max_num_steps:
                 reason = "max_num_steps"
                 break
-            batches = self.data.next_window(s.num_accumulate)
+            batches = self.system.data_wait.timed(self.data.next_window, s.num_accumulate)
             # Every rank stops at the same step when any rank's data is over.
             some_out, some_left = any_rank_each(self.gangs.dp, [not batches, bool(batches)])
             if some_out:
@@ -241,8 +254,9 @@ class Trainer(Generic[BatchT]):
             self.state.step_nr += 1
             self._train_step(batches)
             self.recorder.advance(self.state.step_nr)
-            for callback in self.callbacks:
-                callback.on_step_end(self)
+            if self._profiler is not None:
+                self._profiler.step()
+            self.callbacks.on_step_end(self)
             if self.state.step_nr % sync_every == 0:
                 stop_reason = self._post_step(stop)
                 if stop_reason is not None:
@@ -338,9 +352,9 @@ class Trainer(Generic[BatchT]):
         self.unit.derive_metrics(values)
         elapsed = time.perf_counter() - self._window_start
         values["num_skipped_steps"] = self.steps.total_skipped
-        values["lr"] = self.optimizer.param_groups[0]["lr"]
         values["steps_per_s"] = window.num_steps / elapsed
         values["targets_per_s"] = values.get("num_targets", 0.0) / elapsed
+        values.update(self.system.collect(self.optimizer, values["targets_per_s"], elapsed))
         values["epoch"] = self.data.epoch_nr
         if self.scaler is not None:
             values["loss_scale"] = self.scaler.scale
@@ -365,8 +379,7 @@ class Trainer(Generic[BatchT]):
             sections.setdefault(section, {})[name] = value
         for section, section_values in sections.items():
             self.recorder.record(section, step_nr, section_values)
-        for callback in self.callbacks:
-            callback.on_validation_end(self, values)
+        self.callbacks.on_validation_end(self, values)
         score = self.validator.score(values)
         if score is None:
             return False

@@ -217,7 +217,6 @@ def _regression(seed: int = 0):
     return model, batches
 
 
-@pytest.mark.xfail(reason="needs trainer wiring", strict=False)
 def test_a_run_calls_every_event_in_order(tmp_path):
     from trainer import Trainer
 
@@ -247,7 +246,6 @@ def test_a_run_calls_every_event_in_order(tmp_path):
     assert log.events[-1] == ("train_end", 6)
 
 
-@pytest.mark.xfail(reason="needs trainer wiring", strict=False)
 def test_a_failing_callback_stops_the_run_with_a_clear_error(tmp_path):
     from trainer import Trainer
 
@@ -259,7 +257,6 @@ def test_a_failing_callback_stops_the_run_with_a_clear_error(tmp_path):
                 callbacks=[EventLog(fail_at_step=4)]).run()
 
 
-@pytest.mark.xfail(reason="needs trainer wiring", strict=False)
 def test_trainer_config_takes_callbacks(tmp_path):
     from trainer import TrainerConfig
 

@@ -1,20 +1,16 @@
-"""What the Trainer must do with this issue's pieces once they are wired into its loop (all
-xfail until then): the profiler and the system metrics, from the public API."""
+"""What the Trainer does with the profiler and the system metrics, from the public API."""
 
 from __future__ import annotations
 
 import json
 import time
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 from trainer.profiler import ProfilerConfig
 from trainer.recorders import JsonlRecorder, read_jsonl
 from units import MetricBag, TrainUnit
-
-pytestmark = pytest.mark.xfail(reason="needs trainer wiring", strict=False)
 
 
 class Regression(TrainUnit):
