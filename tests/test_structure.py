@@ -106,3 +106,11 @@ def test_help_trainer_explains_every_argument():
     for name, field in TrainerSettings.model_fields.items():
         assert TrainerConfig.model_fields[name].default == field.default, name
         assert field.description, name
+
+
+def test_readme_lists_every_setting():
+    from trainer.settings import TrainerSettings
+
+    readme = (ROOT / "README.md").read_text()
+    for name in TrainerSettings.model_fields:
+        assert f"| `{name}` |" in readme, name

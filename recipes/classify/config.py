@@ -11,7 +11,7 @@ from trainer.early_stopper_config import EarlyStopperConfig
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class ModelSection(_Section):

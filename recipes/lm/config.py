@@ -10,7 +10,7 @@ from trainer.config import AdamWConfig, TrainerConfig
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class ModelSection(_Section):

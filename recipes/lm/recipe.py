@@ -23,7 +23,7 @@ from recipes.lm.data import (
     load_bytes,
     split_files,
 )
-from recipes.lm.model import GPT, GPTConfig, num_parameters
+from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
@@ -53,6 +53,7 @@ class _Setup:
     valid_readers: list[Iterable[Any]]
     gzip_bpb: float
     reader: ByteWindowReader | None  # training data; None when only evaluating
+    flops_per_token: float  # training FLOPs, for the published MFU
 
 
 def _setup(config: LMConfig, train: bool) -> _Setup:
@@ -103,7 +104,7 @@ def _setup(config: LMConfig, train: bool) -> _Setup:
     if console:
         console.print(f"model: {num_parameters(model):,} parameters, {asdict(gpt_config)}")
     return _Setup(gangs, console, model, [CausalLMEvalUnit(model, bytes_per_token=1)],
-                  [valid_reader], gzip_bpb, reader)
+                  [valid_reader], gzip_bpb, reader, flops_per_token(gpt_config))
 
 
 def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
@@ -113,7 +114,8 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
     scheduler = warmup_cosine(optimizer, config.lr_scheduler.warmup_steps,
                               config.trainer.max_num_steps, config.lr_scheduler.final_lr_scale)
     trainer = config.trainer.build(
-        CausalLMUnit(s.model, bytes_per_token=1, moe_aux_loss_weight=m.moe_aux_loss_weight),
+        CausalLMUnit(s.model, bytes_per_token=1, moe_aux_loss_weight=m.moe_aux_loss_weight,
+                     flops_per_target=s.flops_per_token),
         s.reader, optimizer, output_dir=output_dir,
         gangs=s.gangs, lr_scheduler=scheduler,
         valid_units=s.valid_units, valid_data_readers=s.valid_readers, resume=resume,

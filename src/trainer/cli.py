@@ -81,7 +81,7 @@ def run_recipe(
     if default_preset is not None and default_preset not in presets:
         raise ValueError(f"default_preset '{default_preset}' is not one of the presets")
 
-    parser = _make_parser(prog, presets, default_preset)
+    parser = _make_parser(prog, presets, default_preset, config_type)
     try:
         args = parser.parse_args(argv)
     except _UsageError as err:
@@ -173,12 +173,15 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def _make_parser(
-    prog: str, presets: Mapping[str, Mapping[str, Any]], default_preset: str | None
+    prog: str, presets: Mapping[str, Mapping[str, Any]], default_preset: str | None,
+    config_type: type[BaseModel] | None = None,
 ) -> argparse.ArgumentParser:
     parser = _ArgumentParser(
         prog=prog,
         description="Train with a recipe. Config precedence, lowest first: defaults, preset, "
         "config files (in order), --set overrides (in order).",
+        epilog=config_keys_help(config_type) if config_type is not None else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "output_dir",
@@ -233,6 +236,27 @@ def _make_parser(
         help="with --eval-only: the checkpoint to validate (default: best, else last)",
     )
     return parser
+
+
+def config_keys_help(config_type: type[BaseModel]) -> str:
+    """Every config key (dotted, for --set) with its default and description."""
+    lines = ["config keys (--set KEY=VALUE; defaults before any preset):"]
+
+    def walk(model: type[BaseModel], defaults: BaseModel | None, prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            key = f"{prefix}{name}"
+            default = getattr(defaults, name) if defaults is not None else field.default
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, default if isinstance(default, BaseModel) else None, f"{key}.")
+                continue
+            shown = "required" if defaults is None and field.is_required() else repr(default)
+            lines.append(f"  {key} = {shown}")
+            if field.description:
+                lines.append(f"      {' '.join(field.description.split())}")
+
+    walk(config_type, None, "")
+    return "\n".join(lines)
 
 
 def _print_presets(presets: Mapping[str, Mapping[str, Any]], default_preset: str | None) -> None:

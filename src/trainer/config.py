@@ -27,7 +27,7 @@ from units import EvalUnit, TrainUnit
 class AdamWConfig(BaseModel):
     """An AdamW section for recipe configs (subclass it to change the defaults)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     lr: float = Field(default=1e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)

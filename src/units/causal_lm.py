@@ -93,14 +93,16 @@ class CausalLMUnit(TrainUnit[LMBatch]):
     Takes our models (logits) and Hugging Face causal LMs (`.logits`), with either batch
     form of `LMBatch`. `pad_idx` is the ignore index (-100, as in Hugging Face labels).
 
-    `bytes_per_token=1` (byte-level models) adds `bits_per_byte` to the published metrics.
+    `bytes_per_token=1` (byte-level models) adds `bits_per_byte` to the published metrics;
+    `flops_per_target` (training FLOPs per token) lets the trainer publish `mfu` on a GPU.
     """
 
     def __init__(
         self, model: nn.Module, pad_idx: int = -100, bytes_per_token: float | None = None,
-        moe_aux_loss_weight: float = 0.0,
+        moe_aux_loss_weight: float = 0.0, flops_per_target: float | None = None,
     ) -> None:
         self._model = model
+        self.flops_per_target = flops_per_target
         self.pad_idx = pad_idx
         self.bytes_per_token = bytes_per_token
         self.moe_aux_loss_weight = moe_aux_loss_weight

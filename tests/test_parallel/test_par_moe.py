@@ -146,3 +146,43 @@ def test_expert_parallel_matches_single_process(world_size, ep_size, data_parall
             param_gap = max(param_gap, (params[name] - value).abs().max().item())
         curve_gap = max([curve_gap] + [abs(a - b) for a, b in zip(curve, ref_curve)])
     print(f"max |difference|: loss {curve_gap:.2e}, parameters {param_gap:.2e}")
+
+
+# -- the same through the Trainer -----------------------------------------------------------
+def train_with_trainer(ep_size: int, data_parallel: str):
+    """The Trainer's own expert-parallel path (its `reduce_expert_gradients` hook, its
+    normalisation) on the batches `train` uses."""
+    import tempfile
+
+    from trainer.trainer import Trainer
+    from units import TrainUnit
+
+    gangs = setup_gangs(setup_root_gang(), ep_size=ep_size)
+    torch.manual_seed(0)
+    model = parallelize_gpt(GPT(CONFIG, ep_gang=gangs.ep), gangs, data_parallel=data_parallel)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1, eps=EPS, fused=True)
+    dp, rank = gangs.dp.size, gangs.dp.rank
+
+    class ShardUnit(TrainUnit):
+        @property
+        def model(self):
+            return model
+
+        def __call__(self, batch, metrics):
+            return lm_loss(model, {k: v[rank::dp] for k, v in batch.items()}, -100)
+
+    Trainer(ShardUnit(), global_batches(), opt, output_dir=tempfile.mkdtemp(), gangs=gangs,
+            recorders=[], max_num_steps=NUM_STEPS, seed=None).run()
+    inner = getattr(model, "module", model)
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in inner.named_parameters()}
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_the_trainers_expert_parallel_path_matches_single_process(data_parallel):
+    results = run_ranks(partial(train_with_trainer, 2, data_parallel), world_size=2)
+    _, ref_params, _ = reference()
+    for params in results:
+        assert params.keys() == ref_params.keys()
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=TOL, msg=name)

@@ -79,12 +79,9 @@ def test_tiny_run_reports_best_accuracy(tiny_run):
     # Ties go to the newest step, as in checkpoint retention.
     assert int(match.group(2)) == max(r["step"] for r in valid if r["accuracy"] == best)
 
-    # Checkpointing is wired into the Trainer separately; once it writes, the best step and
-    # the newest one are what keep_best_n_checkpoints=1 leaves.
-    checkpoints = out / "checkpoints"
-    kept = sorted(p.name for p in checkpoints.glob("step_*")) if checkpoints.is_dir() else []
-    if kept:
-        assert set(kept) == {f"step_{match.group(2)}", f"step_{valid[-1]['step']}"}
+    # The best step and the newest one are what keep_best_n_checkpoints=1 leaves.
+    kept = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert set(kept) == {f"step_{match.group(2)}", f"step_{valid[-1]['step']}"}
 
 
 # -------------------------------------------------------------------------------------------

@@ -19,13 +19,15 @@ from gangs.parallel import data_parallel
 from trainer.recorders import MetricRecorder
 from trainer.trainer import Trainer
 
-# Global micro-batches: sizes vary; sample 4 and the whole micro-batch 5 have no targets.
+# Global micro-batches: sizes vary; samples 4 and 12 and the whole micro-batch 5 have no
+# targets. Split over two ranks (`shard`), micro-batch 3 is [sample 12] on rank 0 and
+# [sample 13] on rank 1: one rank without targets while the other has some.
 SIZES = [4, 3, 5, 2, 4, 3, 4]
 ZERO_MICRO_BATCH = 5
 
 
 def global_micro_batches():
-    samples = make_samples(sum(SIZES), seed=1, zero_target_ids={4})
+    samples = make_samples(sum(SIZES), seed=1, zero_target_ids={4, 12})
     out, i = [], 0
     for k, size in enumerate(SIZES):
         mb = samples[i : i + size]

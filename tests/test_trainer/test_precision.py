@@ -187,8 +187,10 @@ class TrainLosses(MetricRecorder):
             self.out.append(values["loss"])
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_low_precision_tracks_fp32(tmp_path, dtype):
+# Measured gaps to fp32 over the curve: bf16 1.0e-4, fp16 1.5e-5 (relative). A learning rate
+# 20% off moves the curve by several percent.
+@pytest.mark.parametrize("dtype, tolerance", [("bf16", 5e-4), ("fp16", 1e-4)])
+def test_low_precision_tracks_fp32(tmp_path, dtype, tolerance):
     def losses(dtype):
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=0.02)
@@ -203,4 +205,4 @@ def test_low_precision_tracks_fp32(tmp_path, dtype):
     ref, low = losses("fp32"), losses(dtype)
     assert low[-1] < low[0] - 0.2  # it learns
     for a, b in zip(ref, low):
-        assert abs(a - b) < 0.05 * a  # within 5% of the fp32 loss curve
+        assert abs(a - b) < tolerance * a

@@ -85,9 +85,8 @@ def flatten(tree, prefix=""):
 
 def records(out: Path, section: str) -> list[dict]:
     lines = (out / "metrics" / f"{section}.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(s).items() if k not in ("time", "steps_per_s",
-                                                                   "targets_per_s")}
-            for s in lines]
+    timing = ("time", "steps_per_s", "targets_per_s", "memory_peak_gib", "data_wait_fraction")
+    return [{k: v for k, v in json.loads(s).items() if k not in timing} for s in lines]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -116,7 +115,7 @@ def test_killed_runs_resume_bit_for_bit(tmp_path, ranks):
 SCORES_BY_STEP = {5: 1.0, 10: 0.8, 15: 0.795, 20: 0.79, 25: 0.792, 30: 0.5, 35: 0.4}
 
 
-def patience_trainer(out: Path, max_num_steps: int):
+def patience_trainer(out: Path, max_num_steps: int, early_stopper=None):
     from toy import TokenUnit, collate, make_model, make_samples
 
     from trainer.early_stoppers import patience
@@ -140,7 +139,8 @@ def patience_trainer(out: Path, max_num_steps: int):
     trainer = Trainer(TokenUnit(model), reader, torch.optim.AdamW(model.parameters()),
                       output_dir=out, valid_units=[StepScore()], valid_data_readers=[[None]],
                       score_metric="valid/loss", validate_every_n_steps=5,
-                      checkpoint_every_n_steps=5, early_stopper=patience(3, min_delta=0.01),
+                      checkpoint_every_n_steps=5,
+                      early_stopper=early_stopper or patience(3, min_delta=0.01),
                       max_num_steps=max_num_steps, recorders=[])
     return trainer
 
@@ -164,3 +164,28 @@ def test_finished_early_stopped_run_stays_finished(tmp_path):
     again = patience_trainer(tmp_path, 100).run()
     assert (again.stop_reason, again.num_steps) == ("early_stop", 25)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == steps_before
+
+
+class PlainPatience:
+    """A user's stopper with state and no state_dict: the trainer replays the scores."""
+
+    def __init__(self):
+        self.best, self.bad = None, 0
+
+    def __call__(self, step_nr, score):
+        if self.best is None or score < self.best - 0.01:
+            self.best, self.bad = score, 0
+        else:
+            self.bad += 1
+        return self.bad >= 3
+
+
+def test_a_plain_callables_state_is_replayed_on_resume(tmp_path):
+    straight = patience_trainer(tmp_path / "a", 100, PlainPatience()).run()
+    assert (straight.stop_reason, straight.num_steps) == ("early_stop", 25)
+    patience_trainer(tmp_path / "b", 15, PlainPatience()).run()
+    stopper = PlainPatience()
+    resumed = patience_trainer(tmp_path / "b", 100, stopper).run()
+    assert (resumed.stop_reason, resumed.num_steps) == ("early_stop", 25)
+    assert resumed.score_history == straight.score_history
+    assert stopper.bad == 3  # 1.0, 0.8, 0.795 replayed, then 0.79, 0.792 bad
