@@ -1,6 +1,6 @@
 """Process gangs: the root, data-, tensor- and expert-parallel groups of a job."""
 
-from gangs.decisions import any_rank, any_rank_each, first_error, on_rank0
+from gangs.decisions import any_rank, any_rank_each, describe, first_error, on_rank0
 from gangs.fake import FakeGang
 from gangs.gang import Gang, GangError, ReduceOperation
 from gangs.process_group import ProcessGroupGang, default_device, setup_root_gang
@@ -17,6 +17,7 @@ __all__ = [
     "any_rank_each",
     "check_sizes",
     "default_device",
+    "describe",
     "first_error",
     "on_rank0",
     "setup_gangs",

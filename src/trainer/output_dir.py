@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gangs import Gang, first_error
 from trainer.errors import UserError
+from trainer.rank_failure import clear_failures
 
 RUN_DIRS = ("checkpoints", "metrics", "tb", "wandb")
 
@@ -57,6 +58,7 @@ def prepare_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, root:
             probe = output_dir / ".write_test"
             probe.write_text("")
             probe.unlink()
+            clear_failures(output_dir)
             if overwrite:
                 clear_previous_run(output_dir)
             elif not resume:

@@ -39,6 +39,7 @@ from trainer.loss_scaler import LossScaler
 from trainer.optimizer_step import OptimizerStep
 from trainer.output_dir import prepare_output_dir
 from trainer.profiler import StepProfiler
+from trainer.rank_failure import RankFailure, share_failure
 from trainer.recorders import BufferedRecorder, CompositeRecorder, MetricRecorder, default_recorders
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
@@ -208,6 +209,13 @@ class Trainer(Generic[BatchT]):
                         self.output_dir, self.gangs.root.rank, self.device,
                         start_step=self.state.step_nr)
                 reason = self._loop(stop)
+            except Exception as error:
+                root = self.gangs.root
+                peer = share_failure(self.output_dir, root.rank, root.size, self.state.step_nr,
+                                     error)
+                if peer is not None:
+                    raise RankFailure(f"{peer} (rank {root.rank} stopped with it)") from error
+                raise
             finally:
                 if self._profiler is not None:
                     self._profiler.close()

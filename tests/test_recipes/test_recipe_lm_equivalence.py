@@ -45,13 +45,14 @@ def test_two_processes_give_the_losses_of_one(tmp_path, fp32):
 
 # fp16 starts at a scale that does not overflow here: every overflow skips a step (tested
 # in tests/test_trainer/test_precision.py), which would shift a 40-step curve.
+# Measured largest relative gaps to fp32 over every published loss: bf16 1.5e-4, fp16 1.3e-2.
 @pytest.mark.parametrize("extra, tolerance", [
-    (["--set", "trainer.dtype=bf16"], 0.02),
-    (["--set", "trainer.dtype=fp16", "--set", "trainer.fp16_loss_scale=[256, 0.0001]"], 0.05),
+    (["--set", "trainer.dtype=bf16"], 1e-3),
+    (["--set", "trainer.dtype=fp16", "--set", "trainer.fp16_loss_scale=[256, 0.0001]"], 0.03),
 ])
 def test_low_precision_recipe_tracks_fp32(tmp_path, fp32, extra, tolerance):
     low = run(tmp_path, 1, *extra)
     assert low["valid"][-1] < low["valid"][0] - 0.1 and low["train"][-1] < low["train"][0]
-    # Stated tolerance: every published loss within 2% (bf16) or 5% (fp16) of fp32's.
+    # Every published loss within the stated tolerance of fp32's.
     for section in ("train", "valid"):
         assert low[section] == pytest.approx(fp32[section], rel=tolerance)

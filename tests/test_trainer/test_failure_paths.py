@@ -322,6 +322,50 @@ def test_an_early_stopper_error_reaches_every_rank():
         assert "ZeroDivisionError: division by zero in my stopper" in message
 
 
+class FailsOnRank(TokenUnit):
+    """Raises at `step_nr` on `rank` only: the other ranks are then in DDP's all-reduce."""
+
+    def __init__(self, model, rank, step_nr):
+        super().__init__(model)
+        self.rank, self.fail_at, self.step_nr = rank, step_nr, 0
+
+    def set_step_nr(self, step_nr):
+        self.step_nr = step_nr
+
+    def __call__(self, batch, metrics):
+        if self.step_nr == self.fail_at and self.rank == 1:
+            raise ValueError("a corrupt sample on rank 1")
+        return super().__call__(batch, metrics)
+
+
+def _unit_fails_on_rank_1():
+    import time
+
+    gangs = setup_gangs(setup_root_gang())
+    model = data_parallel(make_model(), gangs)
+    unit = FailsOnRank(model, gangs.root.rank, 3)
+    trainer = Trainer(unit, batches(10), torch.optim.AdamW(model.parameters()),
+                      output_dir=os.environ["FAILURE_TEST_DIR"], gangs=gangs, recorders=[],
+                      max_num_steps=8)
+    started = time.monotonic()
+    try:
+        trainer.run()
+    except Exception as error:  # noqa: BLE001 (the test looks at what every rank raised)
+        return type(error).__name__, str(error), time.monotonic() - started
+    return None
+
+
+def test_a_unit_error_on_one_rank_reaches_every_rank_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAILURE_TEST_DIR", str(tmp_path))
+    (name0, message0, seconds0), (name1, message1, seconds1) = run_ranks(
+        _unit_fails_on_rank_1, world_size=2)
+    assert (name1, message1) == ("ValueError", "a corrupt sample on rank 1")
+    assert name0 == "RankFailure"
+    assert message0 == ("rank 1 failed at step 3: ValueError: a corrupt sample on rank 1 "
+                        "(rank 0 stopped with it)")
+    assert max(seconds0, seconds1) < 10  # not the process-group timeout (30 s here)
+
+
 # -- 7. early stop is not final when the stopper goes --------------------------------------
 
 def test_an_early_stopped_run_continues_without_its_stopper(tmp_path, caplog):

@@ -89,8 +89,10 @@ def reference(num_accumulate, opt_kind, mean=False, max_norm=None, curve=None):
 
 
 def assert_same(params, expected):
+    # Measured: at most 1.4e-6 (2 ranks, non-fused AdamW: one embedding weight whose tiny
+    # gradient, summed in another order, Adam scales up by 1/sqrt(v)); most are exact.
     for name, value in expected.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(params[name], value, rtol=1e-6, atol=2e-6, msg=name)
 
 
 # A host count (an int) is known before backward: with one micro-batch in one process the
