@@ -109,6 +109,15 @@ class OptimizerStep:
             self.lr_scheduler.step()
         return outcome
 
+    def clear_gradients(self) -> None:
+        """`zero_grad(set_to_none=True)`, without its profiler range when the optimizer
+        does not override it (~8 us a step on a CPU)."""
+        if type(self.optimizer).zero_grad is not Optimizer.zero_grad:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        for param in self.params:
+            param.grad = None
+
     def _device_skip_flag(self, loss: Tensor, count: Tensor | int,
                           outcome: StepOutcome) -> Tensor | None:
         """1.0 (float32, on the device) where the step must be skipped though the host cannot

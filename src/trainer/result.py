@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint import CheckpointManager, rank_by_score
+from trainer.train_state import TrainState
 
 
 @dataclass
@@ -19,3 +23,29 @@ class TrainResult:
     score_history: list[tuple[int, float]] = field(default_factory=list)
     num_skipped_steps: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of_run(cls, reason: str, state: TrainState, num_skipped_steps: int,
+               last_metrics: dict[str, float], checkpoints: CheckpointManager | None,
+               lower_better: bool) -> TrainResult:
+        """The result of a run that stopped for `reason` in `state`."""
+        scores: dict[int, Any] = dict(state.score_history)
+        ranked = rank_by_score(scores, scores, lower_better)
+        best_step = ranked[0] if ranked else None
+
+        def path(step_nr: int | None) -> Path | None:
+            if checkpoints is None or step_nr is None:
+                return None
+            return checkpoints.dir / f"step_{step_nr}"
+
+        return cls(
+            num_steps=state.step_nr,
+            stop_reason=reason,
+            best_score=scores[best_step] if best_step is not None else None,
+            best_step=best_step,
+            last_checkpoint=path(state.last_saved_step),
+            best_checkpoint=path(checkpoints.best_step if checkpoints is not None else None),
+            score_history=list(state.score_history),
+            num_skipped_steps=num_skipped_steps,
+            last_metrics=last_metrics,
+        )

@@ -154,45 +154,45 @@ def _read(steps: list[_Logged]
     last step's published gradient norm: every device value goes to the host in one copy."""
     tensors: list[Tensor] = []
 
-    def slot(value: Tensor | float | None) -> int | float | None:
-        """Where a tensor's value will be in the copy; a host value stays as it is."""
+    def slot(value: object) -> int | None:
+        """Where a tensor's value will be in the copy (None: a host value, kept as it is)."""
         if isinstance(value, Tensor):
-            tensors.append(value.detach().reshape(()))
+            tensors.append(value)
             return len(tensors) - 1
-        return value
+        return None
 
-    loss_slots = [slot(entry.loss) for entry in steps]
-    count_slots = [slot(entry.count) for entry in steps]
-    norm_slots = [slot(entry.outcome.grad_norm) for entry in steps]
-    skip_slots = [slot(entry.outcome.skipped) for entry in steps]
+    slots = [(slot(e.loss), slot(e.count), slot(e.outcome.grad_norm), slot(e.outcome.skipped))
+             for e in steps]
     last = steps[-1].outcome
-    part_slots = [slot(part) for part in last.norm_parts or []]
+    part_slots = [slot(part) for part in last.norm_parts or ()]
     divisor_slot = slot(last.norm_divisor)
     values = _to_host(tensors)
 
-    def read(slots: list[Any], entries: list[Any]) -> list[Any]:
-        return [values[s] if isinstance(e, Tensor) else s for s, e in zip(slots, entries)]
+    def value(index: int | None, host_value: Any) -> Any:
+        return host_value if index is None else values[index]
 
-    losses = read(loss_slots, [e.loss for e in steps])
-    counts = read(count_slots, [e.count for e in steps])
-    norms = [0.0 if n is None else n for n in read(norm_slots, [e.outcome.grad_norm for e in steps])]
-    skipped = [bool(s) for s in read(skip_slots, [e.outcome.skipped for e in steps])]
+    losses, counts, norms, skipped = [], [], [], []
+    for entry, (loss, count, norm, skip) in zip(steps, slots):
+        losses.append(value(loss, entry.loss))
+        counts.append(value(count, entry.count))
+        norm_value = value(norm, entry.outcome.grad_norm)
+        norms.append(0.0 if norm_value is None else norm_value)
+        skipped.append(bool(value(skip, entry.outcome.skipped)))
     publish_norm = None
     if last.grad_norm is not None:
         publish_norm = norms[-1]
     elif last.norm_parts is not None:
-        parts = [values[s] for s in part_slots]
-        publish_norm = math.sqrt(sum(part * part for part in parts))
-        if last.norm_divisor is not None:
+        publish_norm = math.sqrt(sum(values[i] ** 2 for i in part_slots))
+        if divisor_slot is not None:
             publish_norm /= values[divisor_slot]
     return losses, counts, norms, skipped, publish_norm
 
 
 def _to_host(tensors: list[Tensor]) -> list[float]:
-    """The values of scalar tensors, in one device-to-host copy."""
+    """The values of one-element tensors, in one device-to-host copy."""
     if not tensors:
         return []
-    first = tensors[0]
-    if all(t.dtype == first.dtype for t in tensors):
-        return torch.stack(tensors).tolist()  # the common case: one op
-    return torch.stack([t.double() for t in tensors]).tolist()
+    try:
+        return torch.stack(tensors).reshape(-1).tolist()  # the common case: one op
+    except RuntimeError:  # mixed shapes (a one-element count beside 0-dim losses)
+        return torch.cat([t.reshape(-1).double() for t in tensors]).tolist()

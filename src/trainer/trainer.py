@@ -26,11 +26,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from gangs import FakeGang, Gangs, any_rank, any_rank_each, on_rank0, setup_gangs
+from gangs import FakeGang, Gangs, any_rank, on_rank0, setup_gangs
 from gangs.parallel import reduce_expert_gradients
 from trainer import gradients
 from trainer.callbacks import Callback, CallbackList
-from trainer.checkpoint import CheckpointManager, export_best, rank_by_score
+from trainer.checkpoint import CheckpointManager, export_best
 from trainer.console_log import show_on_console
 from trainer.data_position import DataPosition
 from trainer.early_stoppers import EarlyStopper
@@ -127,7 +127,7 @@ class Trainer(Generic[BatchT]):
 
         # The components that hold the run's state (checkpointed by name, `_states`).
         self.state = TrainState()
-        self.data = DataPosition(data_reader, s.max_num_data_epochs, self.device)
+        self.data = DataPosition(data_reader, s.max_num_data_epochs, self.gangs.dp)
         self.metrics = MetricBag(self.device)
         self.steps = StepLog(s.max_consecutive_non_finite, self.gangs.dp)
         self.rng = RngState(s.seed, self.gangs, self.state)
@@ -152,7 +152,9 @@ class Trainer(Generic[BatchT]):
                                     flops_per_target_of(unit))
         self._profiler: StepProfiler | None = None  # built in run(), from the resumed step
 
-        self._autocast_dtype = _AUTOCAST.get(s.dtype) if s.amp else None
+        # The forward's precision; validation runs without autocast.
+        self._autocast = (torch.autocast(self.device.type, dtype=_AUTOCAST[s.dtype])
+                          if s.amp and s.dtype in _AUTOCAST else contextlib.nullcontext())
         # One process, no loss scale: a one-micro-batch step knows its target count before
         # backward, which then starts from 1/count: the mean, at no extra op.
         self._may_seed_mean = self.gangs.dp.size == 1 and self.scaler is None
@@ -222,7 +224,9 @@ class Trainer(Generic[BatchT]):
                 self.recorder.close()
                 if self.checkpoints is not None:
                     self.checkpoints.close()
-        result = self._result(reason)
+        result = TrainResult.of_run(reason, self.state, self.steps.total_skipped,
+                                    self._last_published, self.checkpoints,
+                                    self.settings.lower_better)
         self.callbacks.on_train_end(self, result)
         return result
 
@@ -250,14 +254,8 @@ class Trainer(Generic[BatchT]):
                 reason = "max_num_steps"
                 break
             batches = self.system.data_wait.timed(self.data.next_window, s.num_accumulate)
-            # Every rank stops at the same step when any rank's data is over.
-            some_out, some_left = any_rank_each(self.gangs.dp, [not batches, bool(batches)])
-            if some_out:
-                limit = not batches and not self.data.ended and not some_left
-                reason = "max_num_data_epochs" if limit else "end_of_data"
-                if self.state.step_nr == 0 and not batches and self.data.epoch_nr == 0:
-                    raise UserError(f"the data reader ({type(self.data.reader).__name__}) "
-                                    "yielded no batch: nothing to train on")
+            if not batches:  # on every rank at the same step
+                reason = self.data.stop_reason
                 break
             self.state.step_nr += 1
             self._train_step(batches)
@@ -284,7 +282,7 @@ class Trainer(Generic[BatchT]):
         measure_norm = step_nr % self.settings.publish_metrics_every_n_steps == 0
         outcome = self.optimizer_step(loss, count, normalised, step_nr, measure_norm)
         self.steps.log(step_nr, loss, local_count, outcome, judge_loss=self.scaler is None)
-        self._clear_gradients()
+        self.optimizer_step.clear_gradients()
 
     def _forward_backward(self, batches: list[BatchT]
                           ) -> tuple[torch.Tensor, torch.Tensor | int, bool]:
@@ -298,8 +296,7 @@ class Trainer(Generic[BatchT]):
         for i, batch in enumerate(batches):
             defer_sync = i < len(batches) - 1 and isinstance(model, DDP)
             with model.no_sync() if defer_sync else contextlib.nullcontext():
-                with torch.autocast(self.device.type, dtype=self._autocast_dtype,
-                                    enabled=self._autocast_dtype is not None):
+                with self._autocast:
                     loss, num_targets = self.unit(batch, self.metrics)
                 num_targets = check_unit_output(self.unit, loss, num_targets, self.state.step_nr)
                 if self.scaler is not None:
@@ -314,15 +311,6 @@ class Trainer(Generic[BatchT]):
             local_count = local_count + num_targets
         assert loss_sum is not None
         return loss_sum, local_count, normalised
-
-    def _clear_gradients(self) -> None:
-        """`zero_grad(set_to_none=True)`, without its profiler range when the optimizer
-        does not override it (~8 us a step on a CPU)."""
-        if type(self.optimizer).zero_grad is not Optimizer.zero_grad:
-            self.optimizer.zero_grad(set_to_none=True)
-            return
-        for param in self.optimizer_step.params:
-            param.grad = None
 
     # -- where all ranks meet ------------------------------------------------------------
     def _post_step(self, stop: StopSignal) -> str | None:
@@ -456,25 +444,6 @@ class Trainer(Generic[BatchT]):
             if self.gangs.root.rank == 0 and self.checkpoints.best_step is not None:
                 export_best(self.checkpoints.dir)
 
-    def _result(self, reason: str) -> TrainResult:
-        history = self.state.score_history
-        scores = dict(history)
-        ranked = rank_by_score(scores, scores, self.settings.lower_better)
-        best = (ranked[0], scores[ranked[0]]) if ranked else None
-        checkpoints = self.checkpoints
-        return TrainResult(
-            num_steps=self.state.step_nr,
-            stop_reason=reason,
-            best_score=best[1] if best else None,
-            best_step=best[0] if best else None,
-            score_history=list(history),
-            num_skipped_steps=self.steps.total_skipped,
-            last_metrics=self._last_published,
-            last_checkpoint=_step_path(checkpoints, self.state.last_saved_step),
-            best_checkpoint=_step_path(checkpoints, checkpoints.best_step
-                                       if checkpoints is not None else None),
-        )
-
 
 Trainer.__doc__ = (Trainer.__doc__ or "") + "\n" + settings_doc() + "\n"
 Trainer.__init__.__signature__ = signature_with_settings(Trainer.__init__)  # type: ignore[attr-defined]
@@ -482,12 +451,6 @@ Trainer.__init__.__signature__ = signature_with_settings(Trainer.__init__)  # ty
 
 def _due(step_nr: int, every: int | None) -> bool:
     return every is not None and step_nr > 0 and step_nr % every == 0
-
-
-def _step_path(checkpoints: CheckpointManager | None, step_nr: int | None) -> Path | None:
-    if checkpoints is None or step_nr is None:
-        return None
-    return checkpoints.dir / f"step_{step_nr}"
 
 
 def _inner_module(model: torch.nn.Module) -> torch.nn.Module:

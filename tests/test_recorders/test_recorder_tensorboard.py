@@ -153,3 +153,15 @@ def test_reads_back_like_torchs_summary_writer(tmp_path):
     assert ours == _scalars(tmp_path / "torch")
     assert [step for step, _ in ours["train/loss"]] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert ours["valid/lm/loss"] == [(5, pytest.approx(3.3))]  # step 10 purged
+
+
+def test_event_checksums_match_tensorboards_own():
+    import os
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
+
+    from trainer.recorders.event_file import masked_crc32c
+
+    for length in (0, 1, 7, 8, 9, 300, 4099):
+        data = os.urandom(length)
+        assert masked_crc32c(data) == reference(data), length

@@ -515,3 +515,23 @@ def test_fp16_overflow_is_logged_as_an_overflow(tmp_path, caplog):
             publish_metrics_every_n_steps=2).run()
     assert "step 2: fp16 gradients overflowed: step skipped, loss scale halved" in caplog.text
     assert "has no targets" not in caplog.text
+
+
+def test_a_sampler_is_told_each_epoch(tmp_path):
+    from torch.utils.data import DistributedSampler
+
+    samples = batches(6)
+    sampler = DistributedSampler(samples, num_replicas=1, rank=0, shuffle=True, seed=1)
+    seen = []
+
+    class Recording(DistributedSampler):
+        def set_epoch(self, epoch):
+            seen.append(epoch)
+            super().set_epoch(epoch)
+
+    sampler.__class__ = Recording
+    reader = StatefulDataLoader(samples, batch_size=None, sampler=sampler)
+    model = make_model()
+    Trainer(TokenUnit(model), reader, torch.optim.AdamW(model.parameters()),
+            output_dir=tmp_path, recorders=[], max_num_data_epochs=3).run()
+    assert seen == [0, 1, 2]

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-try:  # the C implementation when installed; else TensorBoard's own (~35 us a record,
-    # written in one-second batches: invisible in `benchmarks/overhead`)
+try:  # the C implementation (0.1 us a record); else TensorBoard's own in Python (~40 us a
+    # record, 1% of a 0.5 ms step at the default publish interval)
     from google_crc32c import value as _crc32c
 
     def masked_crc32c(data: bytes) -> int:
