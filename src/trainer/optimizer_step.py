@@ -65,7 +65,6 @@ class OptimizerStep:
         """Step (or skip) on gradients of the summed `loss` over `count` global targets
         (`normalised`: backward already took the mean). `measure_norm`: log the gradient
         norm even when nothing needs it (a publish step)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
         # 1. Normalise: divide by the step's global target count (over dp_size: DDP and
         #    FSDP2 averaged the ranks already). A fused kernel divides by `divisor` itself.
         divisor = None
@@ -73,9 +72,10 @@ class OptimizerStep:
             if self.fused:
                 divisor = gradients.normalisation_divisor(self.dp.size, count, self.device)
             else:
-                gradients.scale_gradients(grads, self.dp.size, count)
+                gradients.scale_gradients(self._grads(), self.dp.size, count)
         # 2. Unscale (fp16): one host read, agreed over the ranks.
-        overflow = self.scaler.unscale_and_check(grads) if self.scaler is not None else False
+        overflow = (self.scaler.unscale_and_check(self._grads()) if self.scaler is not None
+                    else False)
         # 3. Clip, and measure the norm that the skip policy and the publish need.
         outcome = StepOutcome(skipped=False, fp16_overflow=overflow)
         if self.max_gradient_norm is not None and self.fused:
@@ -108,6 +108,9 @@ class OptimizerStep:
         if self.lr_scheduler is not None:  # every step, skipped or not
             self.lr_scheduler.step()
         return outcome
+
+    def _grads(self) -> list[Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
 
     def clear_gradients(self) -> None:
         """`zero_grad(set_to_none=True)`, without its profiler range when the optimizer

@@ -151,40 +151,33 @@ class StepLog:
 def _read(steps: list[_Logged]
           ) -> tuple[list[float], list[float], list[float], list[bool], float | None]:
     """(losses, counts, gradient norms (0 where not measured), skipped) of each step, and the
-    last step's published gradient norm: every device value goes to the host in one copy."""
-    tensors: list[Tensor] = []
-
-    def slot(value: object) -> int | None:
-        """Where a tensor's value will be in the copy (None: a host value, kept as it is)."""
-        if isinstance(value, Tensor):
-            tensors.append(value)
-            return len(tensors) - 1
-        return None
-
-    slots = [(slot(e.loss), slot(e.count), slot(e.outcome.grad_norm), slot(e.outcome.skipped))
-             for e in steps]
-    last = steps[-1].outcome
-    part_slots = [slot(part) for part in last.norm_parts or ()]
-    divisor_slot = slot(last.norm_divisor)
-    values = _to_host(tensors)
-
-    def value(index: int | None, host_value: Any) -> Any:
-        return host_value if index is None else values[index]
-
-    losses, counts, norms, skipped = [], [], [], []
-    for entry, (loss, count, norm, skip) in zip(steps, slots):
-        losses.append(value(loss, entry.loss))
-        counts.append(value(count, entry.count))
-        norm_value = value(norm, entry.outcome.grad_norm)
-        norms.append(0.0 if norm_value is None else norm_value)
-        skipped.append(bool(value(skip, entry.outcome.skipped)))
+    last step's published gradient norm: every device value goes to the host in one copy,
+    in this order: losses, device counts, device skip flags, measured norms, the last step's
+    norm parts and divisor."""
+    outcomes = [entry.outcome for entry in steps]
+    last = outcomes[-1]
+    parts = last.norm_parts or []
+    divisor = [] if last.norm_divisor is None else [last.norm_divisor]
+    counts = [entry.count for entry in steps]
+    values = iter(_to_host([
+        *(entry.loss for entry in steps),
+        *(count for count in counts if isinstance(count, Tensor)),
+        *(o.skipped for o in outcomes if isinstance(o.skipped, Tensor)),
+        *(o.grad_norm for o in outcomes if o.grad_norm is not None),
+        *parts, *divisor,
+    ]))
+    losses = [next(values) for _ in steps]
+    counts = [next(values) if isinstance(count, Tensor) else count for count in counts]
+    skipped = [next(values) > 0 if isinstance(o.skipped, Tensor) else o.skipped
+               for o in outcomes]
+    norms = [0.0 if o.grad_norm is None else next(values) for o in outcomes]
+    part_values = [next(values) for _ in parts]
+    divisor_value = next(values) if divisor else 1.0
     publish_norm = None
     if last.grad_norm is not None:
         publish_norm = norms[-1]
     elif last.norm_parts is not None:
-        publish_norm = math.sqrt(sum(values[i] ** 2 for i in part_slots))
-        if divisor_slot is not None:
-            publish_norm /= values[divisor_slot]
+        publish_norm = math.sqrt(sum(part * part for part in part_values)) / divisor_value
     return losses, counts, norms, skipped, publish_norm
 
 

@@ -40,7 +40,7 @@ from trainer.optimizer_step import OptimizerStep
 from trainer.output_dir import prepare_output_dir
 from trainer.profiler import StepProfiler
 from trainer.rank_failure import RankFailure, share_failure
-from trainer.recorders import BufferedRecorder, CompositeRecorder, MetricRecorder, default_recorders
+from trainer.recorders import MetricRecorder, training_recorder
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
 from trainer.seeding import RngState
@@ -145,9 +145,12 @@ class Trainer(Generic[BatchT]):
             self.output_dir / "checkpoints", self.gangs,
             keep_last_n=s.keep_last_n_checkpoints, keep_best_n=s.keep_best_n_checkpoints,
             lower_better=s.lower_better, async_save=s.async_checkpoint,
-            on_commit=self._on_checkpoint_saved,
+            on_commit=lambda step_nr, path: self.callbacks.on_checkpoint_saved(self, step_nr,
+                                                                               path),
         ) if s.checkpoint_every_n_steps is not None else None
-        self.recorder = self._build_recorder(recorders)
+        self.recorder = training_recorder(
+            self.gangs.root.rank, recorders, self.output_dir, s.max_num_steps, s.progress,
+            s.wandb_project)
         self.system = SystemMetrics(self.device, s.dtype, self.gangs.root.size,
                                     flops_per_target_of(unit))
         self._profiler: StepProfiler | None = None  # built in run(), from the resumed step
@@ -169,16 +172,6 @@ class Trainer(Generic[BatchT]):
     def step_nr(self) -> int:
         """The optimizer steps taken so far (skipped ones included)."""
         return self.state.step_nr
-
-    def _build_recorder(self, recorders: Sequence[MetricRecorder] | None) -> BufferedRecorder:
-        s = self.settings
-        if self.gangs.root.rank != 0:  # rank 0 records; the others have nothing to add
-            recorders = []
-        elif recorders is None:
-            recorders = default_recorders(self.output_dir, s.max_num_steps, s.progress,
-                                          s.wandb_project)
-        # On the training thread, in batches (see `trainer.recorders.buffered`).
-        return BufferedRecorder(CompositeRecorder(list(recorders)))
 
     def _states(self) -> dict[str, Any]:
         """Every component whose state a checkpoint holds, by name."""
@@ -229,9 +222,6 @@ class Trainer(Generic[BatchT]):
                                     self.settings.lower_better)
         self.callbacks.on_train_end(self, result)
         return result
-
-    def _on_checkpoint_saved(self, step_nr: int, path: Path) -> None:
-        self.callbacks.on_checkpoint_saved(self, step_nr, path)
 
     def _loop(self, stop: StopSignal) -> str:
         s = self.settings

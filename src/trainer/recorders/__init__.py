@@ -11,7 +11,7 @@ from trainer.recorders.background import BackgroundRecorder
 from trainer.recorders.base import CompositeRecorder, MetricRecorder
 from trainer.recorders.buffered import BufferedRecorder
 from trainer.recorders.console import ConsoleRecorder, format_record, format_value
-from trainer.recorders.defaults import default_recorders
+from trainer.recorders.defaults import default_recorders, training_recorder
 from trainer.recorders.jsonl import JsonlRecorder, read_jsonl, section_file_name
 from trainer.recorders.tensorboard import TensorBoardRecorder
 from trainer.recorders.wandb import WandbRecorder, wandb_available
@@ -30,5 +30,6 @@ __all__ = [
     "format_value",
     "read_jsonl",
     "section_file_name",
+    "training_recorder",
     "wandb_available",
 ]

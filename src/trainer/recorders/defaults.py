@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from trainer.recorders.background import BackgroundRecorder
-from trainer.recorders.base import MetricRecorder
+from trainer.recorders.base import CompositeRecorder, MetricRecorder
+from trainer.recorders.buffered import BufferedRecorder
 from trainer.recorders.console import ConsoleRecorder
 from trainer.recorders.jsonl import JsonlRecorder
 from trainer.recorders.tensorboard import TensorBoardRecorder
@@ -26,3 +28,17 @@ def default_recorders(
     if wandb_project is not None:  # wandb.log costs too much to call on the training thread
         recorders.append(BackgroundRecorder(WandbRecorder(wandb_project, None, output_dir)))
     return recorders
+
+
+def training_recorder(
+    rank: int, recorders: Sequence[MetricRecorder] | None, output_dir: Path,
+    total_steps: int | None, progress: bool = True, wandb_project: str | None = None,
+) -> BufferedRecorder:
+    """What the trainer records through: on rank 0 the given recorders (None: the defaults),
+    elsewhere none (rank 0 has the synced values), in one-second batches on the training
+    thread (see `trainer.recorders.buffered`)."""
+    if rank != 0:
+        recorders = []
+    elif recorders is None:
+        recorders = default_recorders(output_dir, total_steps, progress, wandb_project)
+    return BufferedRecorder(CompositeRecorder(list(recorders)))
