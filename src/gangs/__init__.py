@@ -3,7 +3,7 @@
 from gangs.decisions import any_rank, any_rank_each, describe, first_error, on_rank0
 from gangs.fake import FakeGang
 from gangs.gang import Gang, GangError, ReduceOperation
-from gangs.process_group import ProcessGroupGang, default_device, setup_root_gang
+from gangs.process_group import ProcessGroupGang, default_device, host_gang, setup_root_gang
 from gangs.setup import Gangs, check_sizes, setup_gangs
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "default_device",
     "describe",
     "first_error",
+    "host_gang",
     "on_rank0",
     "setup_gangs",
     "setup_root_gang",

@@ -104,6 +104,18 @@ class ProcessGroupGang(Gang):
             dist.destroy_process_group()
 
 
+def host_gang(gang: Gang) -> Gang:
+    """The ranks of `gang` over Gloo on the CPU, for decisions the host makes alone (has any
+    rank's data ended?): agreed there, they never wait for the device's queue of work. The
+    gang itself when it is already on the CPU or has one rank."""
+    if gang.size == 1 or gang.device.type == "cpu":
+        return gang
+    ranks = dist.get_process_group_ranks(gang.as_process_group())
+    with _as_gang_error("host_gang"):
+        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return ProcessGroupGang(group, torch.device("cpu"))
+
+
 def default_device() -> torch.device:
     """`cuda:LOCAL_RANK` when CUDA is present, else the CPU."""
     if torch.cuda.is_available():

@@ -3,7 +3,8 @@
 Epochs are passes of `iter(data_reader)`. A step's window of micro-batches never spans two
 epochs, so the last window of an epoch may be short (normalisation stays exact). An epoch
 that yields nothing means the data is spent (a one-shot iterator, say). Data-parallel ranks
-agree on the end (one small all-reduce a step when DP > 1): when any rank's data is over,
+agree on the end (one small all-reduce a step when DP > 1, over Gloo on the CPU, so it never
+waits for the GPU): when any rank's data is over,
 every rank stops at the same step, so no rank waits in a collective the others never enter. The position is
 checkpointable: with a reader that has `state_dict()`/`load_state_dict()` (e.g.
 `StatefulDataLoader`, `trainer.global_batches.GlobalBatchReader`) a resumed run continues
@@ -17,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import Any, Generic, TypeVar
 
-from gangs import Gang, any_rank_each
+from gangs import Gang, any_rank_each, host_gang
 from trainer.device import to_device
 from trainer.errors import UserError
 
@@ -30,7 +31,7 @@ class DataPosition(Generic[BatchT]):
     def __init__(self, reader: Iterable[BatchT], max_num_epochs: int | None, dp: Gang) -> None:
         self.reader = reader
         self.max_num_epochs = max_num_epochs
-        self.dp = dp
+        self.dp = host_gang(dp)  # agreeing on the end of data waits for no device work
         self.device = dp.device
         self.epoch_nr = 0  # completed epochs
         self.ended = False  # an epoch yielded nothing: the data is spent
