@@ -42,10 +42,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import model_validator
 
 from trainer.errors import UserError
-from trainer.import_path import import_object
+from trainer.import_path import NamedConfig, import_object
 
 if TYPE_CHECKING:
     from trainer.result import TrainResult
@@ -182,7 +182,7 @@ def _step_of(trainer: Any) -> int | None:
     return step_nr if isinstance(step_nr, int) else None
 
 
-class CallbackConfig(BaseModel):
+class CallbackConfig(NamedConfig):
     """A callback in a config: ``{name: "package.module:Class", **kwargs}``.
 
     ``name`` is the import path of a `Callback` subclass (or of any class with at least one
@@ -192,20 +192,6 @@ class CallbackConfig(BaseModel):
     class is a callback. The object is built by `build` / `build_callbacks`.
     """
 
-    # Extra keys are the callback's keyword arguments (`model_extra`).
-    model_config = ConfigDict(extra="allow")
-
-    name: str
-
-    @model_validator(mode="before")
-    @classmethod
-    def _name_only(cls, data: Any) -> Any:
-        return {"name": data} if isinstance(data, str) else data
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        """The callback's keyword arguments: every key but ``name``."""
-        return dict(self.model_extra or {})
 
     @model_validator(mode="after")
     def _check(self) -> CallbackConfig:

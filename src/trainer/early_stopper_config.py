@@ -22,7 +22,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from trainer.early_stoppers import (
     AnyOf,
@@ -33,7 +33,7 @@ from trainer.early_stoppers import (
     Threshold,
 )
 from trainer.errors import UserError
-from trainer.import_path import import_object
+from trainer.import_path import NamedConfig, import_object
 
 __all__ = ["EarlyStopperConfig", "build_early_stopper"]
 
@@ -110,7 +110,7 @@ def _accepts_keyword(obj: Any, name: str) -> bool:
     return param is not None and param.kind is not inspect.Parameter.POSITIONAL_ONLY
 
 
-class EarlyStopperConfig(BaseModel):
+class EarlyStopperConfig(NamedConfig):
     """Selects an early stopper in a config file.
 
     ``name`` is a built-in (``patience``, ``threshold``, ``divergence``, ``non_finite``,
@@ -133,23 +133,11 @@ class EarlyStopperConfig(BaseModel):
     ``trainer.early_stopper`` to null first.
     """
 
-    # Extra keys are the stopper's keyword arguments (`model_extra`); checked below.
-    model_config = ConfigDict(extra="allow")
-
-    name: str
     stoppers: list[EarlyStopperConfig] | None = Field(
         default=None, exclude_if=lambda stoppers: stoppers is None
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _name_only(cls, data: Any) -> Any:
-        return {"name": data} if isinstance(data, str) else data
 
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        """The stopper's arguments: every key other than ``name`` and ``stoppers``."""
-        return dict(self.model_extra or {})
 
     @property
     def is_builtin(self) -> bool:

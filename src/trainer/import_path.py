@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["import_object"]
+from pydantic import BaseModel, ConfigDict, model_validator
+
+__all__ = ["NamedConfig", "import_object"]
 
 
 def import_object(path: str, what: str) -> Any:
@@ -39,3 +41,22 @@ def import_object(path: str, what: str) -> Any:
         obj = getattr(obj, attr)
         where = f"{where}.{attr}" if where != module_name else f"{module_name}:{attr}"
     return obj
+
+
+class NamedConfig(BaseModel):
+    """How a config names user code: ``{name: <import path or built-in>, **kwargs}``, or a
+    bare string, short for ``{name: <string>}``. The extra keys are the keyword arguments."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_only(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments: every key that is not a declared field."""
+        return dict(self.model_extra or {})

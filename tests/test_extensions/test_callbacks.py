@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from ext_callbacks import DuckTyped, EventLog
 from pydantic import BaseModel, ConfigDict
+from regression import Regression
 
 from trainer.callbacks import (
     Callback,
@@ -22,7 +23,7 @@ from trainer.callbacks import (
 from trainer.cli import load_config
 from trainer.errors import UserError
 from trainer.import_path import import_object
-from units import EvalUnit, MetricBag, TrainUnit
+from units import EvalUnit, MetricBag
 
 
 class FakeTrainer:
@@ -179,17 +180,6 @@ def test_import_object_reaches_nested_attributes():
 # --- in a real run (needs the trainer's wiring) ----------------------------------------------
 
 
-class Regression(TrainUnit):
-    def __init__(self, model):
-        self._model = model
-
-    @property
-    def model(self):
-        return self._model
-
-    def __call__(self, batch, metrics: MetricBag):
-        x, y = batch
-        return F.mse_loss(self._model(x).squeeze(-1), y, reduction="sum"), y.numel()
 
 
 class RegressionEval(EvalUnit):

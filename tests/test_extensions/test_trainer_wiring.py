@@ -6,26 +6,10 @@ import json
 import time
 
 import torch
-import torch.nn.functional as F
+from regression import Regression
 
 from trainer.profiler import ProfilerConfig
 from trainer.recorders import JsonlRecorder, read_jsonl
-from units import MetricBag, TrainUnit
-
-
-class Regression(TrainUnit):
-    def __init__(self, model, flops_per_target=None):
-        self._model = model
-        if flops_per_target is not None:
-            self.flops_per_target = flops_per_target
-
-    @property
-    def model(self):
-        return self._model
-
-    def __call__(self, batch, metrics: MetricBag):
-        x, y = batch
-        return F.mse_loss(self._model(x).squeeze(-1), y, reduction="sum"), y.numel()
 
 
 def _batches(n=12):
