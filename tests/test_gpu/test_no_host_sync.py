@@ -51,10 +51,10 @@ class Case:
     max_gradient_norm: float | None = None
 
 
-# The trainer's non-fused step decides on the host whether to skip (`bool(...)` of its
-# non-finite flag and of `count == 0`): one read a step, documented in the README ("A
-# non-fused optimizer reads one flag a step"). Strict: once the trainer decides on the
-# device, these pass and the mark must go.
+# The LM unit's target count is a device tensor: a non-fused optimizer cannot skip a step
+# with no targets on the device, so the trainer reads that one flag a step (README, "What
+# holds exactly"; with a host-int count it reads nothing). Strict: should the trainer ever
+# decide on the device, these pass and the mark must go.
 FOREACH_READS_A_FLAG = pytest.mark.xfail(
     strict=True, raises=RuntimeError,
     reason="the trainer's non-fused optimizer path reads its skip decision on the host "
