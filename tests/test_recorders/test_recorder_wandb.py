@@ -1,4 +1,5 @@
 import sys
+import time
 
 import pytest
 
@@ -32,5 +33,11 @@ def test_offline_run_writes_under_output_dir(tmp_path):
     run_files = sorted({path.resolve() for path in tmp_path.glob("wandb/*/*.wandb")})
     assert len(run_files) == 1
     assert recorder.run_dir.resolve() == run_files[0].parent
-    data = run_files[0].read_bytes()  # protobuf records; keys are stored as plain text
+    # Protobuf records, keys stored as plain text. wandb's service process may still be
+    # writing them when `finish()` returns (it flushes before the process exits).
+    deadline = time.monotonic() + 30
+    data = run_files[0].read_bytes()
+    while not (b"train/loss" in data and b"valid/lm/loss" in data) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        data = run_files[0].read_bytes()
     assert b"train/loss" in data and b"valid/lm/loss" in data
