@@ -142,5 +142,20 @@ def setup_root_gang(
             return FakeGang(device=device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         with _as_gang_error("init_process_group"):
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **_restart_store(timeout))
     return ProcessGroupGang(dist.group.WORLD, device)
+
+
+def _restart_store(timeout: timedelta) -> dict[str, object]:
+    """After `torchrun --max-restarts` restarts the workers, they meet in the agent's store
+    again, where the previous attempt's addresses still stand: a new rank could read a dead
+    peer's address and fail to connect ("connectFullMesh ... Connection refused"). Each
+    attempt gets keys of its own, under its restart count. Nothing to do on a first start or
+    without torchrun's agent store (the default rendezvous then)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt in (None, "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"gangtrain/attempt_{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}

@@ -223,18 +223,12 @@ def kill_one_worker_once_saved(out: Path) -> tuple[bool, int | None, str]:
 
 def test_a_worker_killed_under_max_restarts_ends_as_a_run_never_disturbed(tmp_path):
     """The agent restarts the workers after one is SIGKILLed; they resume from the newest
-    complete checkpoint and end in the state of an undisturbed run.
-
-    torch's elastic restart over Gloo sometimes fails its own rendezvous (the new workers'
-    `connectFullMesh` refused, on this 2-core machine about one launch in three): that
-    launch, not our resume, failed, and the test launches again on a fresh directory."""
-    straight = tmp_path / "straight"
+    complete checkpoint and end in the state of an undisturbed run. (Before each restart
+    attempt had store keys of its own, `gangs.process_group._restart_store`, about one
+    launch in two failed here: the new workers read the dead ones' addresses.)"""
+    straight, killed_dir = tmp_path / "straight", tmp_path / "killed"
     run_to_end(straight, 2)
-    for attempt in range(4):
-        killed_dir = tmp_path / f"killed_{attempt}"
-        killed, code, stderr = kill_one_worker_once_saved(killed_dir)
-        if code == 0 or "connectFullMesh" not in stderr:
-            break
+    killed, code, stderr = kill_one_worker_once_saved(killed_dir)
     assert killed and code == 0, stderr[-3000:]
     assert "resumed from" in stderr  # the restarted workers resumed from a checkpoint
     a, b = dict(flatten(final_state(straight))), dict(flatten(final_state(killed_dir)))
