@@ -28,7 +28,7 @@ wrapper); compiling once serves both sides, and an untimed loop run first takes 
 compilation.
 
 MFU = tokens/s x ``recipes.lm.model.flops_per_token`` / the device's dense peak for the
-dtype (``benchmarks.lm_throughput.PEAK_FLOPS``: H100 SXM and H200 989 TFLOP/s bf16).
+dtype (``trainer.system_metrics.peak_flops``: H100 SXM and H200 989 TFLOP/s bf16).
 Peak memory is ``torch.cuda.max_memory_allocated`` of each run.
 
 Host syncs: one more Trainer run (eager) whose unit is a `SyncCheckedUnit`: torch's CUDA

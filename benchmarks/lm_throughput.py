@@ -14,7 +14,7 @@ the end of the run, after a device synchronisation at both ends.
 
 Prints tokens/s and peak memory (CUDA: ``torch.cuda.max_memory_allocated``; CPU: peak RSS
 and its growth during training), and on CUDA the model FLOP utilisation: tokens/s x
-``recipes.lm.model.flops_per_token`` / the GPU's dense peak for the dtype (a small table by
+``recipes.lm.model.flops_per_token`` / the GPU's dense peak for the dtype (the trainer's table by
 GPU name; unknown GPUs print no MFU).
 """
 
@@ -35,36 +35,17 @@ from recipes.lm.config import PRESETS, LMConfig
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
 from trainer.cli import load_config
 from trainer.errors import UserError
+from trainer.system_metrics import peak_flops as device_peak_flops
 from units.causal_lm import CausalLMUnit
 
 Batch = dict[str, torch.Tensor]
 
-# Dense (no sparsity) peak FLOP/s by GPU name substring, first match wins. fp32 is the
-# non-tensor-core rate (PyTorch does not use TF32 for matmuls unless asked to).
-PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
-    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
-    ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),  # SXM / HBM3
-    ("GH200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
-    ("B200", {"bf16": 2250e12, "fp16": 2250e12, "fp32": 80e12}),
-    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
-    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
-    ("A10G", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
-    ("L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}),
-    ("RTX 4090", {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}),
-)
-
-
 def peak_flops(device: torch.device, dtype: str) -> tuple[str, float | None]:
-    """(the device's name, its dense peak FLOP/s for `dtype` from `PEAK_FLOPS`, or None for a
-    CPU or a GPU not in the table)."""
+    """(the device's name, its dense peak FLOP/s for `dtype`, or None for a CPU or a GPU
+    the trainer's table (`trainer.system_metrics.peak_flops`) does not know)."""
     if device.type != "cuda":
         return "cpu", None
-    name = torch.cuda.get_device_name(device)
-    for key, table in PEAK_FLOPS:
-        if key in name:
-            return name, table[dtype]
-    return name, None
+    return torch.cuda.get_device_name(device), device_peak_flops(device, dtype)
 
 
 def gpt_config_from(config: LMConfig) -> GPTConfig:

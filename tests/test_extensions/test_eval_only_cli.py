@@ -5,42 +5,13 @@ checkpoints/ (nor config.yaml) changes."""
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from recipe_runs import describe, run_all
 
 from trainer.cli import run_recipe
 from trainer.recorders import read_jsonl
-
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 300
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("FORCE_COLOR", None)
-    env["NO_COLOR"] = "1"
-    return env
-
-
-def run_all(commands: dict[str, list]) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Run the command lines at once (each is mostly interpreter start-up)."""
-    def run(args):
-        return subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True,
-                              text=True, timeout=TIMEOUT_S, cwd=REPO, env=_env())
-
-    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
-        futures = {name: pool.submit(run, args) for name, args in commands.items()}
-        return {name: future.result() for name, future in futures.items()}
-
-
-def describe(proc: subprocess.CompletedProcess[str]) -> str:
-    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
 
 
 def digest(directory: Path) -> dict[str, str]:

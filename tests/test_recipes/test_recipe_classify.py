@@ -3,15 +3,12 @@ by DP rank and resumes exactly."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from recipe_runs import describe, run_module
 
 from recipes.classify.config import PRESETS, ClassifyConfig
 from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
@@ -19,25 +16,12 @@ from trainer.cli import load_config
 from trainer.early_stoppers import Patience
 from trainer.recorders import read_jsonl
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _describe(proc: subprocess.CompletedProcess[str]) -> str:
-    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("classify") / "out"
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # see test_recipe_lm_cli
-    env.pop("FORCE_COLOR", None)
-    env["NO_COLOR"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "recipes.classify", str(out), "--preset", "tiny"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
-    )
-    assert proc.returncode == 0, _describe(proc)
+    proc = run_module("recipes.classify", out, "--preset", "tiny")
+    assert proc.returncode == 0, describe(proc)
     assert "Traceback" not in proc.stderr
     return out, proc, " ".join(proc.stdout.split())
 

@@ -7,53 +7,24 @@ user mistakes run side by side, as they only parse and validate.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import yaml
+from recipe_runs import describe, run_all, run_module
 
 from trainer.recorders import read_jsonl
 
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 300
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    # One intra-op thread: the tiny models gain nothing from more, and on a shared machine
-    # spinning OpenMP workers can slow a run tenfold. No colour codes in captured output.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("FORCE_COLOR", None)
-    env["NO_COLOR"] = "1"
-    return env
-
-
-def run_module(module: str, *args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
-        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=_env(),
-    )
-
 
 def run_many(module: str, commands: dict[str, list]) -> dict[str, subprocess.CompletedProcess]:
-    """Run several command lines of `module` at once (each is mostly interpreter start-up)."""
-    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
-        futures = {name: pool.submit(run_module, module, *args) for name, args in commands.items()}
-        return {name: future.result() for name, future in futures.items()}
+    """Run several command lines of `module` at once."""
+    return run_all({name: [module, *args] for name, args in commands.items()})
 
 
 def flat(text: str) -> str:
     """The console wraps long lines at its width: compare text with whitespace collapsed."""
     return " ".join(text.split())
-
-
-def describe(proc: subprocess.CompletedProcess[str]) -> str:
-    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
 
 
 # -------------------------------------------------------------------------------------------

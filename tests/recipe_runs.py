@@ -1,0 +1,40 @@
+"""Recipe command lines run as users run them: one subprocess each, several at once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+
+
+def recipe_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # One intra-op thread: the tiny models gain nothing from more, and on a shared machine
+    # spinning OpenMP workers can slow a run tenfold. No colour codes in captured output.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("FORCE_COLOR", None)
+    env["NO_COLOR"] = "1"
+    return env
+
+
+def run_module(module: str, *args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=recipe_env(),
+    )
+
+
+def run_all(commands: dict[str, list]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Run `{name: [module, *args]}` at once (each is mostly interpreter start-up)."""
+    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
+        futures = {name: pool.submit(run_module, *command) for name, command in commands.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def describe(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
