@@ -1,0 +1,1 @@
+"""Fine-tune a local Hugging Face causal LM on your own text or JSONL files."""

@@ -1,0 +1,208 @@
+"""Assemble the fine-tuning recipe: gangs, the model's tokenizer, packed windows, the
+pretrained model wrapped over the gangs, the stock causal LM units, trainer, HF export.
+
+Loading the model and exporting it are `load_model` and `export_model` below, one call each.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from torch import nn
+from torch.distributed._composable import checkpoint
+
+from gangs import Gangs, setup_gangs, setup_root_gang
+from gangs.parallel import data_parallel
+from gangs.parallel.blocks import find_blocks
+from recipes.finetune.config import FinetuneConfig
+from recipes.finetune.data import (
+    WindowReader,
+    eval_batches,
+    pack_windows,
+    read_documents,
+    split_windows,
+    tokenize_documents,
+)
+from recipes.lm.recipe import warmup_cosine
+from trainer.checkpoint import read_model_state
+from trainer.errors import UserError
+from trainer.evaluate import evaluate
+from trainer.result import TrainResult
+from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
+
+__all__ = ["HF_EXPORT_DIR", "eval_main", "export_model", "load_model", "main"]
+
+HF_EXPORT_DIR = "hf"
+"""Where, under the output directory, the best checkpoint is exported as a HF directory."""
+
+
+def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
+    """The pretrained model of `config.model.path`, ready for the Trainer: on the gangs'
+    device, activation checkpointing per block if asked, wrapped over DP."""
+    from transformers import AutoModelForCausalLM
+
+    if gangs.tp.size > 1:
+        raise UserError("config 'gangs.tp_size' > 1: tensor parallelism for Hugging Face "
+                        "models needs trainer.hf.load_pretrained")
+    # No KV cache: training never reuses it, and it does not mix with recomputation.
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32,
+                                                 use_cache=False).to(gangs.device)
+    return _activation_checkpointing(
+        data_parallel(model, gangs, config.trainer.data_parallel, **_fsdp_options(config)),
+        config)
+
+
+def export_model(checkpoint: Path, output_dir: Path, config: FinetuneConfig) -> Path:
+    """Write the weights of `checkpoint` (a step directory) as a Hugging Face directory in
+    `output_dir`, with the model's config and tokenizer files; one process, offline. The
+    directory is written beside under a temporary name and renamed when complete."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model.path))
+    model.load_state_dict(read_model_state(checkpoint))
+    tmp = output_dir.with_name(f".{output_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(config.model.path).save_pretrained(tmp)
+    shutil.rmtree(output_dir, ignore_errors=True)
+    os.replace(tmp, output_dir)
+    return output_dir
+
+
+def _fsdp_options(config: FinetuneConfig) -> dict[str, Any]:
+    """FSDP2 applies activation checkpointing to each block before sharding it (in one
+    process too)."""
+    if config.model.activation_checkpointing and config.trainer.data_parallel == "fsdp":
+        return {"activation_checkpointing": True}
+    return {}
+
+
+def _activation_checkpointing(model: nn.Module, config: FinetuneConfig) -> nn.Module:
+    """DDP has no checkpointing option: each block of the wrapped model recomputes its
+    activations in backward (non-reentrant, which DDP supports)."""
+    if config.model.activation_checkpointing and config.trainer.data_parallel == "ddp":
+        for block in find_blocks(getattr(model, "module", model)):
+            checkpoint(block)
+    return model
+
+
+@dataclass
+class _Setup:
+    """What training and evaluation share: gangs, the (wrapped) model, validation."""
+
+    gangs: Gangs
+    console: Console | None
+    model: nn.Module
+    valid_units: list[CausalLMEvalUnit]
+    valid_readers: list[Iterable[Any]]
+    reader: WindowReader | None  # training data; None when only evaluating
+    flops_per_token: float
+
+
+def _setup(config: FinetuneConfig, train: bool) -> _Setup:
+    from transformers import AutoTokenizer
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _check_model_path(config.model.path)
+    if config.gangs.dp_shard_size is not None and config.trainer.data_parallel != "fsdp":
+        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs trainer.data_parallel=fsdp")
+    root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
+    try:
+        gangs = setup_gangs(root, config.gangs.tp_size, 1, config.gangs.dp_shard_size)
+    except ValueError as ex:
+        raise UserError(f"config 'gangs': {ex}") from None
+    console = Console(stderr=False, soft_wrap=True) if root.rank == 0 else None
+    dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
+
+    # Data: every rank tokenises the same documents into the same windows and split.
+    d = config.data
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    tokens = tokenize_documents(read_documents(d.files, d.text_field), tokenizer)
+    train_windows, valid_windows = split_windows(pack_windows(tokens, d.seq_len),
+                                                 d.valid_fraction, d.split_seed, d.batch_size)
+    reader = (WindowReader(train_windows, d.batch_size, dp_rank, dp_size, seed=d.shuffle_seed)
+              if train else None)
+    valid_reader = eval_batches(valid_windows, d.valid_batch_size, dp_rank, dp_size)
+    if console:
+        console.print(f"data: {len(d.files)} files, {tokens.numel():,} tokens: "
+                      f"{len(train_windows):,} train / {len(valid_windows):,} valid windows "
+                      f"of {d.seq_len} tokens")
+
+    model = load_model(config, gangs)
+    num_params = sum(p.numel() for p in model.parameters())
+    if console:
+        console.print(f"model: {config.model.path}, {num_params:,} parameters")
+    return _Setup(gangs, console, model, [CausalLMEvalUnit(model)], [valid_reader], reader,
+                  _flops_per_token(model, num_params, d.seq_len))
+
+
+def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
+    s = _setup(config, train=True)
+    optimizer = config.optimizer.build(s.model)
+    scheduler = warmup_cosine(optimizer, config.lr_scheduler.warmup_steps,
+                              config.trainer.max_num_steps, config.lr_scheduler.final_lr_scale)
+    trainer = config.trainer.build(
+        CausalLMUnit(s.model, flops_per_target=s.flops_per_token), s.reader, optimizer,
+        output_dir=output_dir, gangs=s.gangs, lr_scheduler=scheduler,
+        valid_units=s.valid_units, valid_data_readers=s.valid_readers, resume=resume,
+    )
+    result = trainer.run()
+    # A stopped run (signal) resumes later and exports then; a finished one exports its best.
+    exported = None
+    checkpoint = result.best_checkpoint or result.last_checkpoint
+    if result.stop_reason != "signal" and checkpoint is not None:
+        if s.gangs.root.rank == 0:
+            exported = export_model(checkpoint, output_dir / HF_EXPORT_DIR, config)
+        s.gangs.root.barrier()
+    if s.console:
+        _summary(s.console, result, config, exported)
+    s.gangs.close()
+    return 0
+
+
+def eval_main(config: FinetuneConfig, output_dir: Path, checkpoint: str) -> int:
+    """``--eval-only``: validate a checkpoint of ``output_dir`` (see `trainer.evaluate`)."""
+    s = _setup(config, train=False)
+    evaluate(s.valid_units, s.valid_readers, output_dir=output_dir, gangs=s.gangs,
+             checkpoint=checkpoint, console=s.console)
+    s.gangs.close()
+    return 0
+
+
+def _check_model_path(path: str | None) -> None:
+    if path is None:
+        raise UserError("config 'model.path' is not set: give the Hugging Face model "
+                        "directory to fine-tune, e.g. --set model.path=/models/llama")
+    if not (Path(path) / "config.json").is_file():
+        reason = "has no config.json" if Path(path).is_dir() else "does not exist"
+        raise UserError(f"config 'model.path': '{path}' {reason}: it must be a local Hugging "
+                        "Face model directory (config.json, safetensors, tokenizer files)")
+
+
+def _flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token for the published MFU: 6 N + 12 L d T (the LM recipe's
+    convention, N counting every parameter here)."""
+    hf_config = getattr(getattr(model, "module", model), "config", None)  # DDP: .module
+    layers = getattr(hf_config, "num_hidden_layers", 0) or 0
+    width = getattr(hf_config, "hidden_size", 0) or 0
+    return 6.0 * num_params + 12.0 * layers * width * seq_len
+
+
+def _summary(console: Console, result: TrainResult, config: FinetuneConfig,
+             exported: Path | None) -> None:
+    console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
+    if result.best_score is not None:
+        console.print(f"best {config.trainer.score_metric}: {result.best_score:.4f} at step "
+                      f"{result.best_step}")
+    if exported is not None:
+        console.print(f"exported {result.best_checkpoint or result.last_checkpoint} as a "
+                      f"Hugging Face model: {exported}")
