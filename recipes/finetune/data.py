@@ -138,11 +138,20 @@ def eval_batches(windows: Tensor, batch_size: int, dp_rank: int = 0, dp_size: in
                  ) -> list[Batch]:
     """The validation windows in order, as this rank's share of global batches: batch ``j``
     holds windows ``[j*batch_size, (j+1)*batch_size)``, rank ``r`` its rows
-    ``[r*n//dp_size, (r+1)*n//dp_size)``. Every window is scored once across ranks, and every
-    rank gets the same number of batches (a collective forward cannot hang)."""
+    ``[r*n//dp_size, (r+1)*n//dp_size)`` of a batch of ``n``. Every window is scored once
+    across ranks, and every rank gets the same number of batches, none empty (a Hugging Face
+    model cannot run an empty batch, and a collective forward must run on every rank): a
+    last batch smaller than ``dp_size`` joins the one before it."""
+    n = windows.shape[0]
+    if n < dp_size:
+        raise UserError(f"data: {n} validation windows cannot be shared by {dp_size} "
+                        "data-parallel ranks: raise data.valid_fraction")
+    starts = list(range(0, n, batch_size))
+    if len(starts) > 1 and n - starts[-1] < dp_size:
+        starts.pop()
     batches = []
-    for start in range(0, windows.shape[0], batch_size):
-        n = min(batch_size, windows.shape[0] - start)
-        rows = slice(start + dp_rank * n // dp_size, start + (dp_rank + 1) * n // dp_size)
+    for start, end in zip(starts, [*starts[1:], n]):
+        size = end - start
+        rows = slice(start + dp_rank * size // dp_size, start + (dp_rank + 1) * size // dp_size)
         batches.append(_to_batch(windows[rows]))
     return batches

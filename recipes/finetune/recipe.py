@@ -109,12 +109,13 @@ class _Setup:
 
 
 def _setup(config: FinetuneConfig, train: bool) -> _Setup:
-    from transformers import AutoTokenizer
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # The user's mistakes first, before any process group or model.
     _check_model_path(config.model.path)
     if config.gangs.dp_shard_size is not None and config.trainer.data_parallel != "fsdp":
         raise UserError("config 'gangs.dp_shard_size' (HSDP) needs trainer.data_parallel=fsdp")
+    d = config.data
+    documents = read_documents(d.files, d.text_field)
     root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
     try:
         gangs = setup_gangs(root, config.gangs.tp_size, 1, config.gangs.dp_shard_size)
@@ -122,11 +123,13 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
         raise UserError(f"config 'gangs': {ex}") from None
     console = Console(stderr=False, soft_wrap=True) if root.rank == 0 else None
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its bars for loading and writing weights
 
     # Data: every rank tokenises the same documents into the same windows and split.
-    d = config.data
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    tokens = tokenize_documents(read_documents(d.files, d.text_field), tokenizer)
+    tokens = tokenize_documents(documents, AutoTokenizer.from_pretrained(config.model.path))
     train_windows, valid_windows = split_windows(pack_windows(tokens, d.seq_len),
                                                  d.valid_fraction, d.split_seed, d.batch_size)
     reader = (WindowReader(train_windows, d.batch_size, dp_rank, dp_size, seed=d.shuffle_seed)
