@@ -7,11 +7,7 @@ and exports the best checkpoint as a Hugging Face directory in OUTPUT_DIR/hf/.
 
 import sys
 
-from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
-from recipes.finetune.recipe import eval_main, main
-from trainer.cli import run_recipe
+from recipes.finetune.recipe import cli
 
 if __name__ == "__main__":
-    sys.exit(run_recipe(FinetuneConfig, PRESETS, main, prog="python -m recipes.finetune",
-                        default_preset="default", resume_guard=RESUME_GUARD,
-                        eval_main=eval_main))
+    sys.exit(cli())

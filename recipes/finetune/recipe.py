@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +23,7 @@ from torch.distributed._composable import checkpoint
 from gangs import Gangs, setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
 from gangs.parallel.blocks import find_blocks
-from recipes.finetune.config import FinetuneConfig
+from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
 from recipes.finetune.data import (
     WindowReader,
     eval_batches,
@@ -34,12 +34,13 @@ from recipes.finetune.data import (
 )
 from recipes.lm.recipe import warmup_cosine
 from trainer.checkpoint import read_model_state
+from trainer.cli import run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.result import TrainResult
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
-__all__ = ["HF_EXPORT_DIR", "eval_main", "export_model", "load_model", "main"]
+__all__ = ["HF_EXPORT_DIR", "cli", "eval_main", "export_model", "load_model", "main"]
 
 HF_EXPORT_DIR = "hf"
 """Where, under the output directory, the best checkpoint is exported as a HF directory."""
@@ -179,6 +180,14 @@ def eval_main(config: FinetuneConfig, output_dir: Path, checkpoint: str) -> int:
              checkpoint=checkpoint, console=s.console)
     s.gangs.close()
     return 0
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """`python -m recipes.finetune ARGS` as a function: ``cli(["OUT", "--set", ...])``
+    returns the exit code (2 for a user mistake, printed as one `error:` line)."""
+    return run_recipe(FinetuneConfig, PRESETS, main, argv, prog="python -m recipes.finetune",
+                      default_preset="default", resume_guard=RESUME_GUARD,
+                      eval_main=eval_main)
 
 
 def _check_model_path(path: str | None) -> None:
