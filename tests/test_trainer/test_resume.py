@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 from processes import kill_tree
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ARGS = ["--preset", "tiny", "--set", "trainer.max_num_steps=24", "--set", "gangs.timeout_s=60",
         "--set", "trainer.checkpoint_every_n_steps=4", "--set", "trainer.validate_every_n_steps=8",
@@ -37,52 +37,11 @@ def run_to_end(out: Path, ranks: int) -> None:
 
 
 def run_with_kills(out: Path, ranks: int, rng: random.Random, kills: int) -> int:
-    """Start the command and SIGKILL it `kills` times, each time once it has made progress:
-    every other kill the moment a save is in progress (a `.tmp_step_*` directory exists),
-    the others a random moment after a new checkpoint appeared. Then let it finish.
+    """Kill the command `kills` times (`killed_runs.kill_repeatedly`), then let it finish.
     Returns how many kills hit a running job."""
-    ckpt, hits = out / "checkpoints", 0
-    for attempt in range(kills):
-        seen = {p.name for p in ckpt.glob("step_*")} if ckpt.exists() else set()
-        if "step_24" in seen:
-            break
-        proc = subprocess.Popen(command(out, ranks), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        during_save = attempt % 2 == 1
-        while proc.poll() is None:
-            names = {p.name for p in ckpt.iterdir()} if ckpt.exists() else set()
-            if during_save and any(n.startswith(".tmp_step_") for n in names):
-                break
-            if not during_save and {n for n in names if n.startswith("step_")} - seen:
-                # A random moment within the next few steps (a tiny step takes ~10 ms: much
-                # longer and the job may be done before the kill).
-                time.sleep(rng.uniform(0.0, 0.1))
-                break
-            time.sleep(0.002)
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-            hits += 1
-        proc.wait()
+    hits = kill_repeatedly(command(out, ranks), out / "checkpoints", kills, rng, final_step=24)
     run_to_end(out, ranks)
     return hits
-
-
-def final_state(out: Path) -> dict:
-    step_dir = out / "checkpoints" / "step_24"
-    target = out / "final.pt"
-    dcp_to_torch_save(step_dir / "model_optim", target)
-    return torch.load(target, weights_only=False)
-
-
-def flatten(tree, prefix=""):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from flatten(v, f"{prefix}/{k}")
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from flatten(v, f"{prefix}/{i}")
-    else:
-        yield prefix, tree
 
 
 def records(out: Path, section: str) -> list[dict]:
@@ -98,13 +57,8 @@ def test_killed_runs_resume_bit_for_bit(tmp_path, ranks):
     hits = run_with_kills(killed, ranks, random.Random(ranks), kills=4)
     assert hits >= 3  # the job really was killed mid-run, once or more mid-save
 
-    a, b = dict(flatten(final_state(straight))), dict(flatten(final_state(killed)))
-    assert a.keys() == b.keys() and any("optimizer" in k for k in a)
-    for key, value in a.items():
-        if torch.is_tensor(value):
-            assert torch.equal(value, b[key]), key  # bitwise, model and optimizer state
-        else:
-            assert value == b[key], key
+    final = "checkpoints/step_24"
+    assert_same_state(checkpoint_state(straight / final), checkpoint_state(killed / final))
 
     for section in ("train", "valid"):
         ra, rb = records(straight, section), records(killed, section)
@@ -231,8 +185,6 @@ def test_a_worker_killed_under_max_restarts_ends_as_a_run_never_disturbed(tmp_pa
     killed, code, stderr = kill_one_worker_once_saved(killed_dir)
     assert killed and code == 0, stderr[-3000:]
     assert "resumed from" in stderr  # the restarted workers resumed from a checkpoint
-    a, b = dict(flatten(final_state(straight))), dict(flatten(final_state(killed_dir)))
-    for key, value in a.items():
-        if torch.is_tensor(value):
-            assert torch.equal(value, b[key]), key
+    final = "checkpoints/step_24"
+    assert_same_state(checkpoint_state(straight / final), checkpoint_state(killed_dir / final))
     assert records(straight, "valid") == records(killed_dir, "valid")
