@@ -8,6 +8,7 @@
 transformers is imported only when these are called.
 """
 
+from trainer.hf.export import export_best_model, export_pretrained
 from trainer.hf.load import load_pretrained
 
-__all__ = ["load_pretrained"]
+__all__ = ["export_best_model", "export_pretrained", "load_pretrained"]

@@ -31,7 +31,7 @@ from trainer.errors import UserError
 from trainer.hf.safetensors_files import WeightFiles
 from trainer.hf.tensor_parallel import apply_tp_plan
 
-__all__ = ["build_on_meta", "load_pretrained"]
+__all__ = ["build_on_meta", "load_pretrained", "tensor_aliases"]
 
 # The flag transformers' own initialisers (`transformers.initialization`) check before
 # writing a tensor: a tensor that carries it was loaded and is left alone.
@@ -84,7 +84,7 @@ def load_pretrained(
     path = Path(path)
     model = build_on_meta(path, dtype)
     files = WeightFiles(path)
-    targets = _targets(model)
+    targets = tensor_aliases(model)
     _check_keys_and_shapes(model, targets, files)
 
     if gangs.tp.size > 1:
@@ -99,9 +99,10 @@ def load_pretrained(
     return model
 
 
-def _targets(model: nn.Module) -> dict[str, list[str]]:
-    """`{name the model fills it under: every name of that tensor in the state dict}` for
-    every parameter (a tied one once) and persistent buffer."""
+def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """`{name: every name of that tensor in the state dict}` for every parameter (a tied one
+    once, under its first name in module order, the one `save_pretrained` keeps) and
+    persistent buffer."""
     aliases: dict[int, list[str]] = {}
     first: dict[int, str] = {}
     state_names = set(model.state_dict().keys())

@@ -1,27 +1,18 @@
-"""The weight files of a Hugging Face checkpoint directory: read by slices, written by
-streaming.
+"""The weight files of a Hugging Face checkpoint directory, read by slices.
 
-Reading: `model.safetensors`, or the shards listed by `model.safetensors.index.json`
+`model.safetensors`, or the shards listed by `model.safetensors.index.json`
 (`{"weight_map": {name: file}}`). `WeightFiles.read(name, slices)` goes through
 safetensors' own `safe_open(...).get_slice(name)[slices]`, which copies only the requested
 part of the memory-mapped file, so a rank that owns a shard of a parameter never touches
 the rest of it. Files are opened on first use and closed (unmapped) once every tensor of
-theirs was read, so at most a file's worth of mapped pages is ever resident.
-
-Writing: safetensors' `save_file` needs every tensor of a file in memory at once. A
-safetensors file is an 8-byte little-endian header length, a JSON header giving each
-tensor's dtype, shape and byte range, then the raw bytes; the header depends only on
-names, dtypes and shapes, so `write_streaming` writes it first and then asks for one
-tensor at a time: host memory stays at the largest tensor, whatever the model's size.
+theirs was read: reading in the files' own order (the model's, for `save_pretrained`),
+about one file's worth of mapped pages is resident at a time.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +21,10 @@ from safetensors import safe_open
 
 from trainer.errors import UserError
 
-__all__ = [
-    "INDEX_FILE",
-    "SINGLE_FILE",
-    "TensorInfo",
-    "WeightFiles",
-    "plan_shards",
-    "write_streaming",
-]
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "WeightFiles"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-# torch dtype -> safetensors' dtype code (the format's own names).
-_DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
 
 
 class WeightFiles:
@@ -115,60 +91,3 @@ class WeightFiles:
         context, _ = self._open.pop(file, (None, None))
         if context is not None:
             context.__exit__(None, None, None)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What a safetensors header needs to know of a tensor before reading it."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def plan_shards(tensors: Iterable[TensorInfo], max_shard_size: int) -> list[list[TensorInfo]]:
-    """Tensors grouped, in order, into files of at most `max_shard_size` bytes (a tensor
-    larger than that gets a file of its own), as `save_pretrained` does."""
-    shards: list[list[TensorInfo]] = [[]]
-    size = 0
-    for info in tensors:
-        if shards[-1] and size + info.num_bytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(info)
-        size += info.num_bytes
-    return shards if shards[0] else []
-
-
-def write_streaming(
-    path: Path, tensors: Sequence[TensorInfo], load: Callable[[str], torch.Tensor]
-) -> None:
-    """Write a safetensors file of `tensors`, asking `load(name)` for one tensor at a time
-    (each must match its `TensorInfo`); fsynced."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for info in tensors:
-        if info.dtype not in _DTYPE_CODES:
-            raise UserError(f"{info.name}: dtype {info.dtype} cannot be written to safetensors")
-        header[info.name] = {"dtype": _DTYPE_CODES[info.dtype], "shape": list(info.shape),
-                             "data_offsets": [offset, offset + info.num_bytes]}
-        offset += info.num_bytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data on 8 bytes
-    with open(path, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for info in tensors:
-            value = load(info.name)
-            if value.dtype != info.dtype or tuple(value.shape) != info.shape:
-                raise ValueError(f"{info.name}: got {value.dtype} {tuple(value.shape)}, "
-                                 f"expected {info.dtype} {info.shape}")
-            flat = value.detach().to("cpu").contiguous().reshape(-1)
-            f.write(flat.view(torch.uint8).numpy().data)  # no copy
-            del value, flat
-        f.flush()
-        os.fsync(f.fileno())
