@@ -11,18 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import TRAIN, VALID, SampleReader, tiny_gpt2, tiny_llama
-from pretrained_dirs import INPUT_IDS, save_sharded
+from hf_models import tiny_gpt2, tiny_llama
+from pretrained_dirs import INPUT_IDS, save_sharded, train_pretrained
 from ranks import run_ranks
 from transformers import AutoModelForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import param_groups
 from trainer.errors import UserError
-from trainer.hf import export_pretrained, load_pretrained
-from trainer.recorders import JsonlRecorder, read_jsonl
-from trainer.trainer import Trainer
-from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
+from trainer.hf import export_pretrained
 
 BUILDERS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
@@ -32,31 +28,6 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     torch.manual_seed(4)
     return {name: save_sharded(build(), tmp_path_factory.mktemp(name))
             for name, build in BUILDERS.items()}
-
-
-def train_pretrained(directory: Path, output_dir: Path, *, tp_size: int = 1,
-                     data_parallel: str | None = "fsdp", max_num_steps: int = 4,
-                     dtype: torch.dtype | None = None) -> tuple[list[float], torch.Tensor]:
-    """Load `directory`, train it `max_num_steps` through the Trainer (checkpoint at the
-    end), return the train losses of every step and the trained model's logits."""
-    gangs = setup_gangs(setup_root_gang(), tp_size=tp_size)
-    model = load_pretrained(directory, gangs, data_parallel=data_parallel, dtype=dtype)
-    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2, eps=1e-6)
-    rank, size = gangs.dp.rank, gangs.dp.size
-    Trainer(
-        CausalLMUnit(model), SampleReader(TRAIN, 8, rank, size), optimizer,
-        output_dir=output_dir, gangs=gangs, max_num_steps=max_num_steps,
-        valid_units=[CausalLMEvalUnit(model)],
-        valid_data_readers=[SampleReader(VALID, 8, rank, size, shuffle=False)],
-        score_metric="valid/loss", validate_every_n_steps=max_num_steps // 2,
-        checkpoint_every_n_steps=max_num_steps // 2, publish_metrics_every_n_steps=1,
-        recorders=[JsonlRecorder(output_dir)], progress=False,
-    ).run()
-    with torch.no_grad():
-        logits = model.eval()(INPUT_IDS).logits
-    losses = [r["loss"] for r in read_jsonl(output_dir / "metrics" / "train.jsonl")] \
-        if rank == 0 else []
-    return losses, logits
 
 
 def from_pretrained_logits(directory: Path) -> torch.Tensor:
