@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gangs import Gang
-from gangs.parallel.expert import MoEFeedForward
+from gangs.parallel.expert import GroupedExperts, MoEFeedForward
 
 __all__ = [
     "GPT",
@@ -149,19 +149,43 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual projections (wo, w2) scaled by 1/sqrt(2L).
-
-        Public so a model built on the meta device can be initialised after ``to_empty``.
-        """
-        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
+        """GPT-2 init: N(0, 0.02), residual projections (wo, w2) scaled by 1/sqrt(2L), from the
+        global RNG (see `init_parameter` for the same rule one parameter at a time)."""
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual = name.endswith((".wo", ".w2"))
-                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else 0.02)
+                nn.init.normal_(module.weight, mean=0.0, std=self._weight_std(name))
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, tensor: torch.Tensor,
+                       generator: torch.Generator | None = None) -> None:
+        """Fill `tensor`, the FULL value of the parameter or buffer `name`, by the model's
+        initialisation rule (the distributions of `init_weights` and of the MoE layers),
+        drawing from `generator`: a `gangs.parallel.materialize.InitRule`, so a model built on
+        the meta device starts from the same bits on every parallel layout."""
+        module_name, _, leaf = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if isinstance(module, nn.LayerNorm):
+            (nn.init.ones_ if leaf == "weight" else nn.init.zeros_)(tensor)
+        elif isinstance(module, MoEFeedForward) and leaf == "tokens_per_expert":
+            nn.init.zeros_(tensor)  # a counter, not a weight
+        elif isinstance(module, GroupedExperts):  # w1 like any projection, w2 residual
+            nn.init.normal_(tensor, std=self._weight_std(name), generator=generator)
+        elif isinstance(module, (nn.Linear, nn.Embedding)) and leaf == "weight":
+            nn.init.normal_(tensor, std=self._weight_std(module_name), generator=generator)
+        elif isinstance(module, nn.Linear) and leaf == "bias":
+            nn.init.zeros_(tensor)
+        else:
+            raise ValueError(f"GPT has no initialisation rule for {name!r}")
+
+    def _weight_std(self, module_name: str) -> float:
+        """0.02, or 0.02 / sqrt(2 L) for the projections back into the residual stream."""
+        if module_name.endswith((".wo", ".w2")):
+            return 0.02 / math.sqrt(2 * self.config.num_layers)
+        return 0.02
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids`` [b, t] (t <= config.seq_len) -> logits [b, t, vocab_size]."""

@@ -13,7 +13,8 @@ import torch
 from rich.console import Console
 
 from gangs import Gangs, setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel
+from gangs.parallel import data_parallel as wrap_data_parallel
+from gangs.parallel.materialize import materialize, seeded_init
 from recipes.lm.config import LMConfig
 from recipes.lm.data import (
     ByteWindowReader,
@@ -100,7 +101,8 @@ def _setup(config: LMConfig, train: bool) -> _Setup:
                            num_experts=m.num_experts, top_k=m.top_k,
                            tie_embeddings=m.tie_embeddings)
     torch.manual_seed(config.trainer.seed)
-    model = _build_model(gpt_config, gangs, config)
+    model = build_model(gpt_config, gangs, config.trainer.data_parallel,
+                        config.trainer.seed)
     if console:
         console.print(f"model: {num_parameters(model):,} parameters, {asdict(gpt_config)}")
     return _Setup(gangs, console, model, [CausalLMEvalUnit(model, bytes_per_token=1)],
@@ -140,14 +142,29 @@ def eval_main(config: LMConfig, output_dir: Path, checkpoint: str) -> int:
     return 0
 
 
-def _build_model(gpt_config: GPTConfig, gangs, config: LMConfig) -> torch.nn.Module:
-    with torch.device(gangs.device):  # built in place: moving would drop expert markers
+def build_model(gpt_config: GPTConfig, gangs: Gangs, data_parallel: str = "ddp",
+                seed: int = 0) -> torch.nn.Module:
+    """The recipe's GPT, parallelised over `gangs` and ready to train: built on the meta
+    device, parallelised, then materialised with each parameter drawn whole on the host from
+    a generator seeded by (seed, its name) and sliced to this rank's shard
+    (`gangs.parallel.materialize`): the same initial bits on every layout, and no rank ever
+    holds more than its shards plus one full parameter. DDP, which keeps and broadcasts a
+    whole replica, wraps the model after it is materialised."""
+    with torch.device("meta"):  # no memory, no init cost
         model = GPT(gpt_config, ep_gang=gangs.ep if gangs.ep.size > 1 else None)
-    if gangs.tp.size > 1 or gangs.ep.size > 1 or config.model.num_experts:
+    init = seeded_init(seed, model.init_parameter)
+    whole_replicas = data_parallel == "ddp" and gangs.tp.size == 1
+    if whole_replicas:
+        materialize(model, gangs.device, init)
+    if gangs.tp.size > 1 or gangs.ep.size > 1 or gpt_config.num_experts:
         from recipes.lm.parallelize import parallelize_gpt
 
-        return parallelize_gpt(model, gangs, data_parallel=config.trainer.data_parallel)
-    return data_parallel(model, gangs, config.trainer.data_parallel)
+        model = parallelize_gpt(model, gangs, data_parallel=data_parallel)
+    else:
+        model = wrap_data_parallel(model, gangs, data_parallel)
+    if not whole_replicas:
+        materialize(model, gangs.device, init)
+    return model
 
 
 def _summary(console: Console, result, output_dir: Path, gzip_bpb: float) -> None:

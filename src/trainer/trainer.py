@@ -30,11 +30,12 @@ from gangs import FakeGang, Gangs, any_rank, on_rank0, setup_gangs
 from gangs.parallel import reduce_expert_gradients
 from trainer import gradients
 from trainer.callbacks import Callback, CallbackList
-from trainer.checkpoint import CheckpointManager, export_best
+from trainer.checkpoint import CheckpointManager
 from trainer.console_log import show_on_console
 from trainer.data_position import DataPosition
 from trainer.early_stoppers import EarlyStopper
 from trainer.errors import UserError
+from trainer.hf import export_best_model
 from trainer.loss_scaler import LossScaler
 from trainer.optimizer_step import OptimizerStep
 from trainer.output_dir import prepare_output_dir
@@ -432,7 +433,8 @@ class Trainer(Generic[BatchT]):
         if self.checkpoints is not None:
             self.checkpoints.wait()
             if self.gangs.root.rank == 0 and self.checkpoints.best_step is not None:
-                export_best(self.checkpoints.dir)
+                # A HF model's best becomes OUTPUT_DIR/hf/; any other's best_model.safetensors.
+                export_best_model(self.checkpoints.dir, self.output_dir / "hf")
 
 
 Trainer.__doc__ = (Trainer.__doc__ or "") + "\n" + settings_doc() + "\n"

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from gangs import FakeGang, setup_gangs
 from trainer.checkpoint import CheckpointManager, export_best, export_model, load_model
@@ -43,8 +44,8 @@ def _train_and_save(tmp_path, lower_better=True):
 def test_best_model_loads_weights_only_and_gives_identical_outputs(tmp_path):
     x, outputs = _train_and_save(tmp_path)
     path = export_best(tmp_path)
-    assert path == tmp_path / "best_model.pt"
-    state = torch.load(path, weights_only=True)
+    assert path == tmp_path / "best_model.safetensors"
+    state = load_file(path)
     assert set(state) == set(_Net().state_dict())  # full names, no optimizer entries
     fresh = _Net()
     fresh.load_state_dict(state)
@@ -55,7 +56,7 @@ def test_best_model_loads_weights_only_and_gives_identical_outputs(tmp_path):
 def test_best_follows_the_recorded_direction(tmp_path):
     x, outputs = _train_and_save(tmp_path, lower_better=False)
     fresh = _Net()
-    fresh.load_state_dict(torch.load(export_best(tmp_path), weights_only=True))
+    fresh.load_state_dict(load_file(export_best(tmp_path)))
     with torch.no_grad():
         assert torch.equal(fresh(x), outputs[3])
 

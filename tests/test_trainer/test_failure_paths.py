@@ -473,7 +473,7 @@ def test_keep_last_only_never_calls_a_lesser_checkpoint_best(tmp_path):
                             keep_last_n_checkpoints=1)[0].run()
     assert (result.best_step, result.best_checkpoint) == (25, None)  # deleted by retention
     assert not (tmp_path / "b" / "checkpoints" / "best").exists()
-    assert not (tmp_path / "b" / "checkpoints" / "best_model.pt").exists()
+    assert not (tmp_path / "b" / "checkpoints" / "best_model.safetensors").exists()
 
 
 def test_what_a_user_must_know_reaches_the_console_of_a_plain_script(tmp_path):

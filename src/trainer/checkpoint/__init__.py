@@ -1,6 +1,14 @@
 """Checkpoints: atomic, verified, reshardable saves, retention, and model export."""
 
-from trainer.checkpoint.export import export_best, export_model, load_model, read_model_state
+from trainer.checkpoint.export import (
+    best_step_dir,
+    export_best,
+    export_model,
+    export_safetensors,
+    find_step_dir,
+    load_model,
+    read_model_state,
+)
 from trainer.checkpoint.manager import CheckpointError, CheckpointManager
 from trainer.checkpoint.manifest import verify
 from trainer.checkpoint.retention import rank_by_score, steps_to_keep
@@ -8,8 +16,11 @@ from trainer.checkpoint.retention import rank_by_score, steps_to_keep
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "best_step_dir",
     "export_best",
     "export_model",
+    "export_safetensors",
+    "find_step_dir",
     "load_model",
     "rank_by_score",
     "read_model_state",

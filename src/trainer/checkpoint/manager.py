@@ -36,6 +36,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ from trainer.checkpoint.manifest import (
     read_manifest,
     write_manifest,
 )
+from trainer.checkpoint.model_files import write_model_files
 from trainer.checkpoint.retention import rank_by_score, steps_to_keep
 from trainer.checkpoint.state import check_plain, model_optim_state
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
@@ -163,13 +165,16 @@ class CheckpointManager:
         tmp_dir = self._disk.tmp_dir(step_nr)
         (tmp_dir / MODEL_OPTIM).mkdir(parents=True, exist_ok=True)
 
+        # A HF model's config and tokenizer files go beside the weights (rank 0).
+        model_files = partial(write_model_files, model) if self._rank == 0 else None
         if self.async_save and not blocking:
             staged = self._writer.stage(state)
-            future = self._writer.submit(self._write_shard, tmp_dir, staged, buffer.getvalue())
+            future = self._writer.submit(self._write_shard, tmp_dir, staged, buffer.getvalue(),
+                                         model_files)
         else:
             future = Future()
             try:
-                self._write_shard(tmp_dir, state, buffer.getvalue())
+                self._write_shard(tmp_dir, state, buffer.getvalue(), model_files)
                 future.set_result(None)
             except (Exception, CheckpointException) as ex:  # agreed upon in wait()
                 future.set_exception(ex)
@@ -177,13 +182,22 @@ class CheckpointManager:
         if future.done():
             self.wait()
 
-    def _write_shard(self, tmp_dir: Path, state: dict[str, Any], rank_bytes: bytes) -> None:
+    def _write_shard(self, tmp_dir: Path, state: dict[str, Any], rank_bytes: bytes,
+                     model_files: Callable[[Path], None] | None = None) -> None:
         """This rank's part of a save (main thread or background thread), on the manager's
         own process group."""
+        files_error: OSError | None = None
+        try:
+            if model_files is not None:
+                model_files(tmp_dir)
+        except OSError as error:  # raised after DCP's collectives, which every rank must enter
+            files_error = error
         write_shard(
             tmp_dir, state, rank_bytes,
             rank=self._rank, world=self._world, process_group=self._pg, no_dist=self._no_dist,
         )
+        if files_error is not None:
+            raise files_error
 
     def wait(self) -> None:
         """Finish and commit the save in flight, if any (collective)."""

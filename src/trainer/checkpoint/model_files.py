@@ -1,0 +1,66 @@
+"""What a checkpoint of a Hugging Face model keeps beside its weights, so that it can be
+exported as a HF directory offline (`trainer.hf.export_pretrained`) without the code or
+the files the run started from:
+
+    step_{N}/hf/    config.json, generation_config.json, and the tokenizer files of the
+                    directory the model was loaded from (`config.name_or_path`), if any
+
+Written by rank 0 into the save's temporary directory, so the manifest checksums them and
+they appear with the rest of the step, atomically. A model that is not a transformers
+`PreTrainedModel` (looked for through DDP, FSDP2 and `torch.compile` wrappers) gets nothing,
+and transformers is never imported for it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from torch import nn
+
+__all__ = ["HF_FILES", "TOKENIZER_FILES", "hf_model_of", "write_model_files"]
+
+HF_FILES = "hf"
+"""The subdirectory of a step directory that holds a HF model's config and tokenizer."""
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
+)
+"""The file names transformers' tokenizers save (`save_pretrained`) and load."""
+
+
+def hf_model_of(model: nn.Module) -> nn.Module | None:
+    """The transformers `PreTrainedModel` that `model` is or wraps, else None."""
+    transformers = sys.modules.get("transformers")  # not imported: cannot be a HF model
+    if transformers is None:
+        return None
+    seen = model
+    for _ in range(4):  # DDP(compile(model)) at most nests so deep
+        if isinstance(seen, transformers.PreTrainedModel):
+            return seen
+        inner = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        seen = inner
+    return None
+
+
+def write_model_files(model: nn.Module, step_dir: Path) -> None:
+    """Write `step_dir/hf/` for a HF model (see the module docstring); nothing otherwise."""
+    hf_model = hf_model_of(model)
+    if hf_model is None:
+        return
+    target = Path(step_dir) / HF_FILES
+    target.mkdir(parents=True, exist_ok=True)
+    hf_model.config.save_pretrained(target)
+    generation_config = getattr(hf_model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(target)
+    source = Path(str(hf_model.config.name_or_path or ""))
+    if source.is_dir() and source.resolve() != target.resolve():
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, target / name)

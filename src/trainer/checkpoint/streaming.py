@@ -1,0 +1,141 @@
+"""A checkpoint's model weights, one tensor at a time: read from DCP, written to safetensors.
+
+Reading: `ModelTensors(step_dir)` lists the "model" entries of a verified step directory's
+DCP checkpoint (names, dtypes, full shapes: from DCP's metadata alone) and `load(name)`
+reads one of them at full size through `dcp.load(..., no_dist=True)` (no process group,
+whatever layout wrote it), so an export never holds more than one tensor.
+
+Writing: safetensors' `save_file` needs every tensor of a file in memory at once. A
+safetensors file is an 8-byte little-endian header length, a JSON header giving each
+tensor's dtype, shape and byte range, then the raw bytes; the header depends only on
+names, dtypes and shapes, so `write_safetensors` writes it first and then asks for one
+tensor at a time: host memory stays at the largest tensor, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from trainer.checkpoint.manifest import (
+    MODEL_OPTIM,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    saved_model_entries,
+    verify,
+)
+from trainer.errors import UserError
+
+__all__ = ["ModelTensors", "TensorInfo", "plan_shards", "write_safetensors"]
+
+# torch dtype -> safetensors' dtype code (the format's own names).
+_DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class _MetadataOnce(SafeFileSystemReader):
+    """DCP reads `.metadata` at every `dcp.load`; one tensor per load would read it once per
+    tensor, so it is read (safely) once and handed out again."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.metadata = super().read_metadata()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+
+class ModelTensors:
+    """The model tensors of the verified step directory `step_dir` (see the module
+    docstring); a `UserError` naming the directory when it does not verify."""
+
+    def __init__(self, step_dir: Path) -> None:
+        self.step_dir = Path(step_dir)
+        reason = verify(self.step_dir)
+        if reason is not None:
+            raise UserError(f"checkpoint {self.step_dir} cannot be loaded: {reason}")
+        self._reader = _MetadataOnce(self.step_dir / MODEL_OPTIM)
+        self.infos: dict[str, TensorInfo] = {
+            name: TensorInfo(name, md.properties.dtype, tuple(md.size))
+            for name, md in saved_model_entries(self._reader.metadata).items()
+            if isinstance(md, TensorStorageMetadata)
+        }
+        """`{name: TensorInfo}` of every model tensor, in the checkpoint's order."""
+
+    def load(self, name: str) -> torch.Tensor:
+        """The full value of model tensor `name`, on the host."""
+        info = self.infos[name]
+        value = torch.empty(info.shape, dtype=info.dtype)
+        dcp.load({"model": {name: value}}, storage_reader=self._reader,
+                 planner=SafeLoadPlanner(), no_dist=True)
+        return value
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a safetensors header needs to know of a tensor before reading it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def plan_shards(tensors: Iterable[TensorInfo], max_shard_size: int) -> list[list[TensorInfo]]:
+    """Tensors grouped, in order, into files of at most `max_shard_size` bytes (a tensor
+    larger than that gets a file of its own), as `save_pretrained` does."""
+    shards: list[list[TensorInfo]] = [[]]
+    size = 0
+    for info in tensors:
+        if shards[-1] and size + info.num_bytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(info)
+        size += info.num_bytes
+    return shards if shards[0] else []
+
+
+def write_safetensors(
+    path: Path, tensors: Sequence[TensorInfo], load: Callable[[str], torch.Tensor]
+) -> None:
+    """Write a safetensors file of `tensors`, asking `load(name)` for one tensor at a time
+    (each must match its `TensorInfo`); fsynced."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for info in tensors:
+        if info.dtype not in _DTYPE_CODES:
+            raise UserError(f"{info.name}: dtype {info.dtype} cannot be written to safetensors")
+        header[info.name] = {"dtype": _DTYPE_CODES[info.dtype], "shape": list(info.shape),
+                             "data_offsets": [offset, offset + info.num_bytes]}
+        offset += info.num_bytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data on 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for info in tensors:
+            value = load(info.name)
+            if value.dtype != info.dtype or tuple(value.shape) != info.shape:
+                raise ValueError(f"{info.name}: got {value.dtype} {tuple(value.shape)}, "
+                                 f"expected {info.dtype} {info.shape}")
+            flat = value.detach().to("cpu").contiguous().reshape(-1)
+            f.write(flat.view(torch.uint8).numpy().data)  # no copy
+            del value, flat
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,147 @@
+"""`export_pretrained`: a gangtrain checkpoint of a Hugging Face model written back as a HF
+directory that `from_pretrained`, vLLM or any HF tool loads.
+
+    step_{N}/model_optim/   DCP, any layout   ─┐
+    step_{N}/hf/            config, tokenizer ─┴─>  OUTPUT/config.json, generation_config.json,
+                                                      tokenizer files,
+                                                      model.safetensors, or
+                                                      model-0000k-of-0000n.safetensors
+                                                      + model.safetensors.index.json
+
+Offline, in one process, no process group. Tensors are read from DCP and written to
+safetensors one at a time (`trainer.checkpoint.streaming`), so host memory stays at about
+the largest tensor. The names are the checkpoint's model keys, which are the HF model's
+own (`get_state_dict` strips DDP/FSDP/compile prefixes at save time); tied aliases are
+written once, under the name `save_pretrained` keeps (GPT-2: `transformer.wte.weight`,
+not `lm_head.weight`), and the keys are checked against the model the config describes
+before anything is written. The directory appears whole or not at all: it is written
+under a temporary name beside `output_dir` and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint.export import best_step_dir, export_best, find_step_dir
+from trainer.checkpoint.manifest import fsync_dir
+from trainer.checkpoint.model_files import HF_FILES
+from trainer.checkpoint.streaming import ModelTensors, TensorInfo, plan_shards, write_safetensors
+from trainer.errors import UserError
+from trainer.hf.load import build_on_meta, tensor_aliases
+from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
+
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_best_model", "export_pretrained"]
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
+"""Bytes per safetensors file above which the weights are split into shards (5 GiB)."""
+
+
+def export_pretrained(
+    checkpoint: Path | str,
+    output_dir: Path | str,
+    *,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Write the HF model of `checkpoint` to `output_dir` and return `output_dir`.
+
+    checkpoint: a step directory (`.../checkpoints/step_N`), or a checkpoints directory,
+        whose best-scored checkpoint is taken, else its newest complete one.
+    output_dir: replaced atomically when it exists.
+    max_shard_size: bytes per weight file; above it, shards with an index, like
+        `save_pretrained`.
+
+    A `UserError` when the checkpoint is incomplete, holds no HF config (the model was not
+    a transformers model), or its weights do not fit the model its config describes.
+    """
+    step_dir = find_step_dir(Path(checkpoint), best=True)
+    hf_files = step_dir / HF_FILES
+    if not (hf_files / "config.json").is_file():
+        raise UserError(
+            f"checkpoint {step_dir} holds no {HF_FILES}/config.json: it is not the checkpoint "
+            "of a transformers model (export other models with "
+            "trainer.checkpoint.export_safetensors)"
+        )
+    tensors = ModelTensors(step_dir)
+    infos, source = _hf_tensors(tensors, hf_files)
+    output_dir = Path(output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(hf_files, tmp)  # config, generation config, tokenizer files
+    _write_weights(tmp, infos, lambda name: tensors.load(source[name]), max_shard_size)
+    fsync_dir(tmp)
+    _replace_dir(tmp, output_dir)
+    return output_dir
+
+
+def export_best_model(checkpoint_dir: Path, hf_output_dir: Path) -> Path | None:
+    """The end-of-run export of the best checkpoint of `checkpoint_dir`: to the HF directory
+    `hf_output_dir` for a HF model, else to `checkpoint_dir/best_model.safetensors`; None
+    when no checkpoint has a score."""
+    best = best_step_dir(checkpoint_dir)
+    if best is None:
+        return None
+    if (best / HF_FILES / "config.json").is_file():
+        return export_pretrained(best, hf_output_dir)
+    return export_best(checkpoint_dir)
+
+
+def _hf_tensors(
+    tensors: ModelTensors, hf_files: Path
+) -> tuple[list[TensorInfo], dict[str, str]]:
+    """The checkpoint's tensors under the names the HF model's files use, one per tied
+    group, and `{that name: the checkpoint's name}`; a `UserError` naming the first key
+    that does not fit the model."""
+    model = build_on_meta(hf_files)  # on meta: only names and shapes
+    kept, source, shapes = [], {}, dict(model.state_dict())
+    for name, aliases in tensor_aliases(model).items():
+        present = [alias for alias in aliases if alias in tensors.infos]
+        if not present:
+            raise UserError(f"checkpoint {tensors.step_dir} has no model weight {name!r}, "
+                            f"which {type(model).__name__} ({hf_files / 'config.json'}) needs")
+        info = tensors.infos[present[0]]
+        if info.shape != tuple(shapes[name].shape):
+            raise UserError(f"checkpoint {tensors.step_dir}: weight {present[0]!r} has shape "
+                            f"{info.shape}, {type(model).__name__} expects "
+                            f"{tuple(shapes[name].shape)}")
+        kept.append(TensorInfo(name, info.dtype, info.shape))
+        source[name] = present[0]
+    known = {alias for aliases in tensor_aliases(model).values() for alias in aliases}
+    unexpected = sorted(set(tensors.infos) - known)
+    if unexpected:
+        raise UserError(f"checkpoint {tensors.step_dir} has model weight {unexpected[0]!r}, "
+                        f"which {type(model).__name__} does not have")
+    return kept, source
+
+
+def _write_weights(directory: Path, infos: list[TensorInfo],
+                   load: Callable[[str], torch.Tensor], max_shard_size: int) -> None:
+    shards = plan_shards(infos, max_shard_size)
+    if len(shards) == 1:
+        write_safetensors(directory / SINGLE_FILE, shards[0], load)
+        return
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(directory / name, shard, load)
+        weight_map.update(dict.fromkeys((info.name for info in shard), name))
+    index = {"metadata": {"total_size": sum(info.num_bytes for info in infos)},
+             "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Put the complete directory `tmp` at `target`: `target` is never half written (an old
+    one is moved aside first, then deleted)."""
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)

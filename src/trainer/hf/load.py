@@ -1,0 +1,187 @@
+"""`load_pretrained`: a local Hugging Face checkpoint, built on meta, parallelised, then
+filled with each rank reading only its own slices of the weight files.
+
+    config ──> model on the meta device (no memory, no initialisation)
+           ──> tensor parallel over gangs.tp, from the model's own plan (tp > 1)
+           ──> FSDP2 / HSDP per block over gangs.dp (data_parallel="fsdp")
+           ──> to_empty: this rank's shards allocated, uninitialised
+           ──> every parameter: this rank's slice read from the safetensors files
+           ──> non-persistent buffers (rotary tables) recomputed by the model's own init
+           ──> DDP over gangs.dp (data_parallel="ddp": DDP needs real weights to wrap)
+
+A rank holds at most its shards plus one slice being copied, plus the mapped pages of the
+one file being read (see `trainer.hf.safetensors_files`). Every rank reads the same bytes
+for the same slice, so the layout changes nothing in the values: one process, DDP, FSDP2,
+HSDP and DP x TP start from the weights `from_pretrained` gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from gangs import Gangs
+from gangs.parallel import data_parallel as wrap_data_parallel
+from gangs.parallel.materialize import materialize
+from trainer.errors import UserError
+from trainer.hf.safetensors_files import WeightFiles
+from trainer.hf.tensor_parallel import apply_tp_plan
+
+__all__ = ["build_on_meta", "load_pretrained", "tensor_aliases"]
+
+# The flag transformers' own initialisers (`transformers.initialization`) check before
+# writing a tensor: a tensor that carries it was loaded and is left alone.
+_HF_INITIALIZED = "_is_hf_initialized"
+
+
+def build_on_meta(path: Path | str, dtype: torch.dtype | None = None) -> nn.Module:
+    """The causal LM of the HF directory `path` (from its `config.json` alone) on the meta
+    device: no memory, no initialisation, no weights read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path} has no config.json: not a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    except ValueError as error:  # a config transformers maps to no causal LM
+        raise UserError(f"{path / 'config.json'}: {error}") from error
+
+
+def load_pretrained(
+    path: Path | str,
+    gangs: Gangs,
+    *,
+    data_parallel: Literal["fsdp", "ddp"] | None = "fsdp",
+    dtype: torch.dtype | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """The Hugging Face model saved in the local directory `path` (`config.json` and
+    `model.safetensors`, or shards with `model.safetensors.index.json`), ready for the
+    `Trainer` (see the module docstring for the steps).
+
+    gangs: tensor parallel over `gangs.tp` by the model's own plan when `gangs.tp.size > 1`
+        (e.g. LLaMA, Qwen, Mistral declare one; GPT-2 does not and is refused).
+    data_parallel: "fsdp" (FSDP2, or HSDP when the gangs have a `dp_shard_size`), "ddp",
+        or None (no data-parallel wrapper; the caller wraps).
+    dtype: of the parameters (the weights are converted as read); default float32, the
+        master-weight dtype for training. Compute in bf16 with `amp`/`param_dtype`.
+    kwargs: options of `gangs.parallel.data_parallel` (e.g. `activation_checkpointing=True`,
+        `param_dtype=torch.bfloat16` for FSDP2; `find_unused_parameters` for DDP).
+
+    Tied weights stay tied (GPT-2's `lm_head.weight` is `transformer.wte.weight`). A key the
+    model needs that the files lack, a key of the files the model lacks, or a shape that
+    differs is a `UserError` naming the key and the file.
+    """
+    if data_parallel not in ("fsdp", "ddp", None):
+        raise UserError(f"data_parallel must be 'fsdp', 'ddp' or None, got {data_parallel!r}")
+    path = Path(path)
+    model = build_on_meta(path, dtype)
+    files = WeightFiles(path)
+    targets = tensor_aliases(model)
+    _check_keys_and_shapes(model, targets, files)
+
+    if gangs.tp.size > 1:
+        if gangs.mesh is None:
+            raise UserError("tensor parallelism needs the gangs' device mesh (setup_gangs)")
+        apply_tp_plan(model, gangs.mesh["tp"])
+    if data_parallel == "fsdp":
+        model = wrap_data_parallel(model, gangs, "fsdp", **kwargs)
+    _fill(model, targets, files, gangs.device)  # to_empty keeps each tied Parameter one object
+    if data_parallel == "ddp":
+        model = wrap_data_parallel(model, gangs, "ddp", **kwargs)
+    return model
+
+
+def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """`{name: every name of that tensor in the state dict}` for every parameter (a tied one
+    once, under its first name in module order, the one `save_pretrained` keeps) and
+    persistent buffer."""
+    aliases: dict[int, list[str]] = {}
+    first: dict[int, str] = {}
+    state_names = set(model.state_dict().keys())
+    for name, tensor in _named_tensors(model, remove_duplicate=False):
+        if name in state_names:  # non-persistent buffers are not in the files
+            aliases.setdefault(id(tensor), []).append(name)
+            first.setdefault(id(tensor), name)
+    return {first[key]: names for key, names in aliases.items()}
+
+
+def _named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
+    yield from model.named_parameters(remove_duplicate=remove_duplicate)
+    yield from model.named_buffers(remove_duplicate=remove_duplicate)
+
+
+def _file_key(names: list[str], files: WeightFiles) -> str | None:
+    """The name under which the files hold a tensor known by `names` (tied aliases)."""
+    return next((name for name in names if name in files.file_of), None)
+
+
+def _check_keys_and_shapes(
+    model: nn.Module, targets: dict[str, list[str]], files: WeightFiles
+) -> None:
+    """One `UserError` naming the first missing key, unexpected key or shape mismatch, before
+    anything is allocated."""
+    tensors = dict(_named_tensors(model))
+    where = files.source
+    for name, names in targets.items():
+        key = _file_key(names, files)
+        if key is None:
+            raise UserError(f"{where} has no weight {name!r}, which "
+                            f"{type(model).__name__} needs")
+        expected, saved = tuple(tensors[name].shape), files.shape(key)
+        if saved != expected:
+            raise UserError(f"{files.where(key)}: weight {key!r} has shape {saved}, "
+                            f"{type(model).__name__} expects {expected}")
+    known = {name for names in targets.values() for name in names}
+    unexpected = sorted(set(files.file_of) - known)
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise UserError(f"{files.where(unexpected[0])} holds weight {unexpected[0]!r}{more}, "
+                        f"which {type(model).__name__} does not have")
+
+
+class _SliceReader:
+    """Stands for the full value of one tensor in `materialize`, which asks it only for its
+    `shape` and for this rank's part (`[slices]`): only that part is read from the file."""
+
+    def __init__(self, files: WeightFiles, key: str, shape: tuple[int, ...]) -> None:
+        self.files, self.key, self.shape = files, key, shape
+
+    def __getitem__(self, slices: tuple[slice, ...]) -> torch.Tensor:
+        whole = all(s.start == 0 and s.stop == size for s, size in zip(slices, self.shape))
+        return self.files.read(self.key, None if whole else slices)
+
+
+def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
+          device: torch.device) -> None:
+    """Allocate this rank's storage and copy its slice of every tensor from the files
+    (`gangs.parallel.materialize`, which keeps tied weights tied); then let the model's own
+    initialisation compute what the files do not hold."""
+    keys = {name: _file_key(names, files) for name, names in targets.items()}
+
+    def source(name: str, like: torch.Tensor) -> Any:
+        key = keys.get(name)
+        if key is None:  # a non-persistent buffer: recomputed below
+            return torch.zeros(like.shape, dtype=like.dtype)
+        return _SliceReader(files, key, tuple(like.shape))
+
+    try:
+        materialize(model, device, source)
+    finally:
+        files.close()
+    # Non-persistent buffers (e.g. LLaMA's rotary `inv_freq`) are no checkpoint's business:
+    # transformers recomputes them in `initialize_weights`, which skips the tensors that
+    # carry its "initialised" flag, i.e. every tensor just read.
+    tensors = dict(_named_tensors(model))
+    for name in targets:
+        setattr(tensors[name], _HF_INITIALIZED, True)
+    initialize = getattr(model, "initialize_weights", None)
+    if callable(initialize):
+        initialize()

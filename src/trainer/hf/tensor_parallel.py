@@ -1,0 +1,99 @@
+"""Tensor parallelism of a Hugging Face model from the plan the model declares itself.
+
+A transformers model names, per module, how it splits under TP: `model.tp_plan`, the
+base model's `config.base_model_tp_plan` with its prefix plus the head's `_tp_plan`, e.g.
+for LLaMA
+
+    {"model.layers.*.self_attn.q_proj": "colwise", ..., "model.layers.*.mlp.down_proj": "rowwise",
+     "model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
+
+Each style maps to PyTorch's own DTensor parallel style (`parallelize_module` expands the
+`*` wildcards), so the parameters become DTensors over `mesh["tp"]` that FSDP2 then shards
+over DP (2-D DTensors) and DCP checkpoints like any other. transformers' own TP loader
+(`from_pretrained(tp_plan="auto")`) is not used: it builds its own 1-D mesh from the world
+and reads the weights itself, which does not compose with our DP x TP / HSDP x TP meshes.
+
+The styles that need the model's forward to cooperate (sequence parallelism, packed or
+expert weights, local-tensor variants) are refused by name rather than applied wrongly.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from trainer.errors import UserError
+
+__all__ = ["STYLES", "apply_tp_plan", "tp_plan_of"]
+
+
+def _styles() -> dict[str, ParallelStyle]:
+    colwise_gather = ColwiseParallel(output_layouts=Replicate())
+    rowwise_replicated_input = RowwiseParallel(input_layouts=Replicate())
+    return {
+        # Linear: weight split by output features; the output stays split (the next
+        # rowwise layer consumes it), as local tensors the model reshapes by head.
+        "colwise": ColwiseParallel(),
+        # Linear: weight split by input features; partial outputs summed (all-reduce).
+        "rowwise": RowwiseParallel(),
+        # Output layer: split by vocabulary, logits gathered whole on every TP rank.
+        "colwise_gather_output": colwise_gather,
+        "colwise_rep": colwise_gather,
+        # A whole (replicated) input, split before a rowwise layer.
+        "rowwise_split_input": rowwise_replicated_input,
+        "rowwise_rep": rowwise_replicated_input,
+        # Embedding: table split by vocabulary rows, lookups summed over TP ranks.
+        "embedding_rowwise": rowwise_replicated_input,
+    }
+
+
+STYLES: dict[str, ParallelStyle] = _styles()
+"""The plan styles this module applies, by the name transformers gives them."""
+
+
+def tp_plan_of(model: nn.Module) -> dict[str, str]:
+    """The model's own plan, `{module pattern: style name}`; a `UserError` when the model
+    declares none (e.g. GPT-2)."""
+    plan = getattr(model, "tp_plan", None) or {}
+    if not plan:
+        raise UserError(
+            f"{type(model).__name__} declares no tensor-parallel plan (neither "
+            "config.base_model_tp_plan nor a _tp_plan): train it with tp_size 1"
+        )
+    return dict(plan)
+
+
+def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Split `model` in place over `tp_mesh` (1-D, the TP ranks) by its own plan and
+    return it. Call it before FSDP2 and before the weights are loaded (on meta is fine)."""
+    plan = tp_plan_of(model)
+    _check_heads_divide(model, tp_mesh.size())
+    unsupported = {pattern: style for pattern, style in plan.items() if style not in STYLES}
+    if unsupported:
+        pattern, style = next(iter(unsupported.items()))
+        raise UserError(
+            f"{type(model).__name__}'s tensor-parallel plan uses style {style!r} for "
+            f"{pattern!r}, which gangtrain does not apply (supported: {sorted(STYLES)}); "
+            "train it with tp_size 1"
+        )
+    return parallelize_module(model, tp_mesh, {p: STYLES[s] for p, s in plan.items()})
+
+
+def _check_heads_divide(model: nn.Module, tp_size: int) -> None:
+    """Colwise attention projections must give each TP rank whole heads (query and
+    key/value): an uneven split would mix heads silently."""
+    config = getattr(model, "config", None)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % tp_size != 0:
+            raise UserError(
+                f"{type(model).__name__}: config.{field} = {heads} is not divisible by the "
+                f"tensor-parallel size {tp_size}; choose a tp_size that divides it"
+            )
