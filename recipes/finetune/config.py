@@ -55,7 +55,8 @@ class LRSchedulerSection(_Section):
 
 class GangsSection(_Section):
     tp_size: PositiveInt = 1
-    """Tensor parallelism from the model's own plan (needs trainer.hf.load_pretrained)."""
+    """Tensor parallelism over this many ranks, from the model's own plan (base_model_tp_plan:
+    LLaMA, Qwen, Mistral, ... declare one; GPT-2 does not)."""
     dp_shard_size: PositiveInt | None = None
     """HSDP: FSDP2 shards over groups of this many DP ranks (one node) and replicates across
     them; needs trainer.data_parallel=fsdp. null: shard over every DP rank."""

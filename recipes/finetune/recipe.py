@@ -1,27 +1,23 @@
 """Assemble the fine-tuning recipe: gangs, the model's tokenizer, packed windows, the
-pretrained model wrapped over the gangs, the stock causal LM units, trainer, HF export.
-
-Loading the model and exporting it are `load_model` and `export_model` below, one call each.
+pretrained model loaded over the gangs (`trainer.hf.load_pretrained`), the stock causal LM
+units and the trainer, which exports the best checkpoint as a HF directory at the end
+(`OUTPUT_DIR/hf/`, `trainer.hf.export_pretrained`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from torch import nn
 from torch.distributed._composable import checkpoint
 
 from gangs import Gangs, setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel
 from gangs.parallel.blocks import find_blocks
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
 from recipes.finetune.data import (
@@ -33,65 +29,39 @@ from recipes.finetune.data import (
     tokenize_documents,
 )
 from recipes.lm.recipe import warmup_cosine
-from trainer.checkpoint import read_model_state
+from trainer.checkpoint.model_files import hf_model_of
 from trainer.cli import run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
+from trainer.hf import load_pretrained
 from trainer.result import TrainResult
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
-__all__ = ["HF_EXPORT_DIR", "cli", "eval_main", "export_model", "load_model", "main"]
+__all__ = ["HF_EXPORT_DIR", "cli", "eval_main", "load_model", "main"]
 
 HF_EXPORT_DIR = "hf"
-"""Where, under the output directory, the best checkpoint is exported as a HF directory."""
+"""Where, under the output directory, the Trainer exports the best checkpoint of a HF model."""
 
 
 def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
-    """The pretrained model of `config.model.path`, ready for the Trainer: on the gangs'
-    device, activation checkpointing per block if asked, wrapped over DP."""
-    from transformers import AutoModelForCausalLM
-
-    if gangs.tp.size > 1:
-        raise UserError("config 'gangs.tp_size' > 1: tensor parallelism for Hugging Face "
-                        "models needs trainer.hf.load_pretrained")
-    # No KV cache: training never reuses it, and it does not mix with recomputation.
-    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32,
-                                                 use_cache=False).to(gangs.device)
-    return _activation_checkpointing(
-        data_parallel(model, gangs, config.trainer.data_parallel, **_fsdp_options(config)),
-        config)
-
-
-def export_model(checkpoint: Path, output_dir: Path, config: FinetuneConfig) -> Path:
-    """Write the weights of `checkpoint` (a step directory) as a Hugging Face directory in
-    `output_dir`, with the model's config and tokenizer files; one process, offline. The
-    directory is written beside under a temporary name and renamed when complete."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model.path))
-    model.load_state_dict(read_model_state(checkpoint))
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(config.model.path).save_pretrained(tmp)
-    shutil.rmtree(output_dir, ignore_errors=True)
-    os.replace(tmp, output_dir)
-    return output_dir
-
-
-def _fsdp_options(config: FinetuneConfig) -> dict[str, Any]:
-    """FSDP2 applies activation checkpointing to each block before sharding it (in one
-    process too)."""
-    if config.model.activation_checkpointing and config.trainer.data_parallel == "fsdp":
-        return {"activation_checkpointing": True}
-    return {}
-
-
-def _activation_checkpointing(model: nn.Module, config: FinetuneConfig) -> nn.Module:
-    """DDP has no checkpointing option: each block of the wrapped model recomputes its
-    activations in backward (non-reentrant, which DDP supports)."""
-    if config.model.activation_checkpointing and config.trainer.data_parallel == "ddp":
-        for block in find_blocks(getattr(model, "module", model)):
+    """The pretrained model of `config.model.path`, ready for the Trainer: built on meta,
+    tensor-parallel by its own plan over `gangs.tp`, wrapped over DP, each rank reading its
+    slices of the weights; activation checkpointing per block if asked."""
+    kind = config.trainer.data_parallel
+    checkpointing = config.model.activation_checkpointing
+    # FSDP2 applies activation checkpointing to each block before sharding it (one process
+    # too); DDP has no such option, see below.
+    options = {"activation_checkpointing": True} if checkpointing and kind == "fsdp" else {}
+    model = load_pretrained(config.model.path, gangs, data_parallel=kind, **options)
+    hf_model = hf_model_of(model)
+    assert hf_model is not None  # load_pretrained builds a transformers model
+    # No KV cache: training never reuses it, and a block recomputed in backward would append
+    # its keys and values to it a second time.
+    hf_model.config.use_cache = False
+    if checkpointing and kind == "ddp":
+        # Each block of the wrapped model recomputes its activations in backward
+        # (non-reentrant checkpointing, which DDP supports).
+        for block in find_blocks(hf_model):
             checkpoint(block)
     return model
 
@@ -160,15 +130,8 @@ def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
         valid_units=s.valid_units, valid_data_readers=s.valid_readers, resume=resume,
     )
     result = trainer.run()
-    # A stopped run (signal) resumes later and exports then; a finished one exports its best.
-    exported = None
-    checkpoint = result.best_checkpoint or result.last_checkpoint
-    if result.stop_reason != "signal" and checkpoint is not None:
-        if s.gangs.root.rank == 0:
-            exported = export_model(checkpoint, output_dir / HF_EXPORT_DIR, config)
-        s.gangs.root.barrier()
     if s.console:
-        _summary(s.console, result, config, exported)
+        _summary(s.console, result, config, output_dir / HF_EXPORT_DIR)
     s.gangs.close()
     return 0
 
@@ -210,11 +173,10 @@ def _flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> float:
 
 
 def _summary(console: Console, result: TrainResult, config: FinetuneConfig,
-             exported: Path | None) -> None:
+             exported: Path) -> None:
     console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
     if result.best_score is not None:
         console.print(f"best {config.trainer.score_metric}: {result.best_score:.4f} at step "
                       f"{result.best_step}")
-    if exported is not None:
-        console.print(f"exported {result.best_checkpoint or result.last_checkpoint} as a "
-                      f"Hugging Face model: {exported}")
+    if result.best_checkpoint is not None and exported.is_dir():
+        console.print(f"exported {result.best_checkpoint} as a Hugging Face model: {exported}")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 from recipe_runs import REPO, describe, recipe_env, run_all, run_module
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from recipes.finetune.data import (
     eval_batches,
@@ -27,6 +27,7 @@ from recipes.finetune.data import (
     tokenize_documents,
 )
 from recipes.finetune.tiny import make_tiny_model, write_tiny_corpus
+from trainer.checkpoint import read_model_state
 from trainer.errors import UserError
 from trainer.recorders import read_jsonl
 
@@ -94,6 +95,12 @@ def test_finetune_learns_and_exports_the_best_checkpoint(straight, tiny):
     # The export is the best step's model: its own loss on the held-out windows, computed
     # here by hand, is the score training recorded for that step.
     assert mean_loss(exported, windows) == pytest.approx(valid[best_step], rel=1e-6)
+    # ... and its logits are those of the best checkpoint's weights.
+    best = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(straight / "hf"))
+    best.load_state_dict(read_model_state(straight / "checkpoints" / f"step_{best_step}"))
+    with torch.no_grad():
+        gap = (exported(windows[:, :-1]).logits - best(windows[:, :-1]).logits).abs().max()
+    assert gap <= 1e-6, gap
     tokenizer = AutoTokenizer.from_pretrained(straight / "hf")
     text = "Return a new dictionary"
     assert tokenizer(text)["input_ids"] == AutoTokenizer.from_pretrained(tiny[0])(text)["input_ids"]
@@ -120,25 +127,27 @@ def torchrun(ranks: int, out: Path, tiny, *extra: str) -> list:
 
 
 def test_layouts_and_bf16_track_one_process(straight, tiny, tmp_path):
-    """2 Gloo ranks under FSDP2 and under DDP, both with activation checkpointing, give the
-    one-process validation losses; bf16 autocast stays close and learns as much."""
+    """2 Gloo ranks under FSDP2 and under DDP, both with activation checkpointing, and under
+    tensor parallelism (the model's own plan) give the one-process validation losses; bf16
+    autocast stays close."""
     procs = run_all({
         "fsdp2_ckpt": torchrun(2, tmp_path / "fsdp", tiny,
                                "--set", "model.activation_checkpointing=true"),
         "ddp2_ckpt": torchrun(2, tmp_path / "ddp", tiny, "--set", "trainer.data_parallel=ddp",
                               "--set", "model.activation_checkpointing=true"),
+        "tp2": torchrun(2, tmp_path / "tp2", tiny, "--set", "gangs.tp_size=2"),
         "bf16": ["recipes.finetune", *finetune_args(tmp_path / "bf16", tiny,
                                                     "--set", "trainer.dtype=bf16")],
     })
     for name, proc in procs.items():
         assert proc.returncode == 0, f"{name}: {describe(proc)}"
     reference = by_step(straight, "valid")
-    for name in ("fsdp", "ddp", "bf16"):
+    for name in ("fsdp", "ddp", "tp2", "bf16"):
         losses = by_step(tmp_path / name, "valid")
         gap = max(abs(losses[s] - reference[s]) / reference[s] for s in reference)
         print(f"{name}: largest relative gap of a validation loss to one process {gap:.1e}")
         assert losses.keys() == reference.keys()
-        # Measured: DDP 1e-7, FSDP2 1e-7, bf16 1e-5 (autocast really ran: not 0).
+        # Measured: DDP 1e-7, FSDP2 1e-7, TP2 1.2e-7, bf16 1e-5 (autocast really ran: not 0).
         limit = (0, 1e-4) if name == "bf16" else (-1, 1e-6)
         assert limit[0] < gap < limit[1], (name, losses, reference)
         assert AutoModelForCausalLM.from_pretrained(tmp_path / name / "hf") is not None
