@@ -80,17 +80,21 @@ def _read_jsonl(file: Path, text_field: str) -> list[str]:
     return texts
 
 
-def tokenize_documents(documents: Sequence[str], tokenizer: Any) -> Tensor:
-    """One int64 token stream: each document as ``[bos] tokens [eos]`` (see the module
-    docstring), with ``tokenizer`` a Hugging Face (fast) tokenizer."""
+def tokenize_documents(documents: Sequence[str], tokenizer: Any,
+                       documents_per_call: int = 1024) -> Tensor:
+    """One int32 token stream: each document as ``[bos] tokens [eos]`` (see the module
+    docstring), with ``tokenizer`` a Hugging Face (fast) tokenizer. Documents are tokenised
+    ``documents_per_call`` at a time (a fast tokenizer runs a batch in parallel) and kept as
+    int32 tensors, not Python lists, so a large corpus needs about 4 bytes a token."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     prefix = [bos] if bos is not None and bos != eos else []
     suffix = [eos] if eos is not None else []
-    encoded = tokenizer(list(documents), add_special_tokens=False)["input_ids"]
-    stream: list[int] = []
-    for ids in encoded:
-        stream += prefix + ids + suffix
-    return torch.tensor(stream, dtype=torch.long)
+    pieces = [torch.empty(0, dtype=torch.int32)]
+    for start in range(0, len(documents), documents_per_call):
+        batch = list(documents[start : start + documents_per_call])
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            pieces.append(torch.tensor(prefix + ids + suffix, dtype=torch.int32))
+    return torch.cat(pieces)
 
 
 def pack_windows(tokens: Tensor, seq_len: int) -> Tensor:
@@ -118,6 +122,7 @@ def split_windows(windows: Tensor, valid_fraction: float, seed: int, min_train: 
 
 
 def _to_batch(windows: Tensor) -> Batch:
+    windows = windows.long()  # token ids, as embeddings and cross entropy take them
     return {"input_ids": windows[:, :-1].contiguous(), "target_ids": windows[:, 1:].contiguous()}
 
 

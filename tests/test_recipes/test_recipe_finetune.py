@@ -241,3 +241,15 @@ def test_eval_batches_score_every_window_once_with_no_empty_batch(dp_size):
     assert all(len(b["input_ids"]) > 0 for s in shares for b in s)
     seen = sorted(int(row[0]) for s in shares for b in s for row in b["input_ids"])
     assert seen == list(range(0, 330, 10))
+
+
+@pytest.mark.parametrize("same_bos_eos", [False, True], ids=["llama_style", "gpt2_style"])
+def test_documents_are_framed_by_the_tokenizers_special_tokens(tiny, same_bos_eos):
+    overrides = {"bos_token": "</s>"} if same_bos_eos else {}
+    tokenizer = AutoTokenizer.from_pretrained(tiny[0], **overrides)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    docs = ["Return a new list.", "Parse the arguments"]
+    a, b = (tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs)
+    expected = a + [eos] + b + [eos] if same_bos_eos else [bos, *a, eos, bos, *b, eos]
+    stream = tokenize_documents(docs, tokenizer, documents_per_call=1)
+    assert stream.tolist() == expected
