@@ -1,5 +1,5 @@
-"""The `recipes.finetune` config: sections model, data, optimizer, lr_scheduler, trainer,
-gangs."""
+"""The `recipes.finetune` config: sections model, data, optimizer, lr_scheduler (warm-up and
+cosine decay, the LM recipe's), trainer, gangs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from recipes.lm.config import LRSchedulerSection
 from trainer.config import AdamWConfig, TrainerConfig
 
 
@@ -45,12 +46,6 @@ class OptimizerSection(AdamWConfig):
     lr: float = Field(default=2e-5, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=0.0, ge=0)
-
-
-class LRSchedulerSection(_Section):
-    warmup_steps: int = Field(default=50, ge=0)
-    final_lr_scale: float = Field(default=0.1, ge=0, le=1)
-    """Cosine decay from lr to lr * final_lr_scale at trainer.max_num_steps."""
 
 
 class GangsSection(_Section):
