@@ -65,7 +65,7 @@ def valid_windows(tiny) -> torch.Tensor:
     tiny preset's sizes."""
     model, files = tiny
     tokens = tokenize_documents(read_documents(files), AutoTokenizer.from_pretrained(model))
-    return split_windows(pack_windows(tokens, 32), 0.1, seed=0, min_train=8)[1]
+    return split_windows(pack_windows(tokens, 32), 0.1, seed=0, min_train=8)[1].long()
 
 
 @torch.no_grad()
