@@ -94,13 +94,9 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
         raise UserError(f"config 'gangs': {ex}") from None
     console = Console(stderr=False, soft_wrap=True) if root.rank == 0 else None
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # its bars for loading and writing weights
 
     # Data: every rank tokenises the same documents into the same windows and split.
-    tokens = tokenize_documents(documents, AutoTokenizer.from_pretrained(config.model.path))
+    tokens = tokenize_documents(documents, _tokenizer(config.model.path))
     train_windows, valid_windows = split_windows(pack_windows(tokens, d.seq_len),
                                                  d.valid_fraction, d.split_seed, d.batch_size)
     reader = (WindowReader(train_windows, d.batch_size, dp_rank, dp_size, seed=d.shuffle_seed)
@@ -112,11 +108,16 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
                       f"of {d.seq_len} tokens")
 
     model = load_model(config, gangs)
+    hf_config = hf_model_of(model).config  # type: ignore[union-attr]  # load_model's
+    if tokens.numel() and int(tokens.max()) >= hf_config.vocab_size:
+        raise UserError(f"config 'model.path': the tokenizer of '{config.model.path}' gives "
+                        f"token {int(tokens.max())}, beyond the model's vocab_size "
+                        f"{hf_config.vocab_size}: the tokenizer files belong to another model")
     num_params = sum(p.numel() for p in model.parameters())
     if console:
         console.print(f"model: {config.model.path}, {num_params:,} parameters")
     return _Setup(gangs, console, model, [CausalLMEvalUnit(model)], [valid_reader], reader,
-                  _flops_per_token(model, num_params, d.seq_len))
+                  _flops_per_token(hf_config, num_params, d.seq_len))
 
 
 def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
@@ -163,10 +164,17 @@ def _check_model_path(path: str | None) -> None:
                         "Face model directory (config.json, safetensors, tokenizer files)")
 
 
-def _flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> float:
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' bars for loading and writing weights
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _flops_per_token(hf_config: Any, num_params: int, seq_len: int) -> float:
     """Training FLOPs per token for the published MFU: 6 N + 12 L d T (the LM recipe's
     convention, N counting every parameter here)."""
-    hf_config = getattr(getattr(model, "module", model), "config", None)  # DDP: .module
     layers = getattr(hf_config, "num_hidden_layers", 0) or 0
     width = getattr(hf_config, "hidden_size", 0) or 0
     return 6.0 * num_params + 12.0 * layers * width * seq_len

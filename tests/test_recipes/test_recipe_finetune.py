@@ -8,6 +8,7 @@ never stopped, and mistakes are one clear line."""
 from __future__ import annotations
 
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,7 @@ def mean_loss(model: torch.nn.Module, windows: torch.Tensor) -> float:
 # One run, read back
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # read_model_state, offline
 def test_finetune_learns_and_exports_the_best_checkpoint(straight, tiny):
     valid = by_step(straight, "valid")
     assert sorted(valid) == [10, 20, 30, 40]
@@ -194,6 +196,11 @@ def test_user_mistakes_are_one_clear_line(tiny, tmp_path):
     no_text = tmp_path / "no_text.jsonl"
     no_text.write_text('{"text": "fine"}\n{"body": "no text field"}\n', encoding="utf-8")
     files_arg = f"data.files=[{files[0]}]"
+    # The tiny model with the tokenizer of a larger vocabulary (512 tokens, the model 384).
+    foreign = shutil.copytree(model, tmp_path / "foreign")
+    bigger = make_tiny_model(tmp_path / "bigger", vocab_size=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(bigger / name, foreign / name)
     procs = run_all({
         "no_model_path": ["recipes.finetune", tmp_path / "o1", "--preset", "tiny",
                           "--set", files_arg],
@@ -203,12 +210,16 @@ def test_user_mistakes_are_one_clear_line(tiny, tmp_path):
                          f"data.files=[{files[0]},{tmp_path / 'gone.txt'}]")],
         "no_text_field": ["recipes.finetune", *finetune_args(tmp_path / "o4", tiny, "--set",
                           f"data.files=[{no_text}]")],
+        "foreign_tokenizer": ["recipes.finetune", *finetune_args(tmp_path / "o5", tiny, "--set",
+                              f"model.path={foreign}")],
     })
     expected = {
         "no_model_path": "error: config 'model.path' is not set",
         "missing_model": f"error: config 'model.path': '{tmp_path / 'nowhere'}' does not exist",
         "missing_file": f"error: config 'data.files': no such file: {tmp_path / 'gone.txt'}",
         "no_text_field": f"error: data file '{no_text}' line 2 has no string field 'text'",
+        "foreign_tokenizer": f"error: config 'model.path': the tokenizer of '{foreign}' gives "
+                             "token 511, beyond the model's vocab_size 384",
     }
     for name, proc in procs.items():
         assert proc.returncode == 2, f"{name}: {describe(proc)}"
