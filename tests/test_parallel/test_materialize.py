@@ -143,3 +143,23 @@ def test_a_ddp_model_is_refused():
         return str(error.value)
 
     assert "materialize the model before" in run_ranks(refused, 1)[0]
+
+
+MOE = GPTConfig(seq_len=16, dim=32, num_layers=2, num_heads=4, vocab_size=37, num_experts=4)
+
+
+def moe_on_ranks(ep_size: int = 1, data_parallel: str = "ddp") -> dict[str, torch.Tensor]:
+    gangs = setup_gangs(setup_root_gang(), ep_size=ep_size)
+    model = build_model(MOE, gangs, data_parallel, seed=2)
+    inner = getattr(model, "module", model)
+    assert all(getattr(p, "is_expert_param", False) == ("experts" in name)
+               for name, p in inner.named_parameters())
+    return full_parameters(model)
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_experts_split_over_ep_ranks_start_as_in_one_process(data_parallel):
+    reference = moe_on_ranks()
+    for rank, params in enumerate(run_ranks(lambda: moe_on_ranks(2, data_parallel), 2)):
+        for name, value in reference.items():
+            assert torch.equal(params[name], value), f"rank {rank}: {name}"
