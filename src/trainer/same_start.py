@@ -73,8 +73,10 @@ def _replica_group(param: Tensor, gangs: Gangs) -> tuple[int, int] | None:
     ranks; None for one that DP ranks hold different slices of."""
     if not isinstance(param, DTensor):
         return 1, 0
-    dims = param.device_mesh.mesh_dim_names or ()
-    if set(dims) <= {"tp"}:
+    dims = param.device_mesh.mesh_dim_names
+    if not dims:  # a mesh of unknown dimensions: which ranks share a slice is unknown
+        return None
+    if set(dims) == {"tp"}:
         return 1, 0
     placements = dict(zip(dims, param.placements))
     replica = gangs.dp_shard is not None and isinstance(placements.get("dp_replicate"),
