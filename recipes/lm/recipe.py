@@ -94,13 +94,14 @@ def _setup(config: LMConfig, train: bool) -> _Setup:
         console.print(f"reference: gzip -9 on the {len(scored) - 1:,} validation bytes: "
                       f"{gzip_bpb:.3f} bits/byte")
 
-    # Model: the same initial weights on every rank, then wrapped once.
+    # Model: the same initial bits on every layout (built on meta, parallelised, then
+    # materialised from draws seeded by (seed, parameter name)).
     m = config.model
     gpt_config = GPTConfig(seq_len=d.seq_len, dim=m.dim, num_layers=m.num_layers,
                            num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
                            num_experts=m.num_experts, top_k=m.top_k,
                            tie_embeddings=m.tie_embeddings)
-    torch.manual_seed(config.trainer.seed)
+    torch.manual_seed(config.trainer.seed)  # the rest of the setup's randomness
     model = build_model(gpt_config, gangs, config.trainer.data_parallel,
                         config.trainer.seed)
     if console:

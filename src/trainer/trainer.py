@@ -44,6 +44,7 @@ from trainer.rank_failure import RankFailure, share_failure
 from trainer.recorders import MetricRecorder, training_recorder
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
+from trainer.same_start import check_same_start
 from trainer.seeding import RngState
 from trainer.settings import settings_doc, signature_with_settings, validate_settings
 from trainer.step_log import StepLog
@@ -120,6 +121,7 @@ class Trainer(Generic[BatchT]):
         self.resume = resume
         self.validator = Validator(valid_units, valid_data_readers, self.gangs, s.score_metric)
         check_run(s, self.validator, early_stopper, unit.model, self.gangs.dp.size)
+        check_same_start(unit.model, self.gangs)  # DP ranks hold the same replicated weights
         if hasattr(early_stopper, "follow"):  # a built-in judges in the trainer's direction
             early_stopper.follow(s.lower_better)
         show_on_console(self.gangs.root.rank)

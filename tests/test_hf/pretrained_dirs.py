@@ -39,9 +39,11 @@ def reference_logits(directory: Path, input_ids: torch.Tensor = INPUT_IDS) -> to
 
 def train_pretrained(directory: Path, output_dir: Path, *, tp_size: int = 1,
                      data_parallel: str | None = "fsdp", max_num_steps: int = 4,
-                     dtype: torch.dtype | None = None) -> tuple[list[float], torch.Tensor]:
-    """Load `directory`, train it `max_num_steps` through the Trainer (checkpoint at the
-    end), return the train losses of every step and the trained model's logits."""
+                     dtype: torch.dtype | None = None,
+                     **trainer_options) -> tuple[list[float], torch.Tensor]:
+    """Load `directory`, train it `max_num_steps` through the Trainer (validations and
+    checkpoints at half and at the end; `trainer_options` added), return the train losses
+    of every step and the trained model's logits."""
     gangs = setup_gangs(setup_root_gang(), tp_size=tp_size)
     model = load_pretrained(directory, gangs, data_parallel=data_parallel, dtype=dtype)
     optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2, eps=1e-6)
@@ -53,7 +55,7 @@ def train_pretrained(directory: Path, output_dir: Path, *, tp_size: int = 1,
         valid_data_readers=[SampleReader(VALID, 8, rank, size, shuffle=False)],
         score_metric="valid/loss", validate_every_n_steps=max_num_steps // 2,
         checkpoint_every_n_steps=max_num_steps // 2, publish_metrics_every_n_steps=1,
-        recorders=[JsonlRecorder(output_dir)], progress=False,
+        recorders=[JsonlRecorder(output_dir)], progress=False, **trainer_options,
     ).run()
     with torch.no_grad():
         logits = model.eval()(INPUT_IDS).logits

@@ -6,6 +6,7 @@ model's logits; the end of a run writes `OUTPUT_DIR/hf/` on its own."""
 from __future__ import annotations
 
 import json
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -92,3 +93,77 @@ def test_export_of_a_plain_model_checkpoint_is_refused_by_name(tmp_path):
     manager.close()
     with pytest.raises(UserError, match="not the checkpoint of a transformers model"):
         export_pretrained(tmp_path, tmp_path / "out")
+
+
+def save_tokenizer(directory: Path) -> None:
+    """A byte-level BPE trained here on a few lines, saved as a transformers tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    lines = ["the quick brown fox", "jumps over the lazy dog", "pack my box"] * 20
+    tokenizer.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=300,
+                                                             special_tokens=["<eos>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(
+        directory)
+
+
+def test_tokenizer_and_config_travel_with_async_checkpoints_to_the_export(saved, tmp_path):
+    from transformers import AutoTokenizer
+
+    source = tmp_path / "with_tokenizer"
+    shutil.copytree(saved["gpt2"], source)
+    save_tokenizer(source)
+    out = tmp_path / "run"
+    train_pretrained(source, out, data_parallel=None, max_num_steps=2, async_checkpoint=True)
+    step_dir = out / "checkpoints" / "step_2"
+    listed = json.loads((step_dir / "manifest.json").read_text())["files"]
+    assert {"hf/config.json", "hf/tokenizer.json", "hf/tokenizer_config.json"} <= set(listed)
+    exported = export_pretrained(step_dir, tmp_path / "export")
+    for directory in (exported, out / "hf"):  # by hand, and the run's own at its end
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        assert tokenizer("the lazy fox").input_ids == \
+            AutoTokenizer.from_pretrained(source)("the lazy fox").input_ids
+        from_pretrained_logits(directory)
+
+
+def test_a_plain_model_run_ends_with_best_model_safetensors(tmp_path):
+    """No HF files for a model that is not a transformers model: its best checkpoint becomes
+    checkpoints/best_model.safetensors, which loads into the model."""
+    from safetensors.torch import load_file
+
+    from trainer.trainer import Trainer
+    from units.unit import EvalUnit, TrainUnit
+
+    class Regression(TrainUnit):
+        def __init__(self, model):
+            self._model = model
+
+        @property
+        def model(self):
+            return self._model
+
+        def __call__(self, batch, metrics):
+            x, y = batch
+            return (self._model(x) - y).pow(2).sum(), y.numel()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    batches = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(4)]
+
+    class Valid(EvalUnit):
+        name = "valid"
+        model = property(lambda self: model)
+
+        def __call__(self, batch, metrics):
+            metrics.update_mean("loss", (model(batch[0]) - batch[1]).pow(2).mean(), 1)
+
+    Trainer(Regression(model), batches, torch.optim.SGD(model.parameters(), lr=0.1),
+            output_dir=tmp_path, max_num_steps=4, checkpoint_every_n_steps=2,
+            validate_every_n_steps=2, valid_units=[Valid()], valid_data_readers=[batches[:1]],
+            score_metric="valid/loss", recorders=[], progress=False).run()
+    assert not (tmp_path / "hf").exists()
+    assert not list((tmp_path / "checkpoints").glob("step_*/hf"))
+    state = load_file(tmp_path / "checkpoints" / "best_model.safetensors")
+    assert set(state) == {"weight", "bias"}

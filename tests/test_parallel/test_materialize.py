@@ -11,8 +11,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel.materialize import materialize, seeded_init
+from gangs.parallel.materialize import local_slices, materialize, seeded_init
 from recipes.lm.model import GPT, GPTConfig
+from recipes.lm.parallelize import parallelize_gpt
 from recipes.lm.recipe import build_model
 
 # vocab 37 and hidden 104 split unevenly over 4 FSDP ranks (19/18 rows over 2, 10/10/10/7).
@@ -143,3 +144,49 @@ def test_a_ddp_model_is_refused():
         return str(error.value)
 
     assert "materialize the model before" in run_ranks(refused, 1)[0]
+
+
+MOE = GPTConfig(seq_len=16, dim=32, num_layers=2, num_heads=4, vocab_size=37, num_experts=4)
+
+
+def moe_on_ranks(ep_size: int = 1, data_parallel: str = "ddp") -> dict[str, torch.Tensor]:
+    gangs = setup_gangs(setup_root_gang(), ep_size=ep_size)
+    model = build_model(MOE, gangs, data_parallel, seed=2)
+    inner = getattr(model, "module", model)
+    assert all(getattr(p, "is_expert_param", False) == ("experts" in name)
+               for name, p in inner.named_parameters())
+    return full_parameters(model)
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_experts_split_over_ep_ranks_start_as_in_one_process(data_parallel):
+    reference = moe_on_ranks()
+    for rank, params in enumerate(run_ranks(lambda: moe_on_ranks(2, data_parallel), 2)):
+        for name, value in reference.items():
+            assert torch.equal(params[name], value), f"rank {rank}: {name}"
+
+
+def sliced_on_ranks() -> tuple[dict[str, torch.Tensor], list[tuple[int, ...]]]:
+    """A source that reads only this rank's slice of each full value (as a checkpoint reader
+    does with `local_slices`) gives the model a full-value source gives."""
+    gangs = setup_gangs(setup_root_gang(), tp_size=2)
+    with torch.device("meta"):
+        model = GPT(CONFIG)
+    model = parallelize_gpt(model, gangs, data_parallel="fsdp")
+    full_values = seeded_init(5, model.init_parameter)
+    read: list[tuple[int, ...]] = []
+
+    def read_slice(name: str, like: torch.Tensor) -> torch.Tensor:
+        part = full_values(name, like)[local_slices(like)].clone()
+        read.append(tuple(part.shape))
+        return part
+
+    materialize(model, gangs.device, read_slice, sliced=True)
+    return full_parameters(model), read
+
+
+def test_a_source_of_local_slices_builds_the_same_model(one_process):
+    for params, read in run_ranks(sliced_on_ranks, 4):
+        for name, value in one_process[0].items():
+            assert torch.equal(params[name], value), name
+        assert (8, 32) in read  # wq's quarter: 32 rows over TP 2 x FSDP 2

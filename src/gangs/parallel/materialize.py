@@ -78,10 +78,15 @@ def local_part(full: Tensor, like: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device | str, source: TensorSource) -> None:
+def materialize(model: nn.Module, device: torch.device | str, source: TensorSource, *,
+                sliced: bool = False) -> None:
     """Allocate `model`'s parameters and buffers on `device` and fill them from `source`,
     in place (see the module docstring). Parallelise the model first (TP, FSDP2), except DDP:
-    a DDP-wrapped model is refused (materialise, then wrap)."""
+    a DDP-wrapped model is refused (materialise, then wrap).
+
+    sliced: the source already returns this rank's part (e.g. a checkpoint read at
+        `local_slices(tensor)`), not the full value: nothing whole is ever in memory.
+    """
     if isinstance(model, DDP):
         raise ValueError("materialize the model before wrapping it with DDP: DDP broadcasts "
                          "rank 0's weights when it wraps, so it needs real ones")
@@ -94,12 +99,14 @@ def materialize(model: nn.Module, device: torch.device | str, source: TensorSour
         if name in kept:
             target.copy_(kept.pop(name))
             continue
-        full = source(name, tensor)
-        if tuple(full.shape) != tuple(tensor.shape):
-            raise ValueError(f"the initial value of {name!r} has shape {tuple(full.shape)}, "
-                             f"the model's {name!r} has shape {tuple(tensor.shape)}")
-        target.copy_(local_part(full, tensor))
-        del full  # one full tensor at a time
+        value = source(name, tensor)
+        expected = target.shape if sliced else tensor.shape
+        if tuple(value.shape) != tuple(expected):
+            what = "this rank's part" if sliced else "the model's"
+            raise ValueError(f"the initial value of {name!r} has shape {tuple(value.shape)}, "
+                             f"{what} {name!r} has shape {tuple(expected)}")
+        target.copy_(value if sliced else local_part(value, tensor))
+        del value  # one full tensor at a time
 
 
 def seed_of(seed: int, name: str) -> int:

@@ -21,6 +21,7 @@ under a temporary name beside `output_dir` and renamed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -37,6 +38,8 @@ from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_best_model", "export_pretrained"]
+
+log = logging.getLogger("gangtrain")
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 """Bytes per safetensors file above which the weights are split into shards (5 GiB)."""
@@ -82,13 +85,18 @@ def export_pretrained(
 
 def export_best_model(checkpoint_dir: Path, hf_output_dir: Path) -> Path | None:
     """The end-of-run export of the best checkpoint of `checkpoint_dir`: to the HF directory
-    `hf_output_dir` for a HF model, else to `checkpoint_dir/best_model.safetensors`; None
-    when no checkpoint has a score."""
+    `hf_output_dir` for a HF model, else (or when its weights do not fit its config, with a
+    warning) to `checkpoint_dir/best_model.safetensors`; None when no checkpoint has a
+    score."""
     best = best_step_dir(checkpoint_dir)
     if best is None:
         return None
     if (best / HF_FILES / "config.json").is_file():
-        return export_pretrained(best, hf_output_dir)
+        try:
+            return export_pretrained(best, hf_output_dir)
+        except UserError as error:  # e.g. weights added to the model: keep them anyway
+            log.warning("the best checkpoint is not exported as a HF directory (%s); "
+                        "writing %s/best_model.safetensors instead", error, checkpoint_dir)
     return export_best(checkpoint_dir)
 
 

@@ -23,10 +23,11 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
 from gangs.parallel import data_parallel as wrap_data_parallel
-from gangs.parallel.materialize import materialize
+from gangs.parallel.materialize import local_slices, materialize
 from trainer.errors import UserError
 from trainer.hf.safetensors_files import WeightFiles
 from trainer.hf.tensor_parallel import apply_tp_plan
@@ -43,7 +44,7 @@ def build_on_meta(path: Path | str, dtype: torch.dtype | None = None) -> nn.Modu
     device: no memory, no initialisation, no weights read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = Path(path)
+    path = Path(path).resolve()  # config.name_or_path: where checkpoints find the tokenizer
     if not (path / "config.json").is_file():
         raise UserError(f"{path} has no config.json: not a Hugging Face model directory")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -147,33 +148,24 @@ def _check_keys_and_shapes(
                         f"which {type(model).__name__} does not have")
 
 
-class _SliceReader:
-    """Stands for the full value of one tensor in `materialize`, which asks it only for its
-    `shape` and for this rank's part (`[slices]`): only that part is read from the file."""
-
-    def __init__(self, files: WeightFiles, key: str, shape: tuple[int, ...]) -> None:
-        self.files, self.key, self.shape = files, key, shape
-
-    def __getitem__(self, slices: tuple[slice, ...]) -> torch.Tensor:
-        whole = all(s.start == 0 and s.stop == size for s, size in zip(slices, self.shape))
-        return self.files.read(self.key, None if whole else slices)
-
-
 def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
           device: torch.device) -> None:
     """Allocate this rank's storage and copy its slice of every tensor from the files
-    (`gangs.parallel.materialize`, which keeps tied weights tied); then let the model's own
-    initialisation compute what the files do not hold."""
+    (`gangs.parallel.materialize(sliced=True)`, which keeps tied weights tied); then let the
+    model's own initialisation compute what the files do not hold."""
     keys = {name: _file_key(names, files) for name, names in targets.items()}
 
-    def source(name: str, like: torch.Tensor) -> Any:
+    def source(name: str, like: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `like`, read from the files: a DTensor's slice (the whole
+        tensor only when `like` is not sharded)."""
+        part = local_slices(like)
         key = keys.get(name)
         if key is None:  # a non-persistent buffer: recomputed below
-            return torch.zeros(like.shape, dtype=like.dtype)
-        return _SliceReader(files, key, tuple(like.shape))
+            return torch.zeros(tuple(s.stop - s.start for s in part), dtype=like.dtype)
+        return files.read(key, part if isinstance(like, DTensor) else None)
 
     try:
-        materialize(model, device, source)
+        materialize(model, device, source, sliced=True)
     finally:
         files.close()
     # Non-persistent buffers (e.g. LLaMA's rotary `inv_freq`) are no checkpoint's business:
