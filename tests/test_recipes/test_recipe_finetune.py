@@ -3,7 +3,8 @@ byte-level BPE tokenizer made here (`recipes.finetune.tiny`), fine-tuned on a te
 a JSONL file; then read back through what a user relies on: the held-out loss goes down,
 OUT/hf/ loads with `from_pretrained` and scores what training recorded, `--eval-only`
 gives the best score again, a run killed twice (once mid-save) ends in the state of a run
-never stopped, and mistakes are one clear line."""
+never stopped, FSDP2, DDP and TP on 2 ranks give one process's losses, and mistakes are one
+clear line."""
 
 from __future__ import annotations
 
