@@ -12,7 +12,7 @@ from hf_models import tiny_gpt2, tiny_llama
 from pretrained_dirs import INPUT_IDS, reference_logits, save_sharded, train_pretrained
 from ranks import run_ranks
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
 from trainer.errors import UserError
@@ -72,3 +72,24 @@ def test_a_model_without_a_plan_is_refused_by_name(tmp_path):
             load_pretrained(directory, setup_gangs(setup_root_gang(), tp_size=2))
 
     run_ranks(load, world_size=2)
+
+
+def test_tied_embeddings_stay_tied_under_tp(tmp_path):
+    """LLaMA with `tie_word_embeddings` (as Llama 3.2 1B): the plan splits `embed_tokens`
+    and `lm_head` alike (by vocabulary), so they stay one parameter, read once."""
+    config = tiny_llama().config
+    config.tie_word_embeddings = True
+    torch.manual_seed(6)
+    directory = save_sharded(LlamaForCausalLM(config), tmp_path / "tied")
+    reference = reference_logits(directory)
+
+    def load():
+        gangs = setup_gangs(setup_root_gang(), tp_size=2)
+        model = load_pretrained(directory, gangs, data_parallel=None).eval()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        with torch.no_grad():
+            return model(INPUT_IDS).logits
+
+    gaps = [(logits - reference).abs().max().item() for logits in run_ranks(load, 2)]
+    print(f"tied LLaMA under TP2: |logits - from_pretrained| {gaps}")
+    assert max(gaps) <= 1e-6

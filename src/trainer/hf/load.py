@@ -154,13 +154,17 @@ def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
     (`gangs.parallel.materialize(sliced=True)`, which keeps tied weights tied); then let the
     model's own initialisation compute what the files do not hold."""
     keys = {name: _file_key(names, files) for name, names in targets.items()}
+    non_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
 
     def source(name: str, like: torch.Tensor) -> torch.Tensor:
         """This rank's part of `like`, read from the files: a DTensor's slice (the whole
         tensor only when `like` is not sharded)."""
         part = local_slices(like)
         key = keys.get(name)
-        if key is None:  # a non-persistent buffer: recomputed below
+        if key is None:
+            if name not in non_persistent:
+                raise RuntimeError(f"{name!r} of the parallelised model is not in its files")
+            # Recomputed below.
             return torch.zeros(tuple(s.stop - s.start for s in part), dtype=like.dtype)
         return files.read(key, part if isinstance(like, DTensor) else None)
 
