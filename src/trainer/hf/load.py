@@ -17,6 +17,7 @@ HSDP and DP x TP start from the weights `from_pretrained` gives.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +34,8 @@ from trainer.hf.safetensors_files import WeightFiles
 from trainer.hf.tensor_parallel import apply_tp_plan
 
 __all__ = ["build_on_meta", "load_pretrained", "tensor_aliases"]
+
+log = logging.getLogger("gangtrain")
 
 # The flag transformers' own initialisers (`transformers.initialization`) check before
 # writing a tensor: a tensor that carries it was loaded and is left alone.
@@ -69,7 +72,8 @@ def load_pretrained(
 
     gangs: tensor parallel over `gangs.tp` by the model's own plan when `gangs.tp.size > 1`
         (e.g. LLaMA, Qwen, Mistral declare one; GPT-2 does not and is refused).
-    data_parallel: "fsdp" (FSDP2, or HSDP when the gangs have a `dp_shard_size`), "ddp",
+    data_parallel: "fsdp" (FSDP2, or HSDP when the gangs have a `dp_shard_size`), "ddp"
+        (under TP: FSDP2 without resharding after forward, as DDP cannot wrap DTensors),
         or None (no data-parallel wrapper; the caller wraps).
     dtype: of the parameters (the weights are converted as read); default float32, the
         master-weight dtype for training. Compute in bf16 with `amp`/`param_dtype`.
@@ -82,6 +86,15 @@ def load_pretrained(
     """
     if data_parallel not in ("fsdp", "ddp", None):
         raise UserError(f"data_parallel must be 'fsdp', 'ddp' or None, got {data_parallel!r}")
+    if data_parallel is None and kwargs:
+        raise UserError(f"load_pretrained options {sorted(kwargs)} configure data_parallel, "
+                        "which is None")
+    if data_parallel == "ddp" and gangs.tp.size > 1:
+        # As the LM recipe: DDP cannot wrap DTensor parameters; FSDP2 that keeps them
+        # gathered from forward to backward is the closest to it.
+        log.info("DP x TP: DDP cannot wrap DTensor parameters, using FSDP2 over dp "
+                 "without resharding after forward")
+        data_parallel, kwargs = "fsdp", {"reshard_after_forward": False, **kwargs}
     path = Path(path)
     model = build_on_meta(path, dtype)
     files = WeightFiles(path)
