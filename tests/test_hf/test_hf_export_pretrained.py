@@ -85,6 +85,29 @@ def test_export_replaces_an_old_directory_whole(saved, tmp_path):
     from_pretrained_logits(target)
 
 
+def test_a_refused_export_leaves_the_old_directory_and_no_temporary(saved, tmp_path):
+    from trainer.checkpoint.manifest import file_entry, read_manifest, write_manifest
+
+    out = tmp_path / "run"
+    train_pretrained(saved["gpt2"], out, data_parallel=None, max_num_steps=2)
+    target = tmp_path / "export"
+    export_pretrained(out / "checkpoints", target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    step_dir = out / "checkpoints" / "step_2"
+    config = step_dir / "hf" / "config.json"
+    config.write_text(config.read_text().replace('"n_embd": 32', '"n_embd": 64'))
+    with pytest.raises(UserError, match="does not match its sha256"):  # an edited file
+        export_pretrained(step_dir, target)
+    manifest = read_manifest(step_dir)  # the same edit, checksummed: a config that lies
+    manifest["files"]["hf/config.json"] = file_entry(config)
+    write_manifest(step_dir, manifest)
+    with pytest.raises(UserError, match=r"'transformer.wte.weight' has shape \(96, 32\), "
+                                        r"GPT2LMHeadModel expects \(96, 64\)"):
+        export_pretrained(step_dir, target)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert not list(tmp_path.glob(".export*"))
+
+
 def test_export_of_a_plain_model_checkpoint_is_refused_by_name(tmp_path):
     from trainer.checkpoint import CheckpointManager
 

@@ -76,9 +76,13 @@ def export_pretrained(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(hf_files, tmp)  # config, generation config, tokenizer files
-    _write_weights(tmp, infos, lambda name: tensors.load(source[name]), max_shard_size)
-    fsync_dir(tmp)
+    try:
+        shutil.copytree(hf_files, tmp)  # config, generation config, tokenizer files
+        _write_weights(tmp, infos, lambda name: tensors.load(source[name]), max_shard_size)
+        fsync_dir(tmp)
+    except BaseException:  # nothing half written is left behind, output_dir untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _replace_dir(tmp, output_dir)
     return output_dir
 
