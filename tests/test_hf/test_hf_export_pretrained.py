@@ -73,6 +73,20 @@ def test_gpt2_export_keeps_the_tie_and_the_saved_key_names(saved, tmp_path):
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+def test_bf16_export_is_the_trained_weights_rounded(saved, tmp_path):
+    out = tmp_path / "run"
+    train_pretrained(saved["llama"], out, data_parallel=None, max_num_steps=2)
+    step_dir = out / "checkpoints" / "step_2"
+    full = AutoModelForCausalLM.from_pretrained(export_pretrained(step_dir, tmp_path / "fp32"))
+    half = export_pretrained(step_dir, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(half, dtype="auto")
+    expected = dict(full.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.bfloat16
+        assert torch.equal(param, expected[name].to(torch.bfloat16)), name
+
+
 def test_export_replaces_an_old_directory_whole(saved, tmp_path):
     out = tmp_path / "run"
     train_pretrained(saved["llama"], out, data_parallel=None, max_num_steps=2)
