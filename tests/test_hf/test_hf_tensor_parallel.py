@@ -78,12 +78,19 @@ def test_dp2_tp2_trains_like_one_process_and_exports(llama_dir, tied_llama_dir, 
     assert gap <= 1e-6
 
 
-def test_a_model_without_a_plan_is_refused_by_name(tmp_path):
-    directory = save_sharded(tiny_gpt2(), tmp_path / "gpt2")
+def test_a_model_without_a_plan_or_with_heads_tp_cannot_split_is_refused(tmp_path):
+    gpt2 = save_sharded(tiny_gpt2(), tmp_path / "gpt2")
+    config = tiny_llama().config
+    config.num_key_value_heads = 1  # one KV head cannot be split over 2 TP ranks
+    one_kv_head = save_sharded(LlamaForCausalLM(config), tmp_path / "mqa")
 
     def load():
+        gangs = setup_gangs(setup_root_gang(), tp_size=2)
         with pytest.raises(UserError, match="GPT2LMHeadModel declares no tensor-parallel plan"):
-            load_pretrained(directory, setup_gangs(setup_root_gang(), tp_size=2))
+            load_pretrained(gpt2, gangs)
+        with pytest.raises(UserError, match="num_key_value_heads = 1 is not divisible by the "
+                                            "tensor-parallel size 2"):
+            load_pretrained(one_kv_head, gangs)
 
     run_ranks(load, world_size=2)
 
