@@ -73,6 +73,20 @@ def test_gpt2_export_keeps_the_tie_and_the_saved_key_names(saved, tmp_path):
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+def test_bf16_export_is_the_trained_weights_rounded(saved, tmp_path):
+    out = tmp_path / "run"
+    train_pretrained(saved["llama"], out, data_parallel=None, max_num_steps=2)
+    step_dir = out / "checkpoints" / "step_2"
+    full = AutoModelForCausalLM.from_pretrained(export_pretrained(step_dir, tmp_path / "fp32"))
+    half = export_pretrained(step_dir, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(half, dtype="auto")
+    expected = dict(full.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.bfloat16
+        assert torch.equal(param, expected[name].to(torch.bfloat16)), name
+
+
 def test_export_replaces_an_old_directory_whole(saved, tmp_path):
     out = tmp_path / "run"
     train_pretrained(saved["llama"], out, data_parallel=None, max_num_steps=2)
@@ -83,6 +97,29 @@ def test_export_replaces_an_old_directory_whole(saved, tmp_path):
     assert not (target / "stale.safetensors").exists()
     assert not list(tmp_path.glob(".export*"))  # no temporary directory left
     from_pretrained_logits(target)
+
+
+def test_a_refused_export_leaves_the_old_directory_and_no_temporary(saved, tmp_path):
+    from trainer.checkpoint.manifest import file_entry, read_manifest, write_manifest
+
+    out = tmp_path / "run"
+    train_pretrained(saved["gpt2"], out, data_parallel=None, max_num_steps=2)
+    target = tmp_path / "export"
+    export_pretrained(out / "checkpoints", target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    step_dir = out / "checkpoints" / "step_2"
+    config = step_dir / "hf" / "config.json"
+    config.write_text(config.read_text().replace('"n_embd": 32', '"n_embd": 64'))
+    with pytest.raises(UserError, match="does not match its sha256"):  # an edited file
+        export_pretrained(step_dir, target)
+    manifest = read_manifest(step_dir)  # the same edit, checksummed: a config that lies
+    manifest["files"]["hf/config.json"] = file_entry(config)
+    write_manifest(step_dir, manifest)
+    with pytest.raises(UserError, match=r"'transformer.wte.weight' has shape \(96, 32\), "
+                                        r"GPT2LMHeadModel expects \(96, 64\)"):
+        export_pretrained(step_dir, target)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert not list(tmp_path.glob(".export*"))
 
 
 def test_export_of_a_plain_model_checkpoint_is_refused_by_name(tmp_path):

@@ -113,6 +113,12 @@ def test_sharded_index_naming_a_missing_file_is_named(saved, tmp_path):
         load_pretrained(directory, setup_gangs(setup_root_gang()))
 
 
+def test_options_without_a_data_parallel_wrapper_are_refused(saved):
+    with pytest.raises(UserError, match=r"options \['activation_checkpointing'\]"):
+        load_pretrained(saved["gpt2"], setup_gangs(setup_root_gang()), data_parallel=None,
+                        activation_checkpointing=True)
+
+
 def test_no_config_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
         load_pretrained(tmp_path, setup_gangs(setup_root_gang()))

@@ -12,7 +12,7 @@ from hf_models import tiny_gpt2, tiny_llama
 from pretrained_dirs import INPUT_IDS, reference_logits, save_sharded, train_pretrained
 from ranks import run_ranks
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
 from trainer.errors import UserError
@@ -48,10 +48,24 @@ def test_tp_load_gives_from_pretrained_logits(llama_dir, world_size, data_parall
     assert max(gaps) <= 1e-6
 
 
-def test_dp2_tp2_trains_like_one_process_and_exports(llama_dir, tmp_path):
-    one_losses, _ = train_pretrained(llama_dir, tmp_path / "one", data_parallel=None)
-    ranks = run_ranks(partial(train_pretrained, llama_dir, tmp_path / "dp2tp2", tp_size=2),
-                      world_size=4, timeout=300)
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory):
+    """LLaMA with `tie_word_embeddings` (as Llama 3.2 1B)."""
+    config = tiny_llama().config
+    config.tie_word_embeddings = True
+    torch.manual_seed(6)
+    return save_sharded(LlamaForCausalLM(config), tmp_path_factory.mktemp("tied"))
+
+
+@pytest.mark.parametrize(("tied", "data_parallel"), [(False, "fsdp"), (True, "ddp")],
+                         ids=["untied_fsdp", "tied_ddp"])
+def test_dp2_tp2_trains_like_one_process_and_exports(llama_dir, tied_llama_dir, tmp_path,
+                                                     tied, data_parallel):
+    """"ddp" under TP is FSDP2 that keeps parameters gathered until backward."""
+    directory = tied_llama_dir if tied else llama_dir
+    one_losses, _ = train_pretrained(directory, tmp_path / "one", data_parallel=None)
+    ranks = run_ranks(partial(train_pretrained, directory, tmp_path / "dp2tp2", tp_size=2,
+                              data_parallel=data_parallel), world_size=4, timeout=300)
     losses, trained = ranks[0]
     gaps = [abs(a - b) / abs(b) for a, b in zip(losses, one_losses, strict=True)]
     print(f"DP2 x TP2 train losses {losses}\n one process {one_losses}\n relative gaps {gaps}")
@@ -64,11 +78,35 @@ def test_dp2_tp2_trains_like_one_process_and_exports(llama_dir, tmp_path):
     assert gap <= 1e-6
 
 
-def test_a_model_without_a_plan_is_refused_by_name(tmp_path):
-    directory = save_sharded(tiny_gpt2(), tmp_path / "gpt2")
+def test_a_model_without_a_plan_or_with_heads_tp_cannot_split_is_refused(tmp_path):
+    gpt2 = save_sharded(tiny_gpt2(), tmp_path / "gpt2")
+    config = tiny_llama().config
+    config.num_key_value_heads = 1  # one KV head cannot be split over 2 TP ranks
+    one_kv_head = save_sharded(LlamaForCausalLM(config), tmp_path / "mqa")
 
     def load():
+        gangs = setup_gangs(setup_root_gang(), tp_size=2)
         with pytest.raises(UserError, match="GPT2LMHeadModel declares no tensor-parallel plan"):
-            load_pretrained(directory, setup_gangs(setup_root_gang(), tp_size=2))
+            load_pretrained(gpt2, gangs)
+        with pytest.raises(UserError, match="num_key_value_heads = 1 is not divisible by the "
+                                            "tensor-parallel size 2"):
+            load_pretrained(one_kv_head, gangs)
 
     run_ranks(load, world_size=2)
+
+
+def test_tied_embeddings_stay_tied_under_tp(tied_llama_dir):
+    """LLaMA with tied embeddings: the plan splits `embed_tokens` and `lm_head` alike (by vocabulary), so they stay one
+    parameter, read once."""
+    reference = reference_logits(tied_llama_dir)
+
+    def load():
+        gangs = setup_gangs(setup_root_gang(), tp_size=2)
+        model = load_pretrained(tied_llama_dir, gangs, data_parallel=None).eval()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        with torch.no_grad():
+            return model(INPUT_IDS).logits
+
+    gaps = [(logits - reference).abs().max().item() for logits in run_ranks(load, 2)]
+    print(f"tied LLaMA under TP2: |logits - from_pretrained| {gaps}")
+    assert max(gaps) <= 1e-6

@@ -50,6 +50,7 @@ def export_pretrained(
     output_dir: Path | str,
     *,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write the HF model of `checkpoint` to `output_dir` and return `output_dir`.
 
@@ -58,6 +59,8 @@ def export_pretrained(
     output_dir: replaced atomically when it exists.
     max_shard_size: bytes per weight file; above it, shards with an index, like
         `save_pretrained`.
+    dtype: convert the floating-point weights (e.g. `torch.bfloat16` for half the size of
+        float32 master weights) and say so in `config.json`; default: as trained.
 
     A `UserError` when the checkpoint is incomplete, holds no HF config (the model was not
     a transformers model), or its weights do not fit the model its config describes.
@@ -72,13 +75,27 @@ def export_pretrained(
         )
     tensors = ModelTensors(step_dir)
     infos, source = _hf_tensors(tensors, hf_files)
+    if dtype is not None:
+        infos = [TensorInfo(i.name, dtype if i.dtype.is_floating_point else i.dtype, i.shape)
+                 for i in infos]
+    wanted = {info.name: info.dtype for info in infos}
+
+    def load(name: str) -> torch.Tensor:
+        return tensors.load(source[name]).to(wanted[name])
+
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(hf_files, tmp)  # config, generation config, tokenizer files
-    _write_weights(tmp, infos, lambda name: tensors.load(source[name]), max_shard_size)
-    fsync_dir(tmp)
+    try:
+        shutil.copytree(hf_files, tmp)  # config, generation config, tokenizer files
+        if dtype is not None:
+            _set_config_dtype(tmp / "config.json", dtype)
+        _write_weights(tmp, infos, load, max_shard_size)
+        fsync_dir(tmp)
+    except BaseException:  # nothing half written is left behind, output_dir untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _replace_dir(tmp, output_dir)
     return output_dir
 
@@ -142,6 +159,13 @@ def _write_weights(directory: Path, infos: list[TensorInfo],
     index = {"metadata": {"total_size": sum(info.num_bytes for info in infos)},
              "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
+    """Record the weights' dtype where `from_pretrained(dtype="auto")` reads it."""
+    config = json.loads(config_file.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _replace_dir(tmp: Path, target: Path) -> None:

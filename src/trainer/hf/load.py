@@ -17,6 +17,7 @@ HSDP and DP x TP start from the weights `from_pretrained` gives.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +34,8 @@ from trainer.hf.safetensors_files import WeightFiles
 from trainer.hf.tensor_parallel import apply_tp_plan
 
 __all__ = ["build_on_meta", "load_pretrained", "tensor_aliases"]
+
+log = logging.getLogger("gangtrain")
 
 # The flag transformers' own initialisers (`transformers.initialization`) check before
 # writing a tensor: a tensor that carries it was loaded and is left alone.
@@ -69,7 +72,8 @@ def load_pretrained(
 
     gangs: tensor parallel over `gangs.tp` by the model's own plan when `gangs.tp.size > 1`
         (e.g. LLaMA, Qwen, Mistral declare one; GPT-2 does not and is refused).
-    data_parallel: "fsdp" (FSDP2, or HSDP when the gangs have a `dp_shard_size`), "ddp",
+    data_parallel: "fsdp" (FSDP2, or HSDP when the gangs have a `dp_shard_size`), "ddp"
+        (under TP: FSDP2 without resharding after forward, as DDP cannot wrap DTensors),
         or None (no data-parallel wrapper; the caller wraps).
     dtype: of the parameters (the weights are converted as read); default float32, the
         master-weight dtype for training. Compute in bf16 with `amp`/`param_dtype`.
@@ -82,6 +86,15 @@ def load_pretrained(
     """
     if data_parallel not in ("fsdp", "ddp", None):
         raise UserError(f"data_parallel must be 'fsdp', 'ddp' or None, got {data_parallel!r}")
+    if data_parallel is None and kwargs:
+        raise UserError(f"load_pretrained options {sorted(kwargs)} configure data_parallel, "
+                        "which is None")
+    if data_parallel == "ddp" and gangs.tp.size > 1:
+        # As the LM recipe: DDP cannot wrap DTensor parameters; FSDP2 that keeps them
+        # gathered from forward to backward is the closest to it.
+        log.info("DP x TP: DDP cannot wrap DTensor parameters, using FSDP2 over dp "
+                 "without resharding after forward")
+        data_parallel, kwargs = "fsdp", {"reshard_after_forward": False, **kwargs}
     path = Path(path)
     model = build_on_meta(path, dtype)
     files = WeightFiles(path)
@@ -154,13 +167,17 @@ def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
     (`gangs.parallel.materialize(sliced=True)`, which keeps tied weights tied); then let the
     model's own initialisation compute what the files do not hold."""
     keys = {name: _file_key(names, files) for name, names in targets.items()}
+    non_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
 
     def source(name: str, like: torch.Tensor) -> torch.Tensor:
         """This rank's part of `like`, read from the files: a DTensor's slice (the whole
         tensor only when `like` is not sharded)."""
         part = local_slices(like)
         key = keys.get(name)
-        if key is None:  # a non-persistent buffer: recomputed below
+        if key is None:
+            if name not in non_persistent:
+                raise RuntimeError(f"{name!r} of the parallelised model is not in its files")
+            # Recomputed below.
             return torch.zeros(tuple(s.stop - s.start for s in part), dtype=like.dtype)
         return files.read(key, part if isinstance(like, DTensor) else None)
 

@@ -83,7 +83,38 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             f"{pattern!r}, which gangtrain does not apply (supported: {sorted(STYLES)}); "
             "train it with tp_size 1"
         )
-    return parallelize_module(model, tp_mesh, {p: STYLES[s] for p, s in plan.items()})
+    holders = _holders_of_tied(model)
+    parallelize_module(model, tp_mesh, {p: STYLES[s] for p, s in plan.items()})
+    _retie(model, holders)
+    return model
+
+
+def _holders_of_tied(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """`[(module name, module, attribute), ...]` per parameter held by several modules."""
+    by_param: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for key, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            by_param.setdefault(id(param), []).append((module_name, module, key))
+    return [holders for holders in by_param.values() if len(holders) > 1]
+
+
+def _retie(model: nn.Module, tied: list[list[tuple[str, nn.Module, str]]]) -> None:
+    """`parallelize_module` gives each module a DTensor of its own, so a tied weight (e.g.
+    `lm_head` = `embed_tokens`, both split by vocabulary) comes out as two parameters: hand
+    the first holder's to the others, when the plan splits them alike; refuse otherwise."""
+    for holders in tied:
+        params = [getattr(module, key) for _, module, key in holders]
+        first = params[0]
+        layouts = {getattr(p, "placements", None) for p in params}
+        if len(layouts) > 1:
+            names = [f"{name}.{key}" if name else key for name, _, key in holders]
+            raise UserError(
+                f"{type(model).__name__} ties {names}, but its tensor-parallel plan splits "
+                f"them differently ({sorted(map(str, layouts))}): train it with tp_size 1"
+            )
+        for (_, module, key), param in zip(holders[1:], params[1:]):
+            if param is not first:
+                module.register_parameter(key, first)
 
 
 def _check_heads_divide(model: nn.Module, tp_size: int) -> None:
