@@ -20,7 +20,8 @@ def digest(directory: Path) -> dict[str, str]:
 
 
 def valid_scores(out: Path, metric: str) -> dict[int, float]:
-    return {r["step"]: r[metric] for r in read_jsonl(out / "metrics" / "valid.jsonl")}
+    return {r["step"]: r[f"valid/{metric}"]
+            for r in read_jsonl(out / "metrics" / "valid.jsonl")}
 
 
 def run_in_process(module: str, *args, capsys) -> tuple[int, str, str]:

@@ -46,7 +46,7 @@ def run_until_checkpoint(cmd: list[str], out: Path, step: int) -> None:
 
 def valid_losses(out: Path) -> dict[int, float]:
     lines = (out / "metrics" / "valid.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    return {r["step"]: r["valid/loss"] for r in map(json.loads, lines)}
 
 
 @pytest.fixture(scope="module")
