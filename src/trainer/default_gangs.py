@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gangs import FakeGang, Gangs, setup_gangs, setup_root_gang
+from trainer.console_log import show_on_console
 
 log = logging.getLogger("gangtrain")
 
@@ -34,6 +35,7 @@ def default_gangs(gangs: Gangs | None, model: nn.Module | None, who: str) -> Gan
     if not under_torchrun():
         return setup_gangs(FakeGang())
     gangs = setup_gangs(setup_root_gang(device_of(model) if model is not None else None))
+    show_on_console(gangs.root.rank)
     if gangs.root.rank == 0:
         log.info("%s without gangs= under torchrun: using the torchrun world (%d ranks, "
                  "data parallel, on %s)", who, gangs.root.size, gangs.device)

@@ -117,6 +117,7 @@ class Trainer(Generic[BatchT]):
         self.lr_scheduler = lr_scheduler
         self.output_dir = Path(output_dir)
         self.gangs = default_gangs(gangs, unit.model, "Trainer")
+        show_on_console(self.gangs.root.rank)  # before the first warning: once, from rank 0
         self.device = self.gangs.device
         self.early_stopper = early_stopper
         self.callbacks = CallbackList(callbacks)
@@ -127,7 +128,6 @@ class Trainer(Generic[BatchT]):
         self.lower_better = score_direction(s.lower_better, s.score_metric, valid_units)
         if hasattr(early_stopper, "follow"):  # a built-in judges in the trainer's direction
             early_stopper.follow(self.lower_better)
-        show_on_console(self.gangs.root.rank)
         prepare_output_dir(self.output_dir, resume=resume, overwrite=overwrite,
                            root=self.gangs.root)
 
