@@ -92,11 +92,12 @@ def fully_shard_model(
     }
     if offload_to_cpu:
         options["offload_policy"] = CPUOffloadPolicy()
+    groups = describe_groups(model, found)  # before fully_shard renames the classes
     for block in found:
         fully_shard(block, **options)
     fully_shard(model, **options)
     if gangs.root.rank == 0:
-        log.info("FSDP2 sharded %s", describe_groups(model, found))
+        log.info("FSDP2 sharded %s", groups)
     return model
 
 
