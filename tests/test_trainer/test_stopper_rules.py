@@ -77,3 +77,53 @@ def test_each_rule_of_the_readme_table_holds_through_the_trainer(tmp_path, row):
     else:
         assert (result.stop_reason, result.num_steps) == ("early_stop", int(stops_at))
     assert result.best_step == int(best)
+
+
+# -- the peers' columns, from their rules transcribed (lower-better) ---------------------------
+
+def lightning_stops_at(scores, patience, min_delta=0.0):
+    """Lightning's `EarlyStopping._evaluate_stopping_criteria` (TNT's `EarlyStopChecker` is
+    the same): `check_finite` stops at a NaN; an improvement is `score + min_delta < best`,
+    and only an improvement moves `best`."""
+    best, wait = math.inf, 0
+    for index, score in enumerate(scores, 1):
+        if not math.isfinite(score):
+            return index
+        if score + min_delta < best:
+            best, wait = score, 0
+        else:
+            wait += 1
+            if wait >= patience:
+                return index
+    return None
+
+
+def hf_stops_at(scores, patience, threshold=0.0):
+    """HF's `EarlyStoppingCallback.check_metric_value`: the counter resets only on a gain
+    over `state.best_metric` larger than the threshold; the Trainer then moves
+    `best_metric` on any strict gain (`_determine_best_metric`, after the callback)."""
+    best, counter = None, 0
+    for index, score in enumerate(scores, 1):
+        if best is None or (score < best and abs(score - best) > threshold):
+            counter = 0
+        else:
+            counter += 1
+        if best is None or score < best:
+            best = score
+        if counter >= patience:
+            return index
+    return None
+
+
+def leading(cell: str) -> int | None | str:
+    word = cell.split(" ", 1)[0]
+    return None if word == "never" else "-" if word == "-" else int(word)
+
+
+@pytest.mark.parametrize("row", ROWS[:3], ids=[row[0][:30] for row in ROWS[:3]])
+def test_the_peers_columns_follow_their_rules(row):
+    _, scores_text, stopper_text, _, _, lightning, hf = row
+    scores = [math.nan if s == "nan" else float(s) for s in scores_text.split(", ")]
+    stopper = eval(stopper_text.strip("`"), vars(early_stoppers))  # noqa: S307 (our README)
+    assert leading(lightning) == lightning_stops_at(scores, stopper.patience, stopper.min_delta)
+    assert leading(hf) == hf_stops_at(scores, stopper.patience, stopper.min_delta)
