@@ -206,6 +206,28 @@ def test_a_one_shot_validation_reader_is_refused_naming_it(tmp_path):
     assert trainer.run().score_history == [(5, 0.3)]
 
 
+class SameIterator:
+    """Re-iterable in form only: every pass continues one iterator."""
+
+    def __init__(self, batches):
+        self.batches = iter(batches)
+
+    def __iter__(self):
+        return self.batches
+
+
+def test_a_reader_spent_after_the_first_validation_is_named(tmp_path):
+    trainer, _ = scored_trainer(tmp_path, {10: 0.5, 20: 0.4}, max_num_steps=20,
+                                valid_data_readers=[SameIterator([None])])
+    with pytest.raises(ValueError) as error:
+        trainer.run()
+    assert str(error.value) == (
+        "valid_data_readers[0] (of valid unit 'valid', a SameIterator) gave batches at the "
+        "last validation and none now: it was spent; give a reader whose __iter__ starts a "
+        "new pass")
+    assert trainer.state.score_history == [(10, 0.5)]
+
+
 # -- 10. a NaN score is warned, and never ranks ------------------------------------------------
 
 def test_a_nan_score_is_warned_and_never_ranks(tmp_path, caplog):
