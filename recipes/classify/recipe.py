@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +16,7 @@ from gangs import Gangs, setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
 from recipes.classify.config import ClassifyConfig
 from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
+from trainer.console_log import configure_logging
 from trainer.early_stopper_config import build_early_stopper
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
@@ -57,7 +57,7 @@ class _Setup:
 
 
 def _setup(config: ClassifyConfig) -> _Setup:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()  # on rank 0 only: every line once
     root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
     try:
         gangs = setup_gangs(root)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -25,6 +24,7 @@ from recipes.lm.data import (
     split_files,
 )
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
+from trainer.console_log import configure_logging
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
@@ -60,7 +60,7 @@ class _Setup:
 def _setup(config: LMConfig, train: bool) -> _Setup:
     from datetime import timedelta
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()  # on rank 0 only: every line once
     if config.gangs.dp_shard_size is not None and config.trainer.data_parallel != "fsdp":
         raise UserError("config 'gangs.dp_shard_size' (HSDP) needs trainer.data_parallel=fsdp")
     root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))

@@ -15,9 +15,12 @@ and is run as::
 ``main`` (typically a call of `trainer.evaluate.evaluate` with the recipe's valid units), and
 leaves ``OUTPUT_DIR/config.yaml`` and the checkpoints as they are.
 
-The config is built from, lowest precedence first: the config type's defaults, the preset, each
-``--config-file`` in order, each ``--set`` in order (see `trainer.config_loading` for the
-merge rules; `trainer.config_errors` formats validation errors).
+The config is built from, lowest precedence first: the config type's defaults, the run's own
+``OUTPUT_DIR/config.yaml`` when there is one and the command resumes or evaluates (a run
+trained with ``--preset tiny`` is evaluated or extended without repeating it; the recipe's
+default preset is then not applied), the preset, each ``--config-file`` in order, each
+``--set`` in order (see `trainer.config_loading` for the merge rules;
+`trainer.config_errors` formats validation errors).
 
 User mistakes (bad keys, values, files, presets, arguments, and `UserError` raised by the
 recipe's main) print ``error: <message>`` on stderr, with no traceback, and exit with status 2.
@@ -104,13 +107,16 @@ def run_recipe(
     except ValueError as err:
         return _fail(f"--checkpoint: {err}")
 
+    base_file = _run_config(args)
     try:
         config = load_config(
             config_type,
             presets,
-            preset=args.preset if args.preset is not None else default_preset,
+            preset=args.preset if args.preset is not None or base_file is not None
+            else default_preset,
             config_files=args.config_files,
             overrides=args.overrides,
+            base_file=base_file,
         )
     except UserError as err:
         return _fail(str(err))
@@ -153,6 +159,15 @@ def run_recipe(
     return 0 if code is None else int(code)
 
 
+def _run_config(args: argparse.Namespace) -> Path | None:
+    """``OUTPUT_DIR/config.yaml``, the base of the config when the command continues or
+    evaluates the run there (not when it starts over); None otherwise."""
+    if args.output_dir is None or (not args.eval_only and (not args.resume or args.overwrite)):
+        return None
+    path = Path(args.output_dir) / "config.yaml"
+    return path if path.is_file() else None
+
+
 def dump_config(config: BaseModel) -> str:
     """The config as YAML, in field order; loading it back gives an equal config."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
@@ -178,8 +193,9 @@ def _make_parser(
 ) -> argparse.ArgumentParser:
     parser = _ArgumentParser(
         prog=prog,
-        description="Train with a recipe. Config precedence, lowest first: defaults, preset, "
-        "config files (in order), --set overrides (in order).",
+        description="Train with a recipe. Config precedence, lowest first: defaults, "
+        "OUTPUT_DIR/config.yaml (when resuming or with --eval-only), preset, config files "
+        "(in order), --set overrides (in order).",
         epilog=config_keys_help(config_type) if config_type is not None else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

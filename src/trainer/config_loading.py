@@ -1,7 +1,8 @@
 """Builds a recipe's config from its defaults, a preset, YAML files and ``--set`` overrides.
 
-Precedence, lowest first: the config type's defaults, the preset, each config file in order,
-each override in order. Mappings are merged key by key; any other value (lists included)
+Precedence, lowest first: the config type's defaults, a base file (a run's own
+``OUTPUT_DIR/config.yaml`` when it resumes or evaluates), the preset, each config file in
+order, each override in order. Mappings are merged key by key; any other value (lists included)
 replaces the one below it. Setting a key to null and then to a mapping replaces a mapping
 instead of merging into it. An override ``a.b.c=value`` parses its value as YAML; an integer
 key indexes an existing list.
@@ -37,14 +38,17 @@ def load_config(
     preset: str | None = None,
     config_files: Sequence[str | os.PathLike[str]] = (),
     overrides: Sequence[str] = (),
+    base_file: str | os.PathLike[str] | None = None,
 ) -> ConfigT:
-    """Merges defaults < ``preset`` < ``config_files`` < ``overrides`` (``"a.b=value"``
-    strings) and validates the result as ``config_type``.
+    """Merges defaults < ``base_file`` < ``preset`` < ``config_files`` < ``overrides``
+    (``"a.b=value"`` strings) and validates the result as ``config_type``.
 
     Raises `UserError` with a printable message (one line per problem) on a bad preset, file,
     override or value; a validation failure is chained as its ``__cause__``.
     """
     data = _defaults(config_type)
+    if base_file is not None:
+        data = _merge(data, _read_config_file(base_file))
 
     if preset is not None:
         if preset not in presets:

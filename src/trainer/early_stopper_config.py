@@ -201,7 +201,7 @@ class EarlyStopperConfig(NamedConfig):
             pass
 
 
-def _build_builtin(config: EarlyStopperConfig, lower_better: bool) -> EarlyStopper:
+def _build_builtin(config: EarlyStopperConfig, lower_better: bool | None) -> EarlyStopper:
     renamed = {_BUILTIN_KWARGS[config.name][key]: value for key, value in config.kwargs.items()}
     factory = _BUILTIN_FACTORIES[config.name]
     if config.name == "non_finite":
@@ -210,11 +210,12 @@ def _build_builtin(config: EarlyStopperConfig, lower_better: bool) -> EarlyStopp
 
 
 def build_early_stopper(
-    config: EarlyStopperConfig | None, lower_better: bool
+    config: EarlyStopperConfig | None, lower_better: bool | None
 ) -> EarlyStopper | None:
     """Builds a fresh stopper from its config (None -> None, no early stopping).
 
-    ``lower_better`` is the trainer's score direction. Call it again to get a stopper with
+    ``lower_better`` is the trainer's score direction (None: the Trainer hands the built-ins
+    the direction the valid unit declares; a user factory then gets none). Call it again to get a stopper with
     fresh state (e.g. before replaying a resumed run's score history).
     """
     if config is None:
@@ -231,7 +232,8 @@ def build_early_stopper(
     label = config.name
     if not kwargs and _is_stopper_function(obj):
         return _UserStopper(obj, label)
-    if "lower_better" not in kwargs and _accepts_keyword(obj, "lower_better"):
+    if (lower_better is not None and "lower_better" not in kwargs
+            and _accepts_keyword(obj, "lower_better")):
         kwargs["lower_better"] = lower_better
     stopper = obj(**kwargs)
     if not callable(stopper):

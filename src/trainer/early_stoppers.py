@@ -87,10 +87,17 @@ class Patience(_Directed):
 
     - the score *improves* when there is no best score yet (the first finite score always
       improves), or when ``score < best - min_delta`` (``lower_better``) /
-      ``score > best + min_delta`` (higher is better). A NaN score never improves;
+      ``score > best + min_delta`` (higher is better);
     - on an improvement, ``best = score`` and the count of bad validations resets to 0;
-      otherwise the count grows by 1 and ``best`` is unchanged, so a run of improvements each
-      smaller than ``min_delta`` still exhausts the patience;
+      otherwise the count grows by 1 and ``best`` is unchanged. So gains smaller than
+      ``min_delta`` add up: each score is compared with the old best, and once their sum
+      passes ``min_delta`` it is an improvement (as Lightning and TNT; HF moves its best on
+      any strict gain, so there small steps use up the patience);
+    - a tie with the best (``min_delta`` 0 included) is no improvement, as the checkpoint
+      retention keeps the oldest of tied scores as ``best``;
+    - a NaN score never improves: it counts as one bad validation (as HF), so one broken
+      validation does not end a run by itself; Lightning and TNT stop at once, which
+      ``any_of(patience(n), non_finite())`` does here;
     - the stopper returns True once the count reaches ``patience``.
 
     So ``patience(1)`` stops at the first validation that does not improve.

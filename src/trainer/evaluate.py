@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-from gangs import FakeGang, Gangs, setup_gangs
+from gangs import FakeGang, Gangs
 from trainer.checkpoint import rank_by_score, verify
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.manifest import (
@@ -41,6 +41,7 @@ from trainer.checkpoint.manifest import (
 )
 from trainer.checkpoint.state import model_optim_state
 from trainer.console_log import show_on_console
+from trainer.default_gangs import default_gangs
 from trainer.errors import UserError
 from trainer.recorders import ConsoleRecorder, JsonlRecorder
 from trainer.validator import Validator
@@ -122,9 +123,11 @@ def evaluate(
 ) -> dict[str, float]:
     """Validate the checkpoint ``checkpoint`` of the run in ``output_dir`` (see the module
     docstring); returns ``{"<unit name>/<metric>": value}``. Collective: call it on every
-    rank. ``console``: where rank 0 prints the metrics (default: stdout)."""
+    rank. ``gangs``: default the torchrun world under torchrun (the metrics synced over its
+    ranks, one line in eval.jsonl), else one process. ``console``: where rank 0 prints the
+    metrics (default: stdout)."""
     output_dir = Path(output_dir)
-    gangs = gangs if gangs is not None else setup_gangs(FakeGang())
+    gangs = default_gangs(gangs, valid_units[0].model if valid_units else None, "evaluate")
     show_on_console(gangs.root.rank)
     try:
         checkpoint = parse_checkpoint_choice(checkpoint)

@@ -9,6 +9,7 @@ or any checkpoint is lost.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ def check_run(settings: TrainerSettings, validator: Validator, early_stopper: An
                              "valid_data_readers and set validate_every_n_steps")
         if settings.score_metric is None:
             raise ValueError(f"{name} needs a score_metric (e.g. 'valid/loss')")
+    if settings.validate_every_n_steps is not None or settings.validate_at_start:
+        check_readers_repeat(validator)
     if settings.dtype != "fp32" and not settings.amp and any(
             p.dtype == torch.float32 for p in model.parameters()):
         raise ValueError(
@@ -49,8 +52,23 @@ def check_run(settings: TrainerSettings, validator: Validator, early_stopper: An
         raise ValueError(
             f"the unit's model is not wrapped for data parallelism over {dp_size} ranks: "
             "call `model = gangs.parallel.data_parallel(model, gangs)` before building the "
-            "optimizer and give the unit that model"
+            "optimizer and give the unit that model (under torchrun, "
+            "`gangs = setup_gangs(setup_root_gang())`, and pass `gangs=gangs`)"
         )
+
+
+def check_readers_repeat(validator: Validator) -> None:
+    """Each valid reader can be iterated again: a generator (or any one-shot iterator) would
+    give the first validation its batches and every later one nothing, so that the scores
+    silently vanish. Checked without iterating (a DataLoader would start its workers)."""
+    for index, (unit, reader) in enumerate(zip(validator.units, validator.readers)):
+        if isinstance(reader, Iterator):
+            raise ValueError(
+                f"valid_data_readers[{index}] (of valid unit '{unit.name}') is a one-shot "
+                f"iterator ({type(reader).__name__}): the first validation would spend it and "
+                "every later one would see no batch; give a re-iterable reader (a list, a "
+                "DataLoader, or an object whose __iter__ starts a new pass)"
+            )
 
 
 def check_unit_output(unit: Any, loss: Any, num_targets: Any, step_nr: int) -> Tensor | int:

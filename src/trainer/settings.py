@@ -44,8 +44,11 @@ class TrainerSettings(BaseModel):
     score_metric: str | None = Field(None, description=(
         "The validation metric that scores a step, '<valid unit name>/<metric>' "
         "(e.g. 'valid/loss'); needed by keep_best_n_checkpoints and early_stopper."))
-    lower_better: bool = Field(True, description=(
-        "Direction of score_metric; the built-in early stoppers take it from here."))
+    lower_better: bool | None = Field(None, description=(
+        "Direction of score_metric. None: what the valid unit declares for the metric "
+        "(accuracy, F1, BLEU higher-better; loss, perplexity lower-better; see "
+        "EvalUnit.higher_better_metrics); a contradiction is an error. The built-in early "
+        "stoppers take it from here."))
     # -- checkpoints -----------------------------------------------------------------------
     checkpoint_every_n_steps: int | None = Field(None, ge=1, description=(
         "Save a checkpoint every this many steps (and at the end); None: no checkpoints, "

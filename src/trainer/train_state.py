@@ -16,7 +16,11 @@ class TrainState:
     step_nr: int = 0
     """Optimizer steps taken (skipped steps count: they drew their data)."""
     score_history: list[tuple[int, float]] = field(default_factory=list)
-    """`(step_nr, score)` of every scheduled validation, in order."""
+    """`(step_nr, score)` of every validation with a score, in order: the scheduled ones and
+    the extra one at the end of a run (listed in `unscheduled_steps`)."""
+    unscheduled_steps: list[int] = field(default_factory=list)
+    """Steps of `score_history` validated off schedule (at the end of a run): recorded and
+    ranked for best, never given to the early stopper (nor replayed into it on resume)."""
     early_stopped_at: int | None = None
     """The step whose validation made the early stopper stop the run."""
     validated_step: int | None = None
@@ -36,6 +40,7 @@ class TrainState:
             "score_history": [[step, score] for step, score in self.score_history],
             "early_stopped_at": self.early_stopped_at,
             "validated_step": self.validated_step,
+            "unscheduled_steps": list(self.unscheduled_steps),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -43,3 +48,4 @@ class TrainState:
         self.score_history = [(int(step), float(score)) for step, score in state["score_history"]]
         self.early_stopped_at = state["early_stopped_at"]
         self.validated_step = state["validated_step"]
+        self.unscheduled_steps = [int(step) for step in state.get("unscheduled_steps", [])]

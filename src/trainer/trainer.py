@@ -26,13 +26,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from gangs import FakeGang, Gangs, any_rank, on_rank0, setup_gangs
+from gangs import Gangs, any_rank, on_rank0
 from gangs.parallel import reduce_expert_gradients
 from trainer import gradients
 from trainer.callbacks import Callback, CallbackList
 from trainer.checkpoint import CheckpointManager
 from trainer.console_log import show_on_console
 from trainer.data_position import DataPosition
+from trainer.default_gangs import default_gangs
 from trainer.early_stoppers import EarlyStopper
 from trainer.errors import UserError
 from trainer.hf import export_best_model
@@ -45,6 +46,7 @@ from trainer.recorders import MetricRecorder, training_recorder
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
 from trainer.same_start import check_same_start
+from trainer.score_direction import score_direction
 from trainer.seeding import RngState
 from trainer.settings import settings_doc, signature_with_settings, validate_settings
 from trainer.step_log import StepLog
@@ -72,14 +74,16 @@ class Trainer(Generic[BatchT]):
             skips on the device (no host read a step).
         output_dir: where checkpoints (`checkpoints/`), metrics (`metrics/*.jsonl`) and
             TensorBoard events (`tb/`) go.
-        gangs: the process gangs (`gangs.setup_gangs`); default: one process.
+        gangs: the process gangs (`gangs.setup_gangs`); default: the torchrun world under
+            torchrun (`setup_gangs(setup_root_gang())`), else one process.
         lr_scheduler: stepped once per step, skipped steps included.
         valid_units: `EvalUnit`s run at each validation; their metrics are recorded as
             `<unit name>/<metric>`. To split validation data over DP ranks, give each rank
             its shard: metrics are summed over the DP gang.
         valid_data_readers: one reader per valid unit, iterated afresh at each validation.
         early_stopper: `(step_nr, score) -> bool`, called on rank 0 after each scheduled
-            validation; see `trainer.early_stoppers` for the built-ins.
+            validation (never the extra one at the end of a run: its score is recorded and
+            may rank for best); see `trainer.early_stoppers` for the built-ins.
         recorders: where metrics go (rank 0); a list replaces the defaults (JSONL,
             TensorBoard, the console, W&B when `wandb_project` is set).
         callbacks: `Callback`s, called on every rank at the run's events.
@@ -114,7 +118,8 @@ class Trainer(Generic[BatchT]):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.output_dir = Path(output_dir)
-        self.gangs = gangs if gangs is not None else setup_gangs(FakeGang())
+        self.gangs = default_gangs(gangs, unit.model, "Trainer")
+        show_on_console(self.gangs.root.rank)  # before the first warning: once, from rank 0
         self.device = self.gangs.device
         self.early_stopper = early_stopper
         self.callbacks = CallbackList(callbacks)
@@ -122,9 +127,10 @@ class Trainer(Generic[BatchT]):
         self.validator = Validator(valid_units, valid_data_readers, self.gangs, s.score_metric)
         check_run(s, self.validator, early_stopper, unit.model, self.gangs.dp.size)
         check_same_start(unit.model, self.gangs)  # DP ranks hold the same replicated weights
+        # The score's direction: the setting, else what the valid unit declares.
+        self.lower_better = score_direction(s.lower_better, s.score_metric, valid_units)
         if hasattr(early_stopper, "follow"):  # a built-in judges in the trainer's direction
-            early_stopper.follow(s.lower_better)
-        show_on_console(self.gangs.root.rank)
+            early_stopper.follow(self.lower_better)
         prepare_output_dir(self.output_dir, resume=resume, overwrite=overwrite,
                            root=self.gangs.root)
 
@@ -147,7 +153,7 @@ class Trainer(Generic[BatchT]):
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints", self.gangs,
             keep_last_n=s.keep_last_n_checkpoints, keep_best_n=s.keep_best_n_checkpoints,
-            lower_better=s.lower_better, async_save=s.async_checkpoint,
+            lower_better=self.lower_better, async_save=s.async_checkpoint,
             on_commit=lambda step_nr, path: self.callbacks.on_checkpoint_saved(self, step_nr,
                                                                                path),
         ) if s.checkpoint_every_n_steps is not None else None
@@ -222,7 +228,7 @@ class Trainer(Generic[BatchT]):
                     self.checkpoints.close()
         result = TrainResult.of_run(reason, self.state, self.steps.total_skipped,
                                     self._last_published, self.checkpoints,
-                                    self.settings.lower_better)
+                                    self.lower_better)
         self.callbacks.on_train_end(self, result)
         return result
 
@@ -352,9 +358,12 @@ class Trainer(Generic[BatchT]):
         self.metrics.reset()
         self._window_start = time.perf_counter()
 
-    def _validate(self) -> bool:
+    def _validate(self, scheduled: bool = True) -> bool:
         """Validate, record the metrics and the score; True when the early stopper says
-        stop (decided on rank 0, shared with every rank)."""
+        stop (decided on rank 0, shared with every rank). Only a `scheduled` validation
+        reaches the early stopper: the extra one at the end of a run is recorded (and may
+        rank for best) but changes no stop decision, so a longer run of the same command
+        goes on exactly as one never stopped there."""
         self.steps.check()  # never validate (or save) a model a non-finite loss poisoned
         self.recorder.flush()  # the train records so far, on disk while validation runs
         started = time.perf_counter()
@@ -362,20 +371,28 @@ class Trainer(Generic[BatchT]):
         self.state.validated_step = step_nr
         values = self.validator.run()
         self._window_start += time.perf_counter() - started  # throughput excludes validation
+        # One file per valid unit (metrics/<unit>.jsonl), each metric under its full name
+        # ('valid/accuracy'), as in score_metric, TensorBoard, W&B and eval.jsonl.
         sections: dict[str, dict[str, float]] = {}
         for key, value in values.items():
-            section, _, name = key.rpartition("/")
-            sections.setdefault(section, {})[name] = value
+            sections.setdefault(key.rpartition("/")[0], {})[key] = value
         for section, section_values in sections.items():
             self.recorder.record(section, step_nr, section_values)
         self.callbacks.on_validation_end(self, values)
         score = self.validator.score(values)
         if score is None:
             return False
+        if math.isnan(score):
+            log.warning("step %d: the validation score %s is NaN: it never ranks for best%s",
+                        step_nr, self.settings.score_metric,
+                        "" if self.early_stopper is None or not scheduled
+                        else f"; the early stopper {self.early_stopper!r} judges it")
         self.state.score_history.append((step_nr, score))
+        if not scheduled:
+            self.state.unscheduled_steps.append(step_nr)
         if self.checkpoints is not None:
             self.checkpoints.record_score(step_nr, score)
-        if self.early_stopper is None:
+        if self.early_stopper is None or not scheduled:
             return False
         stopper = self.early_stopper
         stop = on_rank0(self.gangs.root, lambda: bool(stopper(step_nr, score)),
@@ -410,9 +427,11 @@ class Trainer(Generic[BatchT]):
         assert self.checkpoints is not None
         loaded = self.checkpoints.load(step_nr, self.unit.model, self.optimizer, states)
         if self.early_stopper is not None and "early_stopper" not in loaded:
-            # A plain callable keeps its state to itself: rebuild it from the scores.
+            # A plain callable keeps its state to itself: rebuild it from the scores it
+            # was given (the scheduled ones).
             for history_step, score in self.state.score_history:
-                self.early_stopper(history_step, score)
+                if history_step not in self.state.unscheduled_steps:
+                    self.early_stopper(history_step, score)
         self.checkpoints.remember_scores(dict(self.state.score_history))
         self.state.last_saved_step = step_nr
         path = self.checkpoints.dir / f"step_{step_nr}"
@@ -429,7 +448,7 @@ class Trainer(Generic[BatchT]):
                 self._publish()
             validated = self.state.validated_step == step_nr
             if s.validate_at_end and self.validator and not validated and step_nr > 0:
-                self._validate()
+                self._validate(scheduled=False)
         if self.checkpoints is not None and step_nr > (self.state.last_saved_step or 0):
             self._save(blocking=True)  # the final save: at the end and on a clean stop
         if self.checkpoints is not None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from gangs import Gangs
+from gangs import Gangs, any_rank_each
 from trainer.device import to_device
 from units import EvalUnit, MetricBag
 
@@ -35,6 +35,9 @@ class Validator:
         self.readers = list(readers)
         self.gangs = gangs
         self.score_metric = score_metric
+        # Batches each reader gave at the last validation: one that gave some and then none
+        # was spent (a one-shot iterator the construction check could not see).
+        self._last_counts = [0] * len(self.units)
         if score_metric is not None:
             self._check_score_metric(score_metric)
 
@@ -57,20 +60,39 @@ class Validator:
 
     def run(self) -> dict[str, float]:
         values: dict[str, float] = {}
+        counts = []
         for unit, reader in zip(self.units, self.readers):
             metrics = MetricBag(self.gangs.device)
             was_training = unit.model.training
             unit.model.eval()
+            count = 0
             try:
                 with torch.inference_mode():
                     for batch in reader:
                         unit(to_device(batch, self.gangs.device), metrics)
+                        count += 1
             finally:
                 unit.model.train(was_training)
+            counts.append(count)
             unit_values = metrics.sync_and_compute(self.gangs.dp)
             unit.derive_metrics(unit_values)
             values.update({f"{unit.name}/{k}": v for k, v in unit_values.items()})
+        self._check_not_spent(counts)
         return values
+
+    def _check_not_spent(self, counts: list[int]) -> None:
+        """Raise, on every DP rank, when a reader that gave batches last time gave none."""
+        spent = [last > 0 and count == 0 for last, count in zip(self._last_counts, counts)]
+        self._last_counts = counts
+        if self.gangs.dp.size > 1:
+            spent = any_rank_each(self.gangs.dp, spent)
+        for index, (unit, reader) in enumerate(zip(self.units, self.readers)):
+            if spent[index]:
+                raise ValueError(
+                    f"valid_data_readers[{index}] (of valid unit '{unit.name}', a "
+                    f"{type(reader).__name__}) gave batches at the last validation and none "
+                    "now: it was spent; give a reader whose __iter__ starts a new pass"
+                )
 
     def score(self, values: dict[str, float]) -> float | None:
         if self.score_metric is None:

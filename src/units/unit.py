@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Generic, TypeVar
 
 from torch import Tensor, nn
 
+from units.directions import (
+    HIGHER_BETTER_METRICS,
+    LOWER_BETTER_METRICS,
+    declared_lower_better,
+)
 from units.metrics import MetricBag
 
 BatchT = TypeVar("BatchT")
@@ -47,6 +52,19 @@ class EvalUnit(ABC, Generic[BatchT]):
     metric_names: Sequence[str] | None = None
     """The metrics this unit records, if known up front: lets the trainer check
     `score_metric` at construction instead of at the first validation."""
+
+    higher_better_metrics: Collection[str] = HIGHER_BETTER_METRICS
+    """Metrics that improve upwards (accuracy, F1, BLEU ...): the Trainer ranks a
+    `score_metric` named here higher-better when `lower_better` is not given."""
+
+    lower_better_metrics: Collection[str] = LOWER_BETTER_METRICS
+    """Metrics that improve downwards (loss, perplexity, error rates ...)."""
+
+    def metric_lower_better(self, metric: str) -> bool | None:
+        """The direction this unit declares for `metric` (True: lower is better), or None
+        when it declares none (see `units.directions`)."""
+        return declared_lower_better(metric, self.higher_better_metrics,
+                                     self.lower_better_metrics)
 
     @property
     @abstractmethod

@@ -53,10 +53,12 @@ def test_nan_never_best_and_unscored_not_candidates():
     assert steps_to_keep([1, 2, 3, 4], scores, None, 2, True) == {2, 4}
 
 
-def test_ties_prefer_newer_step():
+def test_ties_prefer_older_step():
+    # A strict comparison, as Lightning's top-k, HF's best model and TNT: a tie never
+    # displaces the step that reached the score first.
     scores = {1: 0.3, 2: 0.3, 3: 0.3, 4: 0.9}
-    assert rank_by_score([1, 2, 3, 4], scores, True) == [3, 2, 1, 4]
-    assert steps_to_keep([1, 2, 3, 4, 5], scores, None, 2, True) == {2, 3, 5}
+    assert rank_by_score([1, 2, 3, 4], scores, True) == [1, 2, 3, 4]
+    assert steps_to_keep([1, 2, 3, 4, 5], scores, None, 2, True) == {1, 2, 5}
     assert steps_to_keep([1, 2, 3, 4, 5], scores, None, 1, False) == {4, 5}
 
 

@@ -20,7 +20,8 @@ def digest(directory: Path) -> dict[str, str]:
 
 
 def valid_scores(out: Path, metric: str) -> dict[int, float]:
-    return {r["step"]: r[metric] for r in read_jsonl(out / "metrics" / "valid.jsonl")}
+    return {r["step"]: r[f"valid/{metric}"]
+            for r in read_jsonl(out / "metrics" / "valid.jsonl")}
 
 
 def run_in_process(module: str, *args, capsys) -> tuple[int, str, str]:
@@ -44,13 +45,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_only")
     lm, classify = root / "lm", root / "classify"
     procs = run_all({
-        # Higher bits/byte counts as better here, so that the best checkpoint (step 20) is
-        # not the last one (step 40): training lowers it.
-        "lm": ["recipes.lm", lm, "--preset", "tiny", "--set", "trainer.lower_better=false"],
-        # The same trick: the highest loss is the best, and patience stops the run at step
-        # 100, three validations after the best (step 25).
-        "classify": ["recipes.classify", classify, "--preset", "tiny",
-                     "--set", "trainer.score_metric=valid/loss"],
+        # Both checkpoints kept: the best (the last, step 40) and step 20.
+        "lm": ["recipes.lm", lm, "--preset", "tiny", "--set", "trainer.keep_last_n_checkpoints=2"],
+        # Patience stops the run three validations after its best accuracy.
+        "classify": ["recipes.classify", classify, "--preset", "tiny"],
     })
     for proc in procs.values():
         assert proc.returncode == 0, describe(proc)
@@ -62,29 +60,30 @@ def runs(tmp_path_factory):
 def test_eval_only_reproduces_the_recorded_scores_and_changes_nothing(runs, capsys):
     lm, classify, before = runs
     lm_scores = valid_scores(lm, "bits_per_byte")
-    assert sorted(lm_scores) == [20, 40] and lm_scores[20] > lm_scores[40]
-    classify_losses = valid_scores(classify, "loss")
-    assert sorted((classify / "checkpoints").glob("step_*")) == [
-        classify / "checkpoints" / "step_100", classify / "checkpoints" / "step_25"]
-    assert classify_losses[25] == max(classify_losses.values())
+    assert sorted(lm_scores) == [20, 40] and lm_scores[20] > lm_scores[40]  # best: 40
+    accuracy = valid_scores(classify, "accuracy")
+    best = min(step for step, value in accuracy.items() if value == max(accuracy.values()))
+    assert sorted((classify / "checkpoints").glob("step_*")) == sorted(
+        {classify / "checkpoints" / f"step_{step}" for step in (best, max(accuracy))})
+    # Without the run's options: its OUTPUT_DIR/config.yaml is the base (the default
+    # preset, cpu, would build another model and fail to load the checkpoint).
     procs = run_all({
-        "lm": ["recipes.lm", lm, "--preset", "tiny", "--eval-only"],
-        "classify": ["recipes.classify", classify, "--preset", "tiny",
-                     "--set", "trainer.score_metric=valid/loss", "--eval-only"],
+        "lm": ["recipes.lm", lm, "--eval-only"],
+        "classify": ["recipes.classify", classify, "--eval-only"],
     })
     for proc in procs.values():
         assert proc.returncode == 0, describe(proc)
         assert "Traceback" not in proc.stderr
-    code, last_out, _ = run_in_process("recipes.lm", lm, "--preset", "tiny", "--eval-only",
-                                       "--checkpoint", "last", capsys=capsys)
+    code, step_20_out, _ = run_in_process("recipes.lm", lm, "--preset", "tiny", "--eval-only",
+                                          "--checkpoint", "step_20", capsys=capsys)
     assert code == 0
 
     # The console names the checkpoint and prints its metrics.
-    assert f"evaluating checkpoint {lm / 'checkpoints' / 'step_20'} (best; recorded score" \
+    assert f"evaluating checkpoint {lm / 'checkpoints' / 'step_40'} (best; recorded score" \
         in " ".join(procs["lm"].stdout.split())
-    assert "eval step 20 | valid/loss" in procs["lm"].stdout
-    assert "eval step 25 | valid/accuracy" in procs["classify"].stdout
-    assert "eval step 40 | valid/loss" in last_out
+    assert "eval step 40 | valid/loss" in procs["lm"].stdout
+    assert f"eval step {best} | valid/accuracy" in procs["classify"].stdout
+    assert "eval step 20 | valid/loss" in step_20_out
 
     # Exactly the scores training recorded, appended to metrics/eval.jsonl.
     lm_eval = {r["step"]: r for r in read_jsonl(lm / "metrics" / "eval.jsonl")}
@@ -92,9 +91,9 @@ def test_eval_only_reproduces_the_recorded_scores_and_changes_nothing(runs, caps
     for step in (20, 40):
         assert lm_eval[step]["valid/bits_per_byte"] == lm_scores[step]
     (classify_eval,) = read_jsonl(classify / "metrics" / "eval.jsonl")
-    assert classify_eval["step"] == 25
-    assert classify_eval["valid/loss"] == classify_losses[25]
-    assert classify_eval["valid/accuracy"] == valid_scores(classify, "accuracy")[25]
+    assert classify_eval["step"] == best
+    assert classify_eval["valid/loss"] == valid_scores(classify, "loss")[best]
+    assert classify_eval["valid/accuracy"] == accuracy[best]
 
     # Not one byte of the checkpoints or of the run's config changed.
     for out in (lm, classify):

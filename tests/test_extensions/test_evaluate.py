@@ -25,6 +25,9 @@ from units import EvalUnit, MetricBag
 
 class RegressionEval(EvalUnit):
     metric_names = ("loss", "abs_error")
+    # Declares no direction for its loss: the run below ranks it higher-better on purpose,
+    # so that its best checkpoint is not its last.
+    lower_better_metrics = ()
 
     def __init__(self, model, name="valid"):
         self._model = model

@@ -42,7 +42,7 @@ def test_tiny_run_early_stops_by_patience(tiny_run):
 
     # Replaying the recorded scores through a fresh stopper: it says stop at the last one only.
     stopper = Patience(3, min_delta=0.001, lower_better=False)
-    decisions = [stopper(r["step"], r["accuracy"]) for r in valid]
+    decisions = [stopper(r["step"], r["valid/accuracy"]) for r in valid]
     assert decisions == [False] * (len(valid) - 1) + [True]
 
     match = re.search(r"stopped after step (\d+): early_stop by patience\(3, min_delta=0\.001",
@@ -55,13 +55,13 @@ def test_tiny_run_early_stops_by_patience(tiny_run):
 def test_tiny_run_reports_best_accuracy(tiny_run):
     out, _, stdout = tiny_run
     valid = read_jsonl(out / "metrics" / "valid.jsonl")
-    best = max(r["accuracy"] for r in valid)
+    best = max(r["valid/accuracy"] for r in valid)
     assert 0.5 < best < 1.0  # it learns, and label noise keeps it below 100%
     match = re.search(r"best valid/accuracy: (\d\.\d+) at step (\d+)", stdout)
     assert match, stdout
     assert match.group(1) == f"{best:.4f}"
-    # Ties go to the newest step, as in checkpoint retention.
-    assert int(match.group(2)) == max(r["step"] for r in valid if r["accuracy"] == best)
+    # Ties go to the oldest step, as in checkpoint retention (and Lightning, HF, TNT).
+    assert int(match.group(2)) == min(r["step"] for r in valid if r["valid/accuracy"] == best)
 
     # The best step and the newest one are what keep_best_n_checkpoints=1 leaves.
     kept = sorted(p.name for p in (out / "checkpoints").glob("step_*"))

@@ -56,7 +56,7 @@ def test_tiny_run_trains_validates_and_improves(tiny_run):
     assert [r["step"] for r in train] == [10, 20, 30, 40]
     assert all(r["loss"] > 0 for r in train)
     assert [r["step"] for r in valid] == [0, 20, 40]  # at start, every 20 steps
-    first, last = valid[0]["bits_per_byte"], valid[-1]["bits_per_byte"]
+    first, last = valid[0]["valid/bits_per_byte"], valid[-1]["valid/bits_per_byte"]
     assert last < first, f"valid bits/byte did not go down: {first} -> {last}"
 
 
@@ -67,10 +67,10 @@ def test_tiny_run_console(tiny_run):
                      stdout), stdout
     assert "stopped after step 40: max_num_steps" in stdout
     valid = read_jsonl(out / "metrics" / "valid.jsonl")
-    best = min(valid, key=lambda r: r["bits_per_byte"])
+    best = min(valid, key=lambda r: r["valid/bits_per_byte"])
     match = re.search(r"best valid bits/byte: (\d+\.\d+) at step (\d+)", stdout)
     assert match, stdout
-    assert match.group(1) == f"{best['bits_per_byte']:.4f}"
+    assert match.group(1) == f"{best['valid/bits_per_byte']:.4f}"
     assert int(match.group(2)) == best["step"]
 
 
@@ -86,7 +86,7 @@ def test_tiny_run_tensorboard(tiny_run):
     scalars = events.Scalars("valid/bits_per_byte")
     assert [s.step for s in scalars] == [r["step"] for r in valid]
     for scalar, record in zip(scalars, valid):  # TensorBoard stores float32
-        assert scalar.value == pytest.approx(record["bits_per_byte"], rel=1e-6)
+        assert scalar.value == pytest.approx(record["valid/bits_per_byte"], rel=1e-6)
     assert [s.step for s in events.Scalars("train/loss")] == [10, 20, 30, 40]
 
 

@@ -28,7 +28,8 @@ def run(out: Path, ranks: int = 1, *extra: str) -> dict[str, list[float]]:
     losses = {}
     for section in ("train", "valid"):
         lines = (out / "metrics" / f"{section}.jsonl").read_text().splitlines()
-        losses[section] = [json.loads(line)["loss"] for line in lines]
+        key = "loss" if section == "train" else "valid/loss"  # a valid metric's full name
+        losses[section] = [json.loads(line)[key] for line in lines]
     return losses
 
 

@@ -21,9 +21,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def losses(out: Path) -> dict[str, list[float]]:
-    return {section: [json.loads(line)["loss"] for line in
+    return {section: [json.loads(line)[key] for line in
                       (out / "metrics" / f"{section}.jsonl").read_text().splitlines()]
-            for section in ("train", "valid")}
+            for section, key in (("train", "loss"), ("valid", "valid/loss"))}
 
 
 def test_two_nodes_give_the_losses_of_two_processes(tmp_path):

@@ -120,7 +120,7 @@ def test_metrics_read_back_from_jsonl_tensorboard_and_wandb(tmp_path):
     assert lines[-1]["loss"] == pytest.approx(result.last_metrics["loss"])
     assert all(r["num_targets"] > 0 and r["grad_norm"] > 0 for r in lines)
     valid = [json.loads(s) for s in (tmp_path / "metrics" / "valid.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["loss"]) for r in valid] == [(10, 2.0), (20, 1.5)]
+    assert [(r["step"], r["valid/loss"]) for r in valid] == [(10, 2.0), (20, 1.5)]
 
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()

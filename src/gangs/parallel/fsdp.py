@@ -16,6 +16,9 @@ the EP gang only and `reduce_expert_gradients` reduces them, exactly as under DD
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
@@ -25,6 +28,8 @@ from gangs.parallel.blocks import BlockSpec, find_blocks
 from gangs.setup import Gangs
 
 __all__ = ["fully_shard_model", "mixed_precision_policy"]
+
+log = logging.getLogger("gangtrain")
 
 
 def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -87,7 +92,26 @@ def fully_shard_model(
     }
     if offload_to_cpu:
         options["offload_policy"] = CPUOffloadPolicy()
+    groups = describe_groups(model, found)  # before fully_shard renames the classes
     for block in found:
         fully_shard(block, **options)
     fully_shard(model, **options)
+    if gangs.root.rank == 0:
+        log.info("FSDP2 sharded %s", groups)
     return model
+
+
+def describe_groups(model: nn.Module, blocks: list[nn.Module]) -> str:
+    """Which blocks got an FSDP group of their own, by class and name, e.g. "12 blocks
+    (GPT2Block: transformer.h.0 .. transformer.h.11), the rest with the root module": a wrong
+    block choice (one group for the whole model) shows in the log, not only in the memory."""
+    if not blocks:
+        return f"the whole model as one group ({type(model).__name__}): no repeated block found"
+    names = {id(module): name for name, module in model.named_modules()}
+    kinds = ", ".join(f"{count} x {kind}" for kind, count in
+                      Counter(type(b).__name__ for b in blocks).items())
+    first, last = names.get(id(blocks[0]), "?"), names.get(id(blocks[-1]), "?")
+    span = first if len(blocks) == 1 else f"{first} .. {last}"
+    return (f"{len(blocks)} block(s) one group each ({kinds}: {span}), the rest "
+            f"(embeddings, norms, output and tied weights) with the root "
+            f"{type(model).__name__}")

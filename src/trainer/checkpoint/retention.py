@@ -7,7 +7,9 @@ other's checkpoints; here the kept set is the union of three rules, computed in 
 - the last `keep_last_n` steps;
 - the best `keep_best_n` steps by score (lowest first when `lower_better`, else highest).
   Only steps with a score take part; a NaN score is never among the best. Equal scores
-  rank the newer step first.
+  rank the OLDER step first: a later step must beat the best strictly to take its place
+  (as Lightning's top-k, HF's best model and TNT do, and as `Patience` judges a tie: no
+  improvement).
 
 When both `keep_last_n` and `keep_best_n` are None, everything is kept. When only one is
 given, the other rule contributes nothing (so `keep_best_n=2` alone keeps the newest step
@@ -23,10 +25,10 @@ from collections.abc import Iterable, Mapping
 def rank_by_score(
     steps: Iterable[int], scores: Mapping[int, float], lower_better: bool
 ) -> list[int]:
-    """The scored steps, best first (ties: newer first); unscored and NaN steps left out."""
+    """The scored steps, best first (ties: older first); unscored and NaN steps left out."""
     candidates = [s for s in steps if s in scores and not math.isnan(scores[s])]
     sign = 1.0 if lower_better else -1.0
-    return sorted(candidates, key=lambda s: (sign * scores[s], -s))
+    return sorted(candidates, key=lambda s: (sign * scores[s], s))
 
 
 def steps_to_keep(

@@ -14,10 +14,19 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 
+def metric_tag(section: str, name: str) -> str:
+    """A metric's one name in TensorBoard and W&B: ``<section>/<name>``, or ``name`` itself
+    when it already starts with its section. Validation metrics are recorded under their
+    full name, ``<valid unit>/<metric>`` (``valid/accuracy``), the name `score_metric`,
+    the JSONL files, the callbacks and `evaluate` use: one naming everywhere."""
+    return name if name.startswith(f"{section}/") else f"{section}/{name}"
+
+
 class MetricRecorder(ABC):
     """Writes published metrics somewhere (a file, TensorBoard, W&B, the console).
 
-    ``section`` groups values: ``"train"``, ``"valid"`` or ``"valid/<unit name>"``.
+    ``section`` groups values: ``"train"`` (names like ``loss``), a valid unit's name
+    (names like ``valid/loss``: the full name), ``"eval"`` (evaluate-only runs).
     """
 
     @abstractmethod

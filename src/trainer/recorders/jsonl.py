@@ -5,6 +5,10 @@ Layout: ``<output_dir>/metrics/<section>.jsonl`` ("/" in a section becomes "_", 
 
     {"step": 10, "time": 1700000000.123, "loss": 2.31, "num_targets": 4096}
 
+A valid unit's file (``valid.jsonl``) holds its metrics under their full names,
+``{"step": 10, ..., "valid/loss": 2.4}``: the names of `score_metric`, TensorBoard and W&B
+(`trainer.recorders.base.metric_tag`).
+
 Non-finite floats are not valid JSON, and writing ``null`` would hide *which* one it was
 (a NaN loss and an infinite gradient norm mean different things), so they are written as
 the strings ``"nan"``, ``"inf"`` and ``"-inf"``; :func:`read_jsonl` turns them back.

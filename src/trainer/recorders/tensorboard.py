@@ -1,4 +1,4 @@
-"""TensorBoard scalars, one tag per metric: ``<section>/<name>`` (e.g. ``valid/lm/loss``)."""
+"""TensorBoard scalars, one tag per metric: `metric_tag` (`train/loss`, `valid/loss`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.recorders.base import MetricRecorder
+from trainer.recorders.base import MetricRecorder, metric_tag
 
 if TYPE_CHECKING:
     from trainer.recorders.event_file import EventFileWriter
@@ -34,7 +34,7 @@ class TensorBoardRecorder(MetricRecorder):
 
     def record(self, section: str, step_nr: int, values: Mapping[str, float]) -> None:
         writer = self._writer or self._open()
-        writer.add_scalars(step_nr, {f"{section}/{name}": float(value)
+        writer.add_scalars(step_nr, {metric_tag(section, name): float(value)
                                      for name, value in values.items()})
         now = time.monotonic()
         # A flush is a write system call: "train" (every few steps) at most every

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.recorders.base import MetricRecorder
+from trainer.recorders.base import MetricRecorder, metric_tag
 
 _MISSING_MESSAGE = "W&B recording needs 'pip install gangtrain[wandb]'"
 
@@ -69,7 +69,8 @@ class WandbRecorder(MetricRecorder):
     def record(self, section: str, step_nr: int, values: Mapping[str, float]) -> None:
         if self._run is None:
             raise RuntimeError("WandbRecorder.record() called after close()")
-        self._run.log({f"{section}/{name}": value for name, value in values.items()}, step=step_nr)
+        self._run.log({metric_tag(section, name): value for name, value in values.items()},
+                      step=step_nr)
 
     def rewind(self, step_nr: int) -> None:
         """No-op: W&B cannot un-log (see the class docstring)."""
