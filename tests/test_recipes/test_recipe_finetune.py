@@ -58,7 +58,9 @@ def straight(tiny, tmp_path_factory) -> Path:
     return out
 
 
-def by_step(out: Path, section: str, key: str = "loss") -> dict[int, float]:
+def by_step(out: Path, section: str) -> dict[int, float]:
+    """The loss a step of a section's JSONL ("valid.jsonl" names it "valid/loss")."""
+    key = "loss" if section == "train" else f"{section}/loss"
     return {r["step"]: r[key] for r in read_jsonl(out / "metrics" / f"{section}.jsonl")}
 
 
