@@ -43,6 +43,7 @@ from trainer.rank_failure import RankFailure, share_failure
 from trainer.recorders import MetricRecorder, training_recorder
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
+from trainer.run_lock import RunLock, hold_run_lock
 from trainer.seeding import RngState
 from trainer.settings import settings_doc, signature_with_settings, validate_settings
 from trainer.step_log import StepLog
@@ -122,8 +123,9 @@ class Trainer(Generic[BatchT]):
         if hasattr(early_stopper, "follow"):  # a built-in judges in the trainer's direction
             early_stopper.follow(s.lower_better)
         show_on_console(self.gangs.root.rank)
+        self.run_lock = RunLock(self.output_dir)  # one live run per directory
         prepare_output_dir(self.output_dir, resume=resume, overwrite=overwrite,
-                           root=self.gangs.root)
+                           root=self.gangs.root, lock=self.run_lock)
 
         # The components that hold the run's state (checkpointed by name, `_states`).
         self.state = TrainState()
@@ -194,6 +196,7 @@ class Trainer(Generic[BatchT]):
         self.unit.model.train()
         anomaly = (torch.autograd.detect_anomaly() if self.settings.anomaly_detection
                    else contextlib.nullcontext())
+        hold_run_lock(self.run_lock, self.gangs.root)  # again, for a re-run
         with StopSignal() as stop, anomaly:
             try:
                 if self.resume and self.state.step_nr == 0:  # a fresh trainer, not a re-run
@@ -217,6 +220,7 @@ class Trainer(Generic[BatchT]):
                 self.recorder.close()
                 if self.checkpoints is not None:
                     self.checkpoints.close()
+                self.run_lock.release()  # last: close() may still commit a save
         result = TrainResult.of_run(reason, self.state, self.steps.total_skipped,
                                     self._last_published, self.checkpoints,
                                     self.settings.lower_better)
