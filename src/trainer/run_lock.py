@@ -2,26 +2,26 @@
 
 Two runs on one `OUTPUT_DIR` (a scheduler that retries a job still running, a user who
 forgot) would resume from the same checkpoint and then replace each other's step
-directories. So rank 0 takes an exclusive `flock` on `OUTPUT_DIR/.run.lock` before it
-touches anything there, and keeps it until the run ends; a second run is refused at once
-with a message that names the directory and the holder (host, pid, start time, which the
-holder writes into the file).
+directories. So rank 0 takes an exclusive `fcntl` lock (a POSIX record lock, `lockf`) on
+`OUTPUT_DIR/.run.lock` before it touches anything there, and keeps it until the run ends;
+a second run is refused at once with a message that names the directory and the holder
+(host, pid, start time, which the holder writes into the file).
 
-Why `flock` and not a lock file that exists or not, or a lease: the kernel drops a `flock`
-when its process dies however it dies (SIGKILL, OOM killer, a crash), so a dead run never
-blocks the next one and nothing has to guess whether a holder is still alive. On one host
-that is exact. On a network file system it is what the file system makes of it: NFS (v4,
-or v3 with lockd) turns `flock` into a server-side lock that a lost client's lease
-releases after the server's lease time (90 s by default); Lustre needs the `flock` mount
-option and refuses the call without it; some FUSE file systems accept it but lock per
-host only. Where the file system refuses locks (`ENOLCK`, `EOPNOTSUPP`, `ENOSYS`) the run
-goes on with a warning: it cannot be protected there, and refusing would stop every run on
-such a file system.
+Why this lock and not a file that exists or not, or a lease with a heartbeat: the kernel
+drops the lock when its process dies however it dies (SIGKILL, the OOM killer, a crash), so
+a dead run never blocks the next one and nothing has to guess whether a holder still lives.
+A POSIX lock rather than `flock`: it belongs to the process alone, so data-loader workers
+forked during the run do not inherit it and cannot keep it alive after their parent. On one
+host that is exact. On a network file system it is what the file system makes of it: NFS
+(v4, or v3 with lockd) keeps POSIX locks on the server and releases a lost client's after
+its lease time (90 s by default); Lustre needs the `flock` or `localflock` mount option
+(the latter locks per node only); some FUSE file systems lock per host only. Where the file
+system refuses locks (`ENOLCK`, `EOPNOTSUPP`, `ENOSYS`) the run goes on with a warning:
+nothing can protect it there, and refusing would stop every run on such a file system.
 
 Within one process the lock is re-entrant: the recipe command line takes it before it
 writes `config.yaml`, the `Trainer` it builds takes it again, and the file is unlocked when
-the last holder lets go (a process that forks keeps it while a child lives: the child shares
-the open file).
+the last holder lets go.
 """
 
 from __future__ import annotations
@@ -72,21 +72,17 @@ class RunLock:
             return
         fd = os.open(key, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise UserError(
-                f"output_dir {self.output_dir} is in use by another run ({holder}); two runs "
-                "in one directory would overwrite each other's checkpoints. Wait for it to "
-                "end, stop it, or choose another OUTPUT_DIR") from None
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
-            if error.errno not in _UNSUPPORTED:
+            if error.errno not in (errno.EACCES, errno.EAGAIN):
+                _unsupported_or_raise(error, fd, self.path)  # else: go on unprotected
+            else:
+                holder = _read_holder(fd)
                 os.close(fd)
-                raise
-            log.warning("cannot lock %s (%s): the file system does not support locks, so "
-                        "nothing stops a second run from using this directory at the same time",
-                        self.path, os.strerror(error.errno))
+                raise UserError(
+                    f"output_dir {self.output_dir} is in use by another run ({holder}); two "
+                    "runs in one directory would overwrite each other's checkpoints. Wait for "
+                    "it to end, stop it, or choose another OUTPUT_DIR") from None
         _write_holder(fd)
         _held[key] = [fd, 1]
         self._key = key
@@ -100,7 +96,7 @@ class RunLock:
         _held[key][1] -= 1
         if _held[key][1] == 0:
             fd = _held.pop(key)[0]
-            os.close(fd)  # closing the last descriptor drops the flock
+            os.close(fd)  # closing it drops the lock
 
 
 def hold_run_lock(lock: RunLock, root: Gang) -> None:
@@ -117,6 +113,16 @@ def hold_run_lock(lock: RunLock, root: Gang) -> None:
     message = first_error(root, problem)
     if message is not None:
         raise UserError(message)
+
+
+def _unsupported_or_raise(error: OSError, fd: int, path: Path) -> None:
+    """Warn when the file system cannot lock at all; raise any other error."""
+    if error.errno not in _UNSUPPORTED:
+        os.close(fd)
+        raise error
+    log.warning("cannot lock %s (%s): the file system does not support locks, so nothing "
+                "stops a second run from using this directory at the same time",
+                path, os.strerror(error.errno or 0))
 
 
 def _write_holder(fd: int) -> None:

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from gangs import FakeGang, Gangs, any_rank, on_rank0, setup_gangs
+from gangs import FakeGang, Gangs, any_rank, first_error, on_rank0, setup_gangs
 from gangs.parallel import reduce_expert_gradients
 from trainer import gradients
 from trainer.callbacks import Callback, CallbackList
@@ -410,6 +410,9 @@ class Trainer(Generic[BatchT]):
         states = self._states()
         assert self.checkpoints is not None
         loaded = self.checkpoints.load(step_nr, self.unit.model, self.optimizer, states)
+        problem = first_error(self.gangs.root, self.data.resume_problem)
+        if problem is not None:  # refused on every rank, before a step is taken
+            raise UserError(f"cannot resume from step {step_nr}: {problem}")
         if self.early_stopper is not None and "early_stopper" not in loaded:
             # A plain callable keeps its state to itself: rebuild it from the scores.
             for history_step, score in self.state.score_history:
