@@ -119,6 +119,7 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
         s.reader, optimizer, output_dir=output_dir,
         gangs=s.gangs, lr_scheduler=scheduler,
         valid_units=s.valid_units, valid_data_readers=s.valid_readers, resume=resume,
+        run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
     if s.console:

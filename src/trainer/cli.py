@@ -44,6 +44,7 @@ from trainer.errors import UserError
 from trainer.evaluate import CHECKPOINT_DIR, find_checkpoint, parse_checkpoint_choice
 from trainer.output_dir import clear_previous_run, used_by_another_run
 from trainer.resume_guard import check_resume_config
+from trainer.run_config import record_history
 from trainer.run_lock import RunLock
 
 __all__ = [
@@ -305,6 +306,8 @@ def _write_config(config: BaseModel, output_dir: Path) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     # Written under a temporary name and renamed, so config.yaml is never half written.
+    text = dump_config(config)
     tmp = output_dir / f".config.yaml.{os.getpid()}.tmp"
-    tmp.write_text(dump_config(config), encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, output_dir / "config.yaml")
+    record_history(output_dir, text)  # every config the directory went through

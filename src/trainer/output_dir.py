@@ -17,7 +17,7 @@ from trainer.errors import UserError
 from trainer.rank_failure import clear_failures
 from trainer.run_lock import RunLock
 
-RUN_DIRS = ("checkpoints", "metrics", "tb", "wandb")
+RUN_DIRS = ("checkpoints", "metrics", "tb", "wandb", "config_history")
 
 
 def previous_run(output_dir: Path) -> list[str]:
@@ -42,7 +42,8 @@ def used_by_another_run(output_dir: Path) -> str | None:
 
 
 def clear_previous_run(output_dir: Path) -> None:
-    """Delete another run's checkpoints, metrics, TensorBoard and W&B files (one process)."""
+    """Delete another run's checkpoints, metrics, TensorBoard and W&B files and its config
+    history (one process)."""
     for name in RUN_DIRS:
         shutil.rmtree(output_dir / name, ignore_errors=True)
 

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic
 
@@ -43,6 +43,7 @@ from trainer.rank_failure import RankFailure, share_failure
 from trainer.recorders import MetricRecorder, training_recorder
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
+from trainer.run_config import warn_if_changed
 from trainer.run_lock import RunLock, hold_run_lock
 from trainer.seeding import RngState
 from trainer.settings import settings_doc, signature_with_settings, validate_settings
@@ -86,6 +87,10 @@ class Trainer(Generic[BatchT]):
             Starting over (False) where another run left checkpoints or metrics is refused.
         overwrite: start over, deleting another run's checkpoints, metrics and TensorBoard
             files in `output_dir` first.
+        run_config: the run's whole config (a recipe's, as plain data), kept beside each
+            checkpoint as `config.yaml` (its sha256 is the manifest's `config_digest`) and
+            compared on resume: changed keys that change results are named in a warning.
+            Default: these settings, as `{"trainer": {...}}`.
 
     Settings (validated at construction; `trainer.settings.TrainerSettings`):
     """
@@ -106,6 +111,7 @@ class Trainer(Generic[BatchT]):
         callbacks: Sequence[Callback] = (),
         resume: bool = True,
         overwrite: bool = False,
+        run_config: Mapping[str, Any] | None = None,
         **settings: Any,
     ) -> None:
         self.settings = s = validate_settings(settings)
@@ -118,6 +124,8 @@ class Trainer(Generic[BatchT]):
         self.early_stopper = early_stopper
         self.callbacks = CallbackList(callbacks)
         self.resume = resume
+        self.run_config = (dict(run_config) if run_config is not None
+                           else {"trainer": s.model_dump(mode="json")})
         self.validator = Validator(valid_units, valid_data_readers, self.gangs, s.score_metric)
         check_run(s, self.validator, early_stopper, unit.model, self.gangs.dp.size)
         if hasattr(early_stopper, "follow"):  # a built-in judges in the trainer's direction
@@ -146,7 +154,7 @@ class Trainer(Generic[BatchT]):
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints", self.gangs,
             keep_last_n=s.keep_last_n_checkpoints, keep_best_n=s.keep_best_n_checkpoints,
-            lower_better=s.lower_better, async_save=s.async_checkpoint,
+            lower_better=s.lower_better, async_save=s.async_checkpoint, config=self.run_config,
             on_commit=lambda step_nr, path: self.callbacks.on_checkpoint_saved(self, step_nr,
                                                                                path),
         ) if s.checkpoint_every_n_steps is not None else None
@@ -423,6 +431,7 @@ class Trainer(Generic[BatchT]):
         self.steps.last_good_checkpoint = path
         self.recorder.rewind(step_nr)
         log.warning("resumed from %s (step %d)", path, step_nr)
+        warn_if_changed(path, self.run_config)
 
     def _finish(self, reason: str) -> None:
         """Publish what is left, validate and save the final step (not after a stop signal:

@@ -64,6 +64,7 @@ from trainer.checkpoint.retention import rank_by_score, steps_to_keep
 from trainer.checkpoint.state import check_plain, model_optim_state
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.errors import UserError
+from trainer.run_config import CONFIG_FILE, config_text, digest
 
 log = logging.getLogger("gangtrain")
 
@@ -78,8 +79,9 @@ class CheckpointManager:
     `keep_last_n`, `keep_best_n`, `lower_better`: retention (`retention.steps_to_keep`),
     applied after every commit and every `record_score`, from the scores stored in the
     manifests, so a restarted run goes on applying it. `async_save`: see `save`.
-    `config_digest` is recorded in every manifest and not compared here: the trainer may
-    compare it with `manifest(step)["config_digest"]`.
+    `config` (the run's whole config) is written beside every step as `config.yaml` and
+    its sha256 recorded as the manifest's `config_digest` (else `config_digest` as given);
+    the trainer compares it on resume (`trainer.run_config`).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class CheckpointManager:
         lower_better: bool = True,
         async_save: bool = False,
         config_digest: str = "",
+        config: Mapping[str, Any] | None = None,
         on_commit: Callable[[int, Path], None] | None = None,
     ) -> None:
         steps_to_keep([], {}, keep_last_n, keep_best_n, lower_better)  # validates the Ns
@@ -101,7 +104,9 @@ class CheckpointManager:
         self.keep_best_n = keep_best_n
         self.lower_better = lower_better
         self.async_save = async_save
-        self.config_digest = config_digest
+        # The run's config, kept beside each step as config.yaml; its sha256 is the digest.
+        self._config_text = config_text(config) if config is not None else None
+        self.config_digest = digest(self._config_text) if self._config_text else config_digest
         self.on_commit = on_commit
         """Called on every rank as `on_commit(step_nr, step_dir)` once a save is committed
         (renamed to its final name), by whichever call commits it: `save`, `wait`, `close`."""
@@ -205,6 +210,8 @@ class CheckpointManager:
     def _commit(self, job: PendingSave) -> None:
         """Rank 0: manifest, rename, retention, pointers."""
         tmp = job.tmp_dir
+        if self._config_text is not None:  # hashed with the rest by collect_checksums
+            (tmp / CONFIG_FILE).write_text(self._config_text, encoding="utf-8")
         files = collect_checksums(tmp)
         score = job.score if job.score is not None else self._scores.get(job.step_nr)
         write_manifest(tmp, self._new_manifest(job.step_nr, score, files))
