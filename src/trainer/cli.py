@@ -38,6 +38,7 @@ from pydantic import BaseModel
 
 # load_config, parse_override and format_validation_error are re-exported: recipes, tests and
 # benchmarks import them from here.
+from trainer.checkpoint import CheckpointError
 from trainer.config_errors import format_validation_error
 from trainer.config_loading import PRESET_DOC_KEY, load_config, parse_override
 from trainer.errors import UserError
@@ -170,7 +171,7 @@ def _train(config: BaseModel, args: argparse.Namespace, output_dir: Path, rank0:
 
     try:
         code = main(config, output_dir, args.resume and not args.overwrite)
-    except UserError as err:
+    except (UserError, CheckpointError) as err:  # a failed save (a full disk) says why
         return _fail(str(err))
     return 0 if code is None else int(code)
 

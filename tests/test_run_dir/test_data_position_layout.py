@@ -10,8 +10,7 @@ import logging
 import pytest
 import torch
 from ranks import run_ranks
-from tiny import RegressionUnit, make_model
-from torch.utils.data import TensorDataset
+from tiny import GlobalRows, RegressionUnit, dataset, make_model
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
@@ -19,12 +18,6 @@ from gangs import FakeGang, setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
 from trainer import Trainer
 from trainer.errors import UserError
-from trainer.global_batches import GlobalBatchReader
-
-
-def dataset() -> TensorDataset:
-    x = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
-    return TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5]))
 
 
 def loader(rank: int, size: int) -> StatefulDataLoader:
@@ -58,17 +51,6 @@ def test_per_rank_sampler_position_resumed_on_another_dp_size_is_refused(tmp_pat
     assert "data position kept" not in caplog.text
     # Nothing was trained or saved by the refused run.
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*")) == ["step_5"]
-
-
-class GlobalRows(GlobalBatchReader):
-    """Rows of `dataset()` in shuffled global batches of 8, each rank its slice."""
-
-    def __init__(self, dp_rank: int, dp_size: int) -> None:
-        self.data = dataset()
-        super().__init__(len(self.data), 8, dp_rank, dp_size, seed=3)
-
-    def make_batch(self, indices):
-        return self.data[indices]
 
 
 def test_global_batch_position_follows_a_dp_size_change_exactly(tmp_path, caplog):

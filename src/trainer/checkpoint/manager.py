@@ -49,6 +49,13 @@ from torch.optim import Optimizer
 
 from gangs import FakeGang, Gangs, first_error, on_rank0
 from trainer.checkpoint.directory import CheckpointDir, scores_of
+from trainer.checkpoint.disk_space import (
+    DiskFullError,
+    check_free_space,
+    disk_full_note,
+    is_disk_full,
+    needed_bytes,
+)
 from trainer.checkpoint.manifest import (
     FORMAT_VERSION,
     MODEL_OPTIM,
@@ -168,7 +175,19 @@ class CheckpointManager:
         tmp_dir = self._disk.tmp_dir(step_nr)
         (tmp_dir / MODEL_OPTIM).mkdir(parents=True, exist_ok=True)
 
-        if self.async_save and not blocking:
+        # A disk too small fails the save before any rank writes (agreed: DCP's collectives
+        # need every rank or none).
+        needed = needed_bytes(state, len(buffer.getvalue()), self._world)
+        short = None
+        try:
+            check_free_space(tmp_dir, needed)
+        except DiskFullError as ex:
+            short = str(ex)
+        disk_full = first_error(self.gangs.root, short)
+        if disk_full is not None:
+            future = Future()
+            future.set_exception(DiskFullError(disk_full))
+        elif self.async_save and not blocking:
             staged = self._writer.stage(state)
             future = self._writer.submit(self._write_shard, tmp_dir, staged, buffer.getvalue())
         else:
@@ -409,11 +428,16 @@ class CheckpointManager:
         on_rank0(self.gangs.root, action, what, CheckpointError)
 
     def _rank_cause(self, error: BaseException) -> str:
-        """`"rank R: cause"`: DCP reports the rank whose write failed, else it is this one."""
+        """`"rank R: cause"`: DCP reports the rank whose write failed, else it is this one.
+        A write that found the disk full says so (torch's own message does not)."""
+        rank: int = self._rank
         if isinstance(error, CheckpointException) and error.failures:
             rank, failure = min(error.failures.items(), key=lambda kv: kv[0])
-            return f"rank {rank}: {_describe(failure[0] if isinstance(failure, tuple) else failure)}"
-        return f"rank {self._rank}: {_describe(error)}"
+            error = failure[0] if isinstance(failure, tuple) else failure
+        cause = f"rank {rank}: {_describe(error)}"
+        if is_disk_full(error) and not isinstance(error, DiskFullError):
+            cause += f" ({disk_full_note(self.dir)})"
+        return cause
 
     def _check_open(self) -> None:
         if self._closed:
