@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,22 +23,10 @@ from recipes.lm.data import (
     split_files,
 )
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
+from recipes.lm.schedule import WarmupCosine
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
-
-
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int | None,
-                  final_scale: float) -> torch.optim.lr_scheduler.LambdaLR:
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if total is None or total <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / (total - warmup))
-        return final_scale + (1 - final_scale) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 @dataclass
@@ -111,8 +98,10 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
     s = _setup(config, train=True)
     m = config.model
     optimizer = config.optimizer.build(s.model)
-    scheduler = warmup_cosine(optimizer, config.lr_scheduler.warmup_steps,
-                              config.trainer.max_num_steps, config.lr_scheduler.final_lr_scale)
+    sched = config.lr_scheduler  # its own length: extending a run keeps its past rates
+    num_steps = sched.num_steps if sched.num_steps is not None else config.trainer.max_num_steps
+    scheduler = WarmupCosine(optimizer, sched.warmup_steps, num_steps, sched.final_lr_scale,
+                             num_steps_given=sched.num_steps is not None)
     trainer = config.trainer.build(
         CausalLMUnit(s.model, bytes_per_token=1, moe_aux_loss_weight=m.moe_aux_loss_weight,
                      flops_per_target=s.flops_per_token),

@@ -180,7 +180,7 @@ class CheckpointManager:
         needed = needed_bytes(state, len(buffer.getvalue()), self._world)
         short = None
         try:
-            check_free_space(tmp_dir, needed)
+            check_free_space(self.dir, needed)
         except DiskFullError as ex:
             short = str(ex)
         disk_full = first_error(self.gangs.root, short)
