@@ -108,7 +108,8 @@ class DataPosition(Generic[BatchT]):
                 f"the data reader ({type(self.reader).__name__}) saved the position of DP rank "
                 f"{saved_rank} of {saved_size}, a per-rank position that cannot be carried to "
                 f"DP rank {self.dp.rank} of {self.dp.size} (its samples would be re-read or "
-                f"skipped). Resume with {saved_size} data-parallel ranks, use a reader whose "
+                f"skipped). Resume with {saved_size} data-parallel ranks and the layout that "
+                f"saved it, use a reader whose "
                 "position counts global batches (trainer.global_batches.GlobalBatchReader, or "
                 "a reader with `position_is_global = True`), or start over (--no-resume)")
             return
