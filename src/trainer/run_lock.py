@@ -42,7 +42,10 @@ log = logging.getLogger("gangtrain")
 LOCK_FILE = ".run.lock"
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
-# This process's locks: lock file path -> [file descriptor, number of holders].
+# This process's locks: lock file path -> [file descriptor, number of holders, pid]. A
+# forked child inherits the dict but not the locks (POSIX locks are per process): the pid
+# tells them apart. Nothing else in the process may open the lock file: closing any
+# descriptor of it would drop the lock.
 _held: dict[str, list[int]] = {}
 
 
@@ -66,6 +69,8 @@ class RunLock:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         key = os.path.realpath(self.path)
+        if key in _held and _held[key][2] != os.getpid():
+            del _held[key]  # a parent's, before a fork: not this process's lock
         if key in _held:  # this process holds it already (the CLI, then the Trainer)
             _held[key][1] += 1
             self._key = key
@@ -84,14 +89,14 @@ class RunLock:
                     "runs in one directory would overwrite each other's checkpoints. Wait for "
                     "it to end, stop it, or choose another OUTPUT_DIR") from None
         _write_holder(fd)
-        _held[key] = [fd, 1]
+        _held[key] = [fd, 1, os.getpid()]
         self._key = key
 
     def release(self) -> None:
         """Let go of this object's claim; the file is unlocked when no holder is left in
         this process (and always when the process ends)."""
         key, self._key = self._key, None
-        if key is None or key not in _held:
+        if key is None or key not in _held or _held[key][2] != os.getpid():
             return
         _held[key][1] -= 1
         if _held[key][1] == 0:

@@ -84,6 +84,8 @@ def test_second_run_in_a_directory_is_refused_and_the_first_ends_as_if_alone(tmp
         message = " ".join(second.stderr.split())
         assert f"output_dir {out} is in use by another run" in message
         assert f"host {socket.gethostname()}, pid {first.pid}," in message
+        print(f"second run refused after {second_s:.1f} s; a command's start-up alone "
+              f"{startup_s:.1f} s")
         assert second_s < startup_s + 5.0, (second_s, startup_s)  # refused, not waiting
         assert (out / "config.yaml").read_bytes() == config_before
     finally:
@@ -130,8 +132,8 @@ def test_a_sigkilled_runs_lock_blocks_nothing(tmp_path):
     assert (out / LOCK_FILE).exists()  # the file stays; the lock went with its process
     lock = RunLock(out)
     lock.hold()
-    assert f"pid {os.getpid()}," in (out / LOCK_FILE).read_text()
     lock.release()
+    assert f"pid {os.getpid()}," in (out / LOCK_FILE).read_text()  # the note stays
     # Released: another process can take it now.
     again = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(600)", ""),
                             str(out)], cwd=REPO, env=recipe_env(), capture_output=True,
@@ -164,3 +166,29 @@ def test_every_rank_of_a_refused_trainer_fails_with_the_same_message(tmp_path):
     assert messages[0] == messages[1]
     assert f"output_dir {out} is in use by another run (host " in messages[0]
     assert f"pid {holder.pid}," in messages[0]
+
+
+def _try_hold(out: str, answers) -> None:
+    try:
+        RunLock(out).hold()
+        answers.put("held")
+    except UserError as error:
+        answers.put(str(error))
+
+
+def test_a_forked_child_does_not_share_its_parents_lock(tmp_path):
+    """Data-loader workers are forked: they neither keep the lock alive nor take it."""
+    import multiprocessing
+
+    lock = RunLock(tmp_path)
+    lock.hold()
+    try:
+        ctx = multiprocessing.get_context("fork")
+        answers = ctx.Queue()
+        child = ctx.Process(target=_try_hold, args=(str(tmp_path), answers))
+        child.start()
+        child.join(60)
+        assert f"in use by another run (host {socket.gethostname()}, pid {os.getpid()}," \
+            in answers.get(timeout=10)
+    finally:
+        lock.release()
