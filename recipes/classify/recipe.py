@@ -96,7 +96,7 @@ def main(config: ClassifyConfig, output_dir: Path, resume: bool) -> int:
     trainer = config.trainer.build(
         ClassificationUnit(s.model), s.reader, optimizer, output_dir=output_dir,
         gangs=s.gangs, valid_units=s.valid_units, valid_data_readers=s.valid_readers,
-        resume=resume,
+        resume=resume, run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
     if s.console:

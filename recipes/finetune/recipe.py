@@ -28,7 +28,7 @@ from recipes.finetune.data import (
     split_windows,
     tokenize_documents,
 )
-from recipes.lm.recipe import warmup_cosine
+from recipes.lm.schedule import warmup_cosine
 from trainer.checkpoint.model_files import hf_model_of
 from trainer.cli import run_recipe
 from trainer.errors import UserError
@@ -123,8 +123,7 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
 def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
     s = _setup(config, train=True)
     optimizer = config.optimizer.build(s.model)
-    scheduler = warmup_cosine(optimizer, config.lr_scheduler.warmup_steps,
-                              config.trainer.max_num_steps, config.lr_scheduler.final_lr_scale)
+    scheduler = warmup_cosine(optimizer, config.lr_scheduler, config.trainer.max_num_steps)
     trainer = config.trainer.build(
         CausalLMUnit(s.model, flops_per_target=s.flops_per_token), s.reader, optimizer,
         output_dir=output_dir, gangs=s.gangs, lr_scheduler=scheduler,

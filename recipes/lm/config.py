@@ -49,7 +49,11 @@ class OptimizerSection(AdamWConfig):
 class LRSchedulerSection(_Section):
     warmup_steps: int = Field(default=100, ge=0)
     final_lr_scale: float = Field(default=0.1, ge=0, le=1)
-    """Cosine decay from lr to lr * final_lr_scale at trainer.max_num_steps."""
+    """Cosine decay from lr to lr * final_lr_scale at num_steps, then constant."""
+    num_steps: PositiveInt | None = None
+    """Length of the schedule in steps. null: the first run's trainer.max_num_steps, kept
+    in the checkpoint, so extending a run (a larger max_num_steps on resume) leaves the
+    learning rates of the steps already taken as they were."""
 
 
 class GangsSection(_Section):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,23 +23,11 @@ from recipes.lm.data import (
     split_files,
 )
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
+from recipes.lm.schedule import warmup_cosine
 from trainer.console_log import configure_logging
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
-
-
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int | None,
-                  final_scale: float) -> torch.optim.lr_scheduler.LambdaLR:
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if total is None or total <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / (total - warmup))
-        return final_scale + (1 - final_scale) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 @dataclass
@@ -114,14 +101,15 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
     s = _setup(config, train=True)
     m = config.model
     optimizer = config.optimizer.build(s.model)
-    scheduler = warmup_cosine(optimizer, config.lr_scheduler.warmup_steps,
-                              config.trainer.max_num_steps, config.lr_scheduler.final_lr_scale)
+    # Its own length: extending a run keeps the rates of the steps already taken.
+    scheduler = warmup_cosine(optimizer, config.lr_scheduler, config.trainer.max_num_steps)
     trainer = config.trainer.build(
         CausalLMUnit(s.model, bytes_per_token=1, moe_aux_loss_weight=m.moe_aux_loss_weight,
                      flops_per_target=s.flops_per_token),
         s.reader, optimizer, output_dir=output_dir,
         gangs=s.gangs, lr_scheduler=scheduler,
         valid_units=s.valid_units, valid_data_readers=s.valid_readers, resume=resume,
+        run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
     if s.console:

@@ -41,12 +41,15 @@ from pydantic import BaseModel
 
 # load_config, parse_override and format_validation_error are re-exported: recipes, tests and
 # benchmarks import them from here.
+from trainer.checkpoint import CheckpointError
 from trainer.config_errors import format_validation_error
 from trainer.config_loading import PRESET_DOC_KEY, load_config, parse_override
 from trainer.errors import UserError
 from trainer.evaluate import CHECKPOINT_DIR, find_checkpoint, parse_checkpoint_choice
 from trainer.output_dir import clear_previous_run, used_by_another_run
 from trainer.resume_guard import check_resume_config
+from trainer.run_config import record_history
+from trainer.run_lock import RunLock
 
 __all__ = [
     "dump_config",
@@ -135,6 +138,26 @@ def run_recipe(
             return _fail(str(err))
         return 0 if code is None else int(code)
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    # Rank 0 owns the directory before anything in it changes; under torchrun a refused
+    # rank 0 exits here and torchrun stops its peers (they wait in the rendezvous).
+    lock = RunLock(output_dir)
+    try:
+        if rank0:
+            lock.hold()
+    except UserError as err:
+        return _fail(str(err))
+    except OSError as err:
+        return _fail(f"output directory '{args.output_dir}' is not writable: "
+                     f"{err.strerror or err}")
+    try:
+        return _train(config, args, output_dir, rank0, main, resume_guard)
+    finally:
+        lock.release()
+
+
+def _train(config: BaseModel, args: argparse.Namespace, output_dir: Path, rank0: bool,
+           main: Callable[..., int], resume_guard: Sequence[str]) -> int:
+    """Check the directory against the config, write config.yaml and run `main`."""
     # Before config.yaml, the record of the checkpoints' config, changes.
     if args.overwrite:
         if rank0:  # the Trainer's first collective waits for this
@@ -154,7 +177,7 @@ def run_recipe(
 
     try:
         code = main(config, output_dir, args.resume and not args.overwrite)
-    except UserError as err:
+    except (UserError, CheckpointError) as err:  # a failed save (a full disk) says why
         return _fail(str(err))
     return 0 if code is None else int(code)
 
@@ -300,6 +323,8 @@ def _write_config(config: BaseModel, output_dir: Path) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     # Written under a temporary name and renamed, so config.yaml is never half written.
+    text = dump_config(config)
     tmp = output_dir / f".config.yaml.{os.getpid()}.tmp"
-    tmp.write_text(dump_config(config), encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, output_dir / "config.yaml")
+    record_history(output_dir, text)  # every config the directory went through

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,15 +70,17 @@ class TrainerConfig(TrainerSettings):
         resume: bool = True,
         overwrite: bool = False,
         recorders: Sequence[MetricRecorder] | None = None,
+        run_config: Mapping[str, Any] | None = None,
     ) -> Trainer[Any]:
-        """The Trainer; a setting it refuses becomes a `UserError` naming `trainer.<field>`."""
+        """The Trainer; a setting it refuses becomes a `UserError` naming `trainer.<field>`.
+        `run_config`: the recipe's whole config, kept with each checkpoint (see `Trainer`)."""
         settings = {name: getattr(self, name) for name in TrainerSettings.model_fields}
         try:
             return Trainer(
                 unit, data_reader, optimizer, output_dir=output_dir, gangs=gangs,
                 lr_scheduler=lr_scheduler, valid_units=valid_units,
                 valid_data_readers=valid_data_readers, resume=resume, overwrite=overwrite,
-                recorders=recorders,
+                recorders=recorders, run_config=run_config,
                 early_stopper=build_early_stopper(self.early_stopper, self.lower_better),
                 callbacks=build_callbacks(self.callbacks),
                 **settings,

@@ -9,6 +9,13 @@ every rank stops at the same step, so no rank waits in a collective the others n
 checkpointable: with a reader that has `state_dict()`/`load_state_dict()` (e.g.
 `StatefulDataLoader`, `trainer.global_batches.GlobalBatchReader`) a resumed run continues
 mid-epoch exactly, in O(1).
+
+A reader's state is taken to be this DP rank's own (a `StatefulDistributedSampler` counts
+the samples its rank drew), so it means nothing under another DP size or to another DP
+rank: such a resume is refused, naming the reader (torchtitan refuses it too), rather than
+re-training or skipping samples while claiming the position was kept. A reader whose
+position counts the global batches (`GlobalBatchReader` and its subclasses) says so with
+`position_is_global = True`, and is carried to any layout exactly.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class DataPosition(Generic[BatchT]):
         self._iter: Iterator[BatchT] | None = None
         self._epoch_batches = 0
         self._on_host = self.device.type == "cpu"  # readers yield host tensors: nothing to move
+        self.resume_problem: str | None = None  # why the loaded position cannot be used
 
     def next_window(self, size: int) -> list[BatchT]:
         """Up to `size` micro-batches, on the device; empty on every DP rank when training
@@ -83,12 +91,31 @@ class DataPosition(Generic[BatchT]):
             "epoch_batches": self._epoch_batches,
             "in_epoch": self._iter is not None,
             "ended": self.ended,
+            "dp": [self.dp.rank, self.dp.size],  # whose position a per-rank reader state is
         }
         if hasattr(self.reader, "state_dict"):
             state["reader"] = self.reader.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the saved position; a per-rank reader state saved by another DP
+        rank or size is not loaded and `resume_problem` says why (the trainer refuses the
+        resume on every rank)."""
+        saved_rank, saved_size = state.get("dp", (self.dp.rank, self.dp.size))
+        moved = (saved_rank, saved_size) != (self.dp.rank, self.dp.size)
+        if moved and "reader" in state and not getattr(self.reader, "position_is_global", False):
+            self.resume_problem = (
+                f"the data reader ({type(self.reader).__name__}) saved the position of DP rank "
+                f"{saved_rank} of {saved_size}, a per-rank position that cannot be carried to "
+                f"DP rank {self.dp.rank} of {self.dp.size} (its samples would be re-read or "
+                f"skipped). Resume with {saved_size} data-parallel ranks and the layout that "
+                f"saved it, use a reader whose "
+                "position counts global batches (trainer.global_batches.GlobalBatchReader, or "
+                "a reader with `position_is_global = True`), or start over (--no-resume)")
+            return
+        if moved and "reader" in state:
+            log.warning("data position carried from DP size %d to %d: the reader's position "
+                        "counts global batches", saved_size, self.dp.size)
         self.epoch_nr = state["epoch_nr"]
         self._epoch_batches = state["epoch_batches"]
         self.ended = state["ended"]

@@ -25,6 +25,9 @@ BatchT = TypeVar("BatchT")
 
 
 class GlobalBatchReader(ABC, Generic[BatchT]):
+    position_is_global = True
+    """Its state counts global batches: `DataPosition` carries it to any DP size."""
+
     def __init__(
         self,
         num_samples: int,

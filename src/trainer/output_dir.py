@@ -15,8 +15,9 @@ from pathlib import Path
 from gangs import Gang, first_error
 from trainer.errors import UserError
 from trainer.rank_failure import clear_failures
+from trainer.run_lock import RunLock
 
-RUN_DIRS = ("checkpoints", "metrics", "tb", "wandb")
+RUN_DIRS = ("checkpoints", "metrics", "tb", "wandb", "config_history")
 
 
 def previous_run(output_dir: Path) -> list[str]:
@@ -41,20 +42,25 @@ def used_by_another_run(output_dir: Path) -> str | None:
 
 
 def clear_previous_run(output_dir: Path) -> None:
-    """Delete another run's checkpoints, metrics, TensorBoard and W&B files (one process)."""
+    """Delete another run's checkpoints, metrics, TensorBoard and W&B files and its config
+    history (one process)."""
     for name in RUN_DIRS:
         shutil.rmtree(output_dir / name, ignore_errors=True)
 
 
-def prepare_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, root: Gang) -> None:
-    """Check that `output_dir` can take this run (collective): a writable directory, and,
-    when starting over, no other run's files unless `overwrite` deletes them (rank 0)."""
+def prepare_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, root: Gang,
+                       lock: RunLock | None = None) -> None:
+    """Check that `output_dir` can take this run (collective): a writable directory that no
+    other live run holds (rank 0 takes `lock` first), and, when starting over, no other
+    run's files unless `overwrite` deletes them (rank 0)."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"output_dir {output_dir} is a file, not a directory")
     problem = None
     if root.rank == 0:
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
+            if lock is not None:
+                lock.hold()  # before anything here changes
             probe = output_dir / ".write_test"
             probe.write_text("")
             probe.unlink()
@@ -63,6 +69,8 @@ def prepare_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, root:
                 clear_previous_run(output_dir)
             elif not resume:
                 problem = used_by_another_run(output_dir)
+        except UserError as error:
+            problem = str(error)
         except OSError as error:
             problem = f"output_dir {output_dir} is not writable: {error}"
     message = first_error(root, problem)

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from trainer.errors import UserError
+from trainer.run_config import flatten
 
 
 def check_resume_config(
@@ -29,7 +30,7 @@ def check_resume_config(
     old = yaml.safe_load(old_file.read_text()) or {}
     differences = [
         f"  {key}: {old_flat.get(key, '<unset>')!r} -> {new_flat.get(key, '<unset>')!r}"
-        for old_flat, new_flat in [(_flatten(old), _flatten(new_config))]
+        for old_flat, new_flat in [(flatten(old), flatten(new_config))]
         for key in sorted(old_flat.keys() | new_flat.keys())
         if _is_guarded(key, guarded) and old_flat.get(key) != new_flat.get(key)
     ]
@@ -43,12 +44,3 @@ def check_resume_config(
 
 def _is_guarded(key: str, guarded: Sequence[str]) -> bool:
     return any(key == g or key.startswith(g + ".") for g in guarded)
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, Mapping):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: list(tree) if isinstance(tree, tuple) else tree}

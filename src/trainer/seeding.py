@@ -81,6 +81,6 @@ class RngState:
             set_rng_state(state["streams"])
             return
         log.warning("resuming step %d under a different parallel layout: model and "
-                    "optimizer resharded, data position kept, random streams re-seeded",
+                    "optimizer resharded, random streams re-seeded",
                     step_nr)
         seed_everything((self.seed or 0) + step_nr, self.gangs.root.rank)

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic
 
@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from gangs import Gangs, any_rank, on_rank0
+from gangs import Gangs, any_rank, first_error, on_rank0
 from gangs.parallel import reduce_expert_gradients
 from trainer import gradients
 from trainer.callbacks import Callback, CallbackList
@@ -45,6 +45,8 @@ from trainer.rank_failure import RankFailure, share_failure
 from trainer.recorders import MetricRecorder, training_recorder
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
+from trainer.run_config import warn_if_changed
+from trainer.run_lock import RunLock, hold_run_lock
 from trainer.same_start import check_same_start
 from trainer.score_direction import score_direction
 from trainer.seeding import RngState
@@ -91,6 +93,10 @@ class Trainer(Generic[BatchT]):
             Starting over (False) where another run left checkpoints or metrics is refused.
         overwrite: start over, deleting another run's checkpoints, metrics and TensorBoard
             files in `output_dir` first.
+        run_config: the run's whole config (a recipe's, as plain data), kept beside each
+            checkpoint as `config.yaml` (its sha256 is the manifest's `config_digest`) and
+            compared on resume: changed keys that change results are named in a warning.
+            Default: these settings, as `{"trainer": {...}}`.
 
     Settings (validated at construction; `trainer.settings.TrainerSettings`):
     """
@@ -111,6 +117,7 @@ class Trainer(Generic[BatchT]):
         callbacks: Sequence[Callback] = (),
         resume: bool = True,
         overwrite: bool = False,
+        run_config: Mapping[str, Any] | None = None,
         **settings: Any,
     ) -> None:
         self.settings = s = validate_settings(settings)
@@ -124,6 +131,8 @@ class Trainer(Generic[BatchT]):
         self.early_stopper = early_stopper
         self.callbacks = CallbackList(callbacks)
         self.resume = resume
+        self.run_config = (dict(run_config) if run_config is not None
+                           else {"trainer": s.model_dump(mode="json")})
         self.validator = Validator(valid_units, valid_data_readers, self.gangs, s.score_metric)
         check_run(s, self.validator, early_stopper, unit.model, self.gangs.dp.size)
         check_same_start(unit.model, self.gangs)  # DP ranks hold the same replicated weights
@@ -131,8 +140,9 @@ class Trainer(Generic[BatchT]):
         self.lower_better = score_direction(s.lower_better, s.score_metric, valid_units)
         if hasattr(early_stopper, "follow"):  # a built-in judges in the trainer's direction
             early_stopper.follow(self.lower_better)
+        self.run_lock = RunLock(self.output_dir)  # one live run per directory
         prepare_output_dir(self.output_dir, resume=resume, overwrite=overwrite,
-                           root=self.gangs.root)
+                           root=self.gangs.root, lock=self.run_lock)
 
         # The components that hold the run's state (checkpointed by name, `_states`).
         self.state = TrainState()
@@ -153,7 +163,7 @@ class Trainer(Generic[BatchT]):
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints", self.gangs,
             keep_last_n=s.keep_last_n_checkpoints, keep_best_n=s.keep_best_n_checkpoints,
-            lower_better=self.lower_better, async_save=s.async_checkpoint,
+            lower_better=self.lower_better, async_save=s.async_checkpoint, config=self.run_config,
             on_commit=lambda step_nr, path: self.callbacks.on_checkpoint_saved(self, step_nr,
                                                                                path),
         ) if s.checkpoint_every_n_steps is not None else None
@@ -203,6 +213,7 @@ class Trainer(Generic[BatchT]):
         self.unit.model.train()
         anomaly = (torch.autograd.detect_anomaly() if self.settings.anomaly_detection
                    else contextlib.nullcontext())
+        hold_run_lock(self.run_lock, self.gangs.root)  # again, for a re-run
         with StopSignal() as stop, anomaly:
             try:
                 if self.resume and self.state.step_nr == 0:  # a fresh trainer, not a re-run
@@ -226,6 +237,7 @@ class Trainer(Generic[BatchT]):
                 self.recorder.close()
                 if self.checkpoints is not None:
                     self.checkpoints.close()
+                self.run_lock.release()  # last: close() may still commit a save
         result = TrainResult.of_run(reason, self.state, self.steps.total_skipped,
                                     self._last_published, self.checkpoints,
                                     self.lower_better)
@@ -426,6 +438,9 @@ class Trainer(Generic[BatchT]):
         states = self._states()
         assert self.checkpoints is not None
         loaded = self.checkpoints.load(step_nr, self.unit.model, self.optimizer, states)
+        problem = first_error(self.gangs.root, self.data.resume_problem)
+        if problem is not None:  # refused on every rank, before a step is taken
+            raise UserError(f"cannot resume from step {step_nr}: {problem}")
         if self.early_stopper is not None and "early_stopper" not in loaded:
             # A plain callable keeps its state to itself: rebuild it from the scores it
             # was given (the scheduled ones).
@@ -438,6 +453,7 @@ class Trainer(Generic[BatchT]):
         self.steps.last_good_checkpoint = path
         self.recorder.rewind(step_nr)
         log.warning("resumed from %s (step %d)", path, step_nr)
+        warn_if_changed(path, self.run_config)
 
     def _finish(self, reason: str) -> None:
         """Publish what is left, validate and save the final step (not after a stop signal:

@@ -50,6 +50,13 @@ from torch.optim import Optimizer
 
 from gangs import FakeGang, Gangs, first_error, on_rank0
 from trainer.checkpoint.directory import CheckpointDir, scores_of
+from trainer.checkpoint.disk_space import (
+    DiskFullError,
+    check_free_space,
+    disk_full_note,
+    is_disk_full,
+    needed_bytes,
+)
 from trainer.checkpoint.manifest import (
     FORMAT_VERSION,
     MODEL_OPTIM,
@@ -66,6 +73,7 @@ from trainer.checkpoint.retention import rank_by_score, steps_to_keep
 from trainer.checkpoint.state import check_plain, model_optim_state
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.errors import UserError
+from trainer.run_config import CONFIG_FILE, config_text, digest
 
 log = logging.getLogger("gangtrain")
 
@@ -80,8 +88,9 @@ class CheckpointManager:
     `keep_last_n`, `keep_best_n`, `lower_better`: retention (`retention.steps_to_keep`),
     applied after every commit and every `record_score`, from the scores stored in the
     manifests, so a restarted run goes on applying it. `async_save`: see `save`.
-    `config_digest` is recorded in every manifest and not compared here: the trainer may
-    compare it with `manifest(step)["config_digest"]`.
+    `config` (the run's whole config) is written beside every step as `config.yaml` and
+    its sha256 recorded as the manifest's `config_digest` (else `config_digest` as given);
+    the trainer compares it on resume (`trainer.run_config`).
     """
 
     def __init__(
@@ -94,6 +103,7 @@ class CheckpointManager:
         lower_better: bool = True,
         async_save: bool = False,
         config_digest: str = "",
+        config: Mapping[str, Any] | None = None,
         on_commit: Callable[[int, Path], None] | None = None,
     ) -> None:
         steps_to_keep([], {}, keep_last_n, keep_best_n, lower_better)  # validates the Ns
@@ -103,7 +113,9 @@ class CheckpointManager:
         self.keep_best_n = keep_best_n
         self.lower_better = lower_better
         self.async_save = async_save
-        self.config_digest = config_digest
+        # The run's config, kept beside each step as config.yaml; its sha256 is the digest.
+        self._config_text = config_text(config) if config is not None else None
+        self.config_digest = digest(self._config_text) if self._config_text else config_digest
         self.on_commit = on_commit
         """Called on every rank as `on_commit(step_nr, step_dir)` once a save is committed
         (renamed to its final name), by whichever call commits it: `save`, `wait`, `close`."""
@@ -167,7 +179,19 @@ class CheckpointManager:
 
         # A HF model's config and tokenizer files go beside the weights (rank 0).
         model_files = partial(write_model_files, model) if self._rank == 0 else None
-        if self.async_save and not blocking:
+        # A disk too small fails the save before any rank writes (agreed: DCP's collectives
+        # need every rank or none).
+        needed = needed_bytes(state, len(buffer.getvalue()), self._world)
+        short = None
+        try:
+            check_free_space(self.dir, needed)
+        except DiskFullError as ex:
+            short = str(ex)
+        disk_full = first_error(self.gangs.root, short)
+        if disk_full is not None:
+            future = Future()
+            future.set_exception(DiskFullError(disk_full))
+        elif self.async_save and not blocking:
             staged = self._writer.stage(state)
             future = self._writer.submit(self._write_shard, tmp_dir, staged, buffer.getvalue(),
                                          model_files)
@@ -219,6 +243,8 @@ class CheckpointManager:
     def _commit(self, job: PendingSave) -> None:
         """Rank 0: manifest, rename, retention, pointers."""
         tmp = job.tmp_dir
+        if self._config_text is not None:  # hashed with the rest by collect_checksums
+            (tmp / CONFIG_FILE).write_text(self._config_text, encoding="utf-8")
         files = collect_checksums(tmp)
         score = job.score if job.score is not None else self._scores.get(job.step_nr)
         write_manifest(tmp, self._new_manifest(job.step_nr, score, files))
@@ -416,11 +442,16 @@ class CheckpointManager:
         on_rank0(self.gangs.root, action, what, CheckpointError)
 
     def _rank_cause(self, error: BaseException) -> str:
-        """`"rank R: cause"`: DCP reports the rank whose write failed, else it is this one."""
+        """`"rank R: cause"`: DCP reports the rank whose write failed, else it is this one.
+        A write that found the disk full says so (torch's own message does not)."""
+        rank: int = self._rank
         if isinstance(error, CheckpointException) and error.failures:
             rank, failure = min(error.failures.items(), key=lambda kv: kv[0])
-            return f"rank {rank}: {_describe(failure[0] if isinstance(failure, tuple) else failure)}"
-        return f"rank {self._rank}: {_describe(error)}"
+            error = failure[0] if isinstance(failure, tuple) else failure
+        cause = f"rank {rank}: {_describe(error)}"
+        if is_disk_full(error) and not isinstance(error, DiskFullError):
+            cause += f" ({disk_full_note(self.dir)})"
+        return cause
 
     def _check_open(self) -> None:
         if self._closed:

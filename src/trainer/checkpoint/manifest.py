@@ -19,7 +19,8 @@ Nothing here unpickles arbitrary objects, even from a directory whose manifest w
 - `rank_{r}.pt` is read with `torch.load(weights_only=True)`;
 - DCP's `.metadata` is a plain `pickle` in torch 2.13 (`FileSystemReader.read_metadata`
   calls `pickle.load`), so `SafeFileSystemReader` reads it with an unpickler that only
-  resolves DCP's own metadata classes, `torch.Size`, dtypes and layouts, and paths. The
+  resolves DCP's own metadata classes, `torch.Size`, dtypes and layouts, and paths, plus
+  `getattr` restricted to a member of a DCP enum (how Python 3.11.2 pickles one). The
   manager also checks the manifest checksum of `.metadata` before DCP ever opens it;
 - DCP's non-tensor values (optimizer param groups) are `torch.load`-ed with
   `weights_only=False` by `DefaultLoadPlanner.load_bytes`; `SafeLoadPlanner` uses
@@ -174,10 +175,28 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     return allowed
 
 
+def _dcp_enum_member(cls: Any, name: Any) -> Any:
+    """What `builtins.getattr` may do in DCP metadata: look up a member of one of DCP's own
+    enums. Python 3.11.0-3.11.3 (Debian 12's 3.11.2) pickle an enum member as
+    `getattr(EnumClass, "NAME")`; newer ones as `EnumClass(value)`. Anything else (another
+    class, an attribute that is not a member) is refused."""
+    if (not isinstance(cls, type) or not issubclass(cls, Enum)
+            or cls not in _MetadataUnpickler.allowed_enums
+            or not isinstance(name, str) or name not in cls.__members__):
+        raise pickle.UnpicklingError(
+            f"DCP metadata uses getattr on {getattr(cls, '__name__', cls)!r}, {name!r}, which "
+            "is not a member of a DCP enum")
+    return cls[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     _allowed = _allowed_globals()
+    allowed_enums = frozenset(v for v in _allowed.values()
+                              if isinstance(v, type) and issubclass(v, Enum))
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _dcp_enum_member
         try:
             return self._allowed[(module, name)]
         except KeyError:
