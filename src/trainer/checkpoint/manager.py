@@ -4,7 +4,7 @@ Saving step N (every rank takes part):
 
 1. every rank writes into `checkpoint_dir/.tmp_step_N/`: its `rank_N.pt`, its share of the
    DCP checkpoint `model_optim/` (DCP spreads replicated tensors over the ranks), and the
-   sha256 of its share of the files (`.sha256_rank_r.json`), so hashing runs in parallel;
+   crc32c of the files it wrote, computed while writing them (`.checksums_rank_r.json`);
 2. the ranks agree that every one of them succeeded (an all-reduce);
 3. rank 0 completes the checksums, writes `manifest.json`, fsyncs, renames the directory to
    `step_N` and fsyncs `checkpoint_dir`, applies retention and rewrites the `last`/`best`
@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 from torch.optim import Optimizer
 
 from gangs import FakeGang, Gangs, first_error, on_rank0
+from trainer.checkpoint import digest
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.manifest import (
     FORMAT_VERSION,
@@ -182,7 +183,7 @@ class CheckpointManager:
         own process group."""
         write_shard(
             tmp_dir, state, rank_bytes,
-            rank=self._rank, world=self._world, process_group=self._pg, no_dist=self._no_dist,
+            rank=self._rank, process_group=self._pg, no_dist=self._no_dist,
         )
 
     def wait(self) -> None:
@@ -226,6 +227,7 @@ class CheckpointManager:
             "gangs": {"dp": g.dp.size, "tp": g.tp.size, "ep": g.ep.size},
             "config_digest": self.config_digest,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "checksums": digest.DESCRIPTION,
             "files": files,
         }
 

@@ -1,8 +1,8 @@
 """One rank's share of a checkpoint save, and the background thread that writes it.
 
 `write_shard` (every rank) writes into the save's temporary directory this rank's
-`rank_N.pt`, its share of the DCP checkpoint `model_optim/` and the sha256 of its share of
-the files (`.sha256_rank_r.json`), so hashing runs in parallel. `collect_checksums` (rank 0,
+`rank_N.pt`, its share of the DCP checkpoint `model_optim/` and the checksums of the files it
+wrote (`.checksums_rank_r.json`), computed as the bytes were written. `collect_checksums` (rank 0,
 when committing) merges those sums into the manifest's `files`, hashing whatever no rank did.
 
 `BackgroundWriter` serves async saves: `stage` copies the state to host memory (so training
@@ -24,14 +24,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from trainer.checkpoint import digest
+from trainer.checkpoint.digest import DigestingFileSystemWriter
 from trainer.checkpoint.manifest import MODEL_OPTIM, file_entry, list_files, rank_file
 
 log = logging.getLogger(__name__)
 
-_SUMS_GLOB = ".sha256_rank_*.json"
+_SUMS_GLOB = ".checksums_rank_*.json"
+WRITER_THREADS = 1
+"""DCP's writer threads per rank (`FileSystemWriter(thread_count=...)`), each writing its own
+file."""
 
 
 @dataclass
@@ -50,7 +54,6 @@ def write_shard(
     rank_bytes: bytes,
     *,
     rank: int,
-    world: int,
     process_group: dist.ProcessGroup | None,
     no_dist: bool,
 ) -> None:
@@ -65,21 +68,16 @@ def write_shard(
             os.fsync(f.fileno())
     except OSError as error:  # raised after DCP's collectives, which every rank must enter
         rank_file_error = error
-    dcp.save(
-        state,
-        storage_writer=FileSystemWriter(tmp_dir / MODEL_OPTIM, sync_files=True),
-        process_group=process_group,
-        no_dist=no_dist,
+    writer = DigestingFileSystemWriter(
+        tmp_dir / MODEL_OPTIM, sync_files=True, thread_count=WRITER_THREADS
     )
+    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
     if rank_file_error is not None:
         raise rank_file_error
-    # dcp.save returns on every rank only after all data files and .metadata are
-    # written, so each rank can hash its share; rank 0 hashes whatever is left.
-    names = list_files(tmp_dir / MODEL_OPTIM)[rank::world]
-    sums = {rank_file(rank): file_entry(rank_path)}
-    for name in names:
-        sums[f"{MODEL_OPTIM}/{name}"] = file_entry(tmp_dir / MODEL_OPTIM / name)
-    (tmp_dir / f".sha256_rank_{rank}.json").write_text(json.dumps(sums))
+    # Each rank's checksums of what it wrote (rank 0's include DCP's .metadata).
+    sums = {rank_file(rank): digest.entry(len(rank_bytes), digest.extend(0, rank_bytes))}
+    sums.update({f"{MODEL_OPTIM}/{name}": e for name, e in writer.entries.items()})
+    (tmp_dir / f".checksums_rank_{rank}.json").write_text(json.dumps(sums))
 
 
 def collect_checksums(tmp_dir: Path) -> dict[str, Any]:
