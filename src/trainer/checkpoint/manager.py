@@ -186,6 +186,11 @@ class CheckpointManager:
             rank=self._rank, process_group=self._pg, no_dist=self._no_dist,
         )
 
+    @property
+    def writing(self) -> bool:
+        """True while this rank's files of an async save are still being written (local)."""
+        return self._in_flight is not None and not self._in_flight.future.done()
+
     def wait(self) -> None:
         """Finish and commit the save in flight, if any (collective)."""
         job, self._in_flight = self._in_flight, None
@@ -263,7 +268,7 @@ class CheckpointManager:
         )
         for step_nr in sorted(set(manifests) - keep):
             log.info("retention: deleting checkpoint %s", self._disk.step_dir(step_nr))
-            self._disk.delete(step_nr)
+            self._disk.delete(step_nr, background=True)
 
     # --- finding and loading ------------------------------------------------------------
 
@@ -424,6 +429,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._writer.close()
+            self._disk.finish_deletions()
             if self._pg is not None and dist.is_initialized():
                 dist.destroy_process_group(self._pg)
                 self._pg = None
