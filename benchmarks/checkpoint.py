@@ -18,7 +18,7 @@ The medians are printed with the disk's time as a fraction of ours: 100% is the 
 Then the stages of one save, timed separately; the time an async save blocks (`save()`
 returning, host copy done) against a sync save; and the mean training step (forward,
 backward, AdamW) of the same model while a background save is being written, against steps
-with no save.
+with no save (three saves, four quiet steps before each).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 
 from gangs import FakeGang, setup_gangs
 from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.manifest import fsync_dir, write_manifest
 from trainer.checkpoint.state import model_optim_state
 from trainer.checkpoint.writer import collect_checksums, write_shard
 
@@ -102,7 +103,16 @@ def save_stages(model: torch.nn.Module, optim: torch.optim.Optimizer, root: Path
     t["rank state"] = timed(lambda: torch.save({"step": 1}, buffer))
     t["DCP write+crc32c+fsync"] = timed(lambda: write_shard(
         tmp_dir, state, buffer.getvalue(), rank=0, process_group=None, no_dist=True))
-    t["collect checksums"] = timed(lambda: collect_checksums(tmp_dir))
+    files: dict = {}
+    t["collect checksums"] = timed(lambda: files.update(collect_checksums(tmp_dir)))
+
+    def commit() -> None:
+        write_manifest(tmp_dir, {"files": files})
+        fsync_dir(tmp_dir / "model_optim")
+        os.rename(tmp_dir, root / "stages_done")
+        fsync_dir(root)
+
+    t["manifest+fsync+rename"] = timed(commit)
     return ", ".join(f"{name} {seconds:.3f} s" for name, seconds in t.items())
 
 
@@ -123,7 +133,8 @@ def step_times(
     return times
 
 
-def measure(width: int, layers: int, device: str, root: Path | None, repeats: int) -> None:
+def measure(width: int, layers: int, device: str, root: Path | None, repeats: int,
+            rounds: int = 3) -> None:
     model, optim = build(width, layers, device)
     n_params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory(dir=root) as tmp:
@@ -160,15 +171,18 @@ def measure(width: int, layers: int, device: str, root: Path | None, repeats: in
               "of a sync save")
 
         x = torch.randn(16, width, device=device)
-        step_times(model, optim, x, n=3)  # warm-up
-        quiet = step_times(model, optim, x, n=8)
-        mgr.save(12, model, optim, {"step": 12})
-        busy = step_times(model, optim, x, until=lambda: not mgr.writing)
-        mgr.wait()
-        quiet += step_times(model, optim, x, n=8)
-        q, b = statistics.mean(quiet), statistics.mean(busy)
-        print(f"  training step {q * 1e3:.1f} ms without a save, {b * 1e3:.1f} ms during a "
-              f"background save ({len(busy)} steps): ratio {b / q:.3f}")
+        step_times(model, optim, x, n=2)  # warm-up
+        quiet: list[float] = []
+        busy: list[float] = []
+        for i in range(rounds):  # alternating, so that the machine's drift hits both
+            quiet += step_times(model, optim, x, n=4)
+            mgr.save(20 + i, model, optim, {"step": 20 + i})
+            busy += step_times(model, optim, x, until=lambda: not mgr.writing)
+            mgr.wait()
+        q, b = statistics.median(quiet), statistics.median(busy)
+        print(f"  training step (median) {q * 1e3:.1f} ms without a save, {b * 1e3:.1f} ms "
+              f"during a background save ({len(busy)} steps in {rounds} saves): ratio "
+              f"{b / q:.3f}")
         mgr.close()
 
 

@@ -33,3 +33,14 @@ def test_the_median_interval_is_the_textbook_order_statistics():
     assert median_interval([float(i) for i in range(1, 11)]) == (2.0, 9.0)
     assert median_interval([float(i) for i in range(1, 101)]) == (40.0, 61.0)
     assert median_interval([1.0] * 5) is None
+
+
+def test_checkpoint_benchmark_prints_save_and_load_against_the_disk():
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.checkpoint", "--sizes", "1", "--repeats", "1"],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    for pattern in (r"save at \d+% of the disk rate", r"load at \d+% of the disk rate",
+                    r"stages of a save: state dict", r"async save blocks .* of a sync save",
+                    r"during a background save .* ratio \d+\.\d+"):
+        assert re.search(pattern, out), (pattern, out)
