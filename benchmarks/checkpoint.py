@@ -1,25 +1,46 @@
-"""Checkpoint save and load times against model size, and how long a save blocks training
-(async versus sync).
+"""Checkpoint save and load against the disk's own speed, the stages of a save, how long an
+async save blocks training, and the training step time while a background save runs.
 
-    .venv/bin/python -m benchmarks.checkpoint [--dir DIR] [--device cpu|cuda] [--sizes 1,10,50]
+    .venv/bin/python -m benchmarks.checkpoint [--dir DIR] [--device cpu|cuda] [--sizes 50]
+                                              [--repeats 3]
 
 For each size (millions of parameters, as k x Linear(w, w)) with AdamW state, in one
-process: two `save(blocking=True)` (write, fsync, sha256, commit), two async saves timed
-until `save()` returns (state copied to host memory; the write runs in the background; the
-second reuses the host buffers), and a load into a fresh model and optimizer.
+process, `--repeats` rounds of, in this order (so that drifts of a shared machine hit all
+alike):
+
+- the disk: the checkpoint's number of bytes written with `os.write` + `fsync` into one
+  file, then read back with `os.readv` (both through the page cache, like the checkpoint);
+- a sync save (`save(blocking=True)`: state, rank state, DCP write with crc32c while
+  writing, fsync, manifest, rename, retention of the previous step) and a load into a fresh
+  model and optimizer (verification included).
+
+The medians are printed with the disk's time as a fraction of ours: 100% is the disk's speed.
+Then the stages of one save, timed separately; the time an async save blocks (`save()`
+returning, host copy done) against a sync save; and the mean training step (forward,
+backward, AdamW) of the same model while a background save is being written, against steps
+with no save (three saves, four quiet steps before each).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from gangs import FakeGang, setup_gangs
 from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.manifest import fsync_dir, write_manifest
+from trainer.checkpoint.state import model_optim_state
+from trainer.checkpoint.writer import collect_checksums, write_shard
+
+_BLOCK = 64 << 20
 
 
 def build(
@@ -35,44 +56,147 @@ def build(
     return model, optim
 
 
-def measure(width: int, layers: int, device: str, root: Path | None) -> None:
+def disk_write(path: Path, size: int) -> float:
+    """Seconds to write `size` bytes with os.write and fsync them (the limit of a save)."""
+    block = memoryview(os.urandom(1 << 20) * (_BLOCK >> 20))
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = size
+        while left > 0:
+            left -= os.write(fd, block[: min(left, _BLOCK)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def disk_read(path: Path) -> float:
+    """Seconds to read the file at `path` into memory with os.readv (the limit of a load)."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = bytearray(os.fstat(fd).st_size)
+        view, done = memoryview(buffer), 0
+        while done < len(buffer):
+            done += os.readv(fd, [view[done : done + _BLOCK]])
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def save_stages(model: torch.nn.Module, optim: torch.optim.Optimizer, root: Path) -> str:
+    """The stages of one sync save of one rank, each timed on its own."""
+    tmp_dir = root / "stages"
+    (tmp_dir / "model_optim").mkdir(parents=True)
+    t = {}
+    t0 = time.perf_counter()
+    state = model_optim_state(model, optim)
+    t["state dict"] = time.perf_counter() - t0
+    buffer = io.BytesIO()
+    t["rank state"] = timed(lambda: torch.save({"step": 1}, buffer))
+    t["DCP write+crc32c+fsync"] = timed(lambda: write_shard(
+        tmp_dir, state, buffer.getvalue(), rank=0, process_group=None, no_dist=True))
+    files: dict = {}
+    t["collect checksums"] = timed(lambda: files.update(collect_checksums(tmp_dir)))
+
+    def commit() -> None:
+        write_manifest(tmp_dir, {"files": files})
+        fsync_dir(tmp_dir / "model_optim")
+        os.rename(tmp_dir, root / "stages_done")
+        fsync_dir(root)
+
+    t["manifest+fsync+rename"] = timed(commit)
+    return ", ".join(f"{name} {seconds:.3f} s" for name, seconds in t.items())
+
+
+def step_times(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor,
+    n: int | None = None, until: Callable[[], bool] | None = None,
+) -> list[float]:
+    """Times of training steps: `n` of them, or as many as run until `until()` is true."""
+    times: list[float] = []
+    while (n is not None and len(times) < n) or (until is not None and not until()):
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(width: int, layers: int, device: str, root: Path | None, repeats: int,
+            rounds: int = 3) -> None:
     model, optim = build(width, layers, device)
     n_params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         gangs = setup_gangs(FakeGang(device=device))
-        mgr = CheckpointManager(Path(tmp), gangs, keep_last_n=1, async_save=True)
-        sync_s = []
-        for step in (1, 2):
-            t0 = time.perf_counter()
-            mgr.save(step, model, optim, {"step": step}, blocking=True)
-            sync_s.append(time.perf_counter() - t0)
-        size_mb = sum(e["size"] for e in mgr.manifest(2)["files"].values()) / 1e6
-        async_s = []
-        for step in (3, 4):
-            t0 = time.perf_counter()
-            mgr.save(step, model, optim, {"step": step})
-            async_s.append(time.perf_counter() - t0)
-            mgr.wait()
+        mgr = CheckpointManager(Path(tmp) / "ckpt", gangs, keep_last_n=1, async_save=True)
+        mgr.save(1, model, optim, {"step": 1}, blocking=True)  # warm-up
+        size = sum(e["size"] for e in mgr.manifest(1)["files"].values())
+        raw = Path(tmp) / "raw.bin"
+        rows: dict[str, list[float]] = {k: [] for k in ("write", "save", "read", "load")}
         fresh_model, fresh_optim = build(width, layers, device)
-        t0 = time.perf_counter()
-        mgr.load(4, fresh_model, fresh_optim)
-        load_s = time.perf_counter() - t0
+        for r in range(repeats):
+            rows["write"].append(disk_write(raw, size))
+            step = 2 + r
+            rows["save"].append(timed(lambda s=step: mgr.save(s, model, optim, {"step": s},
+                                                              blocking=True)))
+            rows["read"].append(disk_read(raw))
+            rows["load"].append(timed(lambda s=step: mgr.load(s, fresh_model, fresh_optim)))
+            raw.unlink()
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        print(f"checkpoint {n_params / 1e6:.1f}M params ({size / 1e6:.0f} MB with AdamW "
+              f"state, {device}), medians of {repeats}:")
+        print(f"  sync save {med['save']:.3f} s ({size / med['save'] / 1e9:.2f} GB/s); disk "
+              f"write+fsync {med['write']:.3f} s ({size / med['write'] / 1e9:.2f} GB/s): save "
+              f"at {med['write'] / med['save']:.0%} of the disk rate")
+        print(f"  load {med['load']:.3f} s; disk read {med['read']:.3f} s: load at "
+              f"{med['read'] / med['load']:.0%} of the disk rate")
+        print(f"  stages of a save: {save_stages(model, optim, Path(tmp))}")
+
+        blocking = []
+        for step in (10, 11):
+            blocking.append(timed(lambda s=step: mgr.save(s, model, optim, {"step": s})))
+            mgr.wait()
+        print(f"  async save blocks {blocking[-1]:.3f} s = {blocking[-1] / med['save']:.1%} "
+              "of a sync save")
+
+        x = torch.randn(16, width, device=device)
+        step_times(model, optim, x, n=2)  # warm-up
+        quiet: list[float] = []
+        busy: list[float] = []
+        for i in range(rounds):  # alternating, so that the machine's drift hits both
+            quiet += step_times(model, optim, x, n=4)
+            mgr.save(20 + i, model, optim, {"step": 20 + i})
+            busy += step_times(model, optim, x, until=lambda: not mgr.writing)
+            mgr.wait()
+        q, b = statistics.median(quiet), statistics.median(busy)
+        print(f"  training step (median) {q * 1e3:.1f} ms without a save, {b * 1e3:.1f} ms "
+              f"during a background save ({len(busy)} steps in {rounds} saves): ratio "
+              f"{b / q:.3f}")
         mgr.close()
-    print(f"checkpoint {n_params / 1e6:.1f}M params ({size_mb:.0f} MB with AdamW state, "
-          f"{device}): sync save {sync_s[1]:.3f} s, async save blocks {async_s[1]:.3f} s "
-          f"(ratio {async_s[1] / sync_s[1]:.3f}), load {load_s:.3f} s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=None, help="where to write (a temp dir)")
-    parser.add_argument("--sizes", default="1,10,50", help="millions of parameters")
+    parser.add_argument("--sizes", default="50", help="millions of parameters, e.g. 1,10,50")
     parser.add_argument("--device", default="cpu", help="where the model lives (cpu, cuda)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of save and load")
     args = parser.parse_args()
     for millions in (float(m) for m in args.sizes.split(",")):
         width = 1024 if millions < 10 else 2048 if millions < 40 else 4096
         layers = max(1, round(millions * 1e6 / (width * width + width)))
-        measure(width, layers, args.device, args.dir)
+        measure(width, layers, args.device, args.dir, args.repeats)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,11 @@ window of every repetition, divided by 10. Medians over many short windows are r
 what shared 2-core machines do to one long run (another process taking the core for a few
 milliseconds), and pairing the two runs of a repetition (a fraction of a second apart)
 cancels the machine's drift of speed over minutes; the ratio of the pooled medians and the
-mean over whole runs are printed beside it. The trainer's fixed cost per run (construction, setup,
+mean over whole runs are printed beside it. With the 95% confidence interval of that median
+ratio (distribution-free: order statistics of the paired ratios, from the binomial law of
+how many fall below the true median): without ``--reps``, pairs are added until the interval
+is within +-1% of the ratio (``--interval``) or ``--max-seconds`` have passed, so a figure
+says how far it can be trusted on a noisy machine. The trainer's fixed cost per run (construction, setup,
 the last publish, closing recorders) is printed apart. Two sizes: ``small`` (~0.5 ms a step) and ``large`` (~20 ms), with one
 intra-op thread by default (``--threads``): on a shared 2-core machine, OpenMP barriers
 turn other processes' load into 10x outliers. For memory, each variant of the large size
@@ -44,6 +48,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import resource
 import statistics
@@ -80,7 +85,7 @@ class Size:
 
 SIZES = {
     "small": Size("small", batch=96, inputs=128, hidden=256, layers=1, classes=10, steps=300,
-                  reps=24, target=1.05, own_cost=True),
+                  reps=24, target=1.03, own_cost=True),
     "large": Size("large", batch=176, inputs=512, hidden=1024, layers=2, classes=10, steps=41,
                   reps=30, target=1.01, own_cost=False),
 }
@@ -216,7 +221,27 @@ LOOPS = {"loop": run_loop, "loop_grads_to_none": run_loop_grads_to_none}
 KINDS = ("loop", "trainer", "loop_grads_to_none")
 
 
-def measure_time(size: Size, reps: int, show_console: bool, optimizer_kind: str) -> None:
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free `confidence` interval of the median of `values`: the order
+    statistics (k-th smallest, k-th largest) where k is the largest rank with
+    P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. None when n is too small (< 6)."""
+    n = len(values)
+    tail, k, below = (1 - confidence) / 2, 0, 0.0
+    while True:
+        below += math.comb(n, k) / 2**n  # P(B <= k)
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
+
+
+def measure_time(size: Size, reps: int | None, show_console: bool, optimizer_kind: str,
+                 interval_target: float = 0.01, max_seconds: float = 300.0) -> None:
+    """`reps` pairs of runs; None: at least `size.reps`, then more until the median ratio's
+    95% interval is within +-`interval_target` of it, or `max_seconds` have passed."""
     batches = build_batches(size)
     warmup = max(20, size.steps // 5)
     kinds = KINDS if size.own_cost else KINDS[:2]
@@ -227,7 +252,20 @@ def measure_time(size: Size, reps: int, show_console: bool, optimizer_kind: str)
     totals: dict[str, list[float]] = {kind: [] for kind in kinds}
     loops = [kind for kind in kinds if kind != "trainer"]
     paired: dict[str, list[float]] = {kind: [] for kind in loops}  # trainer / loop, per rep
-    for rep in range(reps):
+    started = time.perf_counter()
+
+    def more() -> bool:
+        done = len(paired["loop"])
+        if reps is not None or done < size.reps:
+            return done < (reps if reps is not None else size.reps)
+        interval = median_interval(paired["loop"])
+        wide = interval is None or (interval[1] - interval[0]) / 2 > (
+            interval_target * statistics.median(paired["loop"]))
+        return wide and time.perf_counter() - started < max_seconds
+
+    rep = -1
+    while more():
+        rep += 1
         order = kinds if rep % 2 == 0 else kinds[::-1]
         rep_median: dict[str, float] = {}
         for kind in order:
@@ -241,6 +279,13 @@ def measure_time(size: Size, reps: int, show_console: bool, optimizer_kind: str)
             paired[loop].append(rep_median["trainer"] / rep_median[loop])
     ms = {kind: statistics.median(windows[kind]) * 1e3 for kind in kinds}
     ratio = statistics.median(paired["loop"])
+    interval = median_interval(paired["loop"])
+    reps = len(paired["loop"])
+    if interval is None:
+        trust = "95% interval: too few pairs"
+    else:
+        half = (interval[1] - interval[0]) / 2 / ratio
+        trust = f"95% interval {interval[0]:.3f}-{interval[1]:.3f}, +-{half:.1%}"
     pooled_ratio = ms["trainer"] / ms["loop"]
     mean_ratio = statistics.median(per_step["trainer"]) / statistics.median(per_step["loop"])
     fixed_ms = statistics.median(
@@ -250,7 +295,8 @@ def measure_time(size: Size, reps: int, show_console: bool, optimizer_kind: str)
     ) * 1e3
     approx = "~0.5 ms/step" if size.name == "small" else "~20 ms/step"
     print(f"overhead {size.name} ({approx}), AdamW {optimizer_kind}: loop {ms['loop']:.3f} ms, trainer "
-          f"{ms['trainer']:.3f} ms, ratio {ratio:.3f} (target <= {size.target}; median over "
+          f"{ms['trainer']:.3f} ms, ratio {ratio:.3f} (target <= {size.target}; {trust}; "
+          f"median over "
           f"{reps} reps x {size.steps} steps of the paired ratio of median {PUBLISH_EVERY}-step "
           f"windows; pooled windows {pooled_ratio:.3f}, whole-run means {mean_ratio:.3f})",
           flush=True)
@@ -318,7 +364,12 @@ def measure_memory(size: Size, steps: int, reps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per "
-                        "variant (default: 24 small, 30 large)")
+                        "variant (default: at least 24 small, 30 large, then more until the "
+                        "interval is narrow enough)")
+    parser.add_argument("--interval", type=float, default=0.01,
+                        help="wanted half-width of the ratio's 95%% interval (default +-1%%)")
+    parser.add_argument("--max-seconds", type=float, default=300.0,
+                        help="time cap for adding repetitions, per size and optimizer")
     parser.add_argument("--sizes", default="small,large", help="comma-separated: small,large")
     parser.add_argument("--steps", type=int, default=None, help="steps a repetition "
                         "(default: 300 small, 41 large: 4 windows)")
@@ -353,7 +404,8 @@ def main() -> None:
         if args.steps is not None:
             size = Size(**{**size.__dict__, "steps": args.steps})
         for optimizer_kind in args.optimizers.split(","):
-            measure_time(size, args.reps or size.reps, args.show_console, optimizer_kind)
+            measure_time(size, args.reps, args.show_console, optimizer_kind,
+                         args.interval, args.max_seconds)
     if not args.no_memory and "large" in names:
         measure_memory(SIZES["large"], args.memory_steps, args.memory_reps)
 

@@ -17,9 +17,30 @@ def test_overhead_benchmark_prints_its_ratios():
          "--steps", "21", "--no-memory"],
         cwd=ROOT, check=True, capture_output=True, text=True, timeout=120,
     ).stdout
-    ratio = re.search(r"overhead small .* ratio (\d+\.\d+) \(target <= 1.05", out)
+    ratio = re.search(r"overhead small .* ratio (\d+\.\d+) \(target <= 1.03; 95% interval", out)
     own = re.search(r"the trainer's own cost: .* ratio (\d+\.\d+)", out)
     assert ratio and own, out
     # A trainer that did something heavy per step (a host sync, a recorder write) would be
     # several times slower at this size; a broken loop would be instant.
     assert 0.5 < float(ratio.group(1)) < 3.0 and 0.5 < float(own.group(1)) < 3.0, out
+
+
+def test_the_median_interval_is_the_textbook_order_statistics():
+    from benchmarks.overhead import median_interval
+
+    # 95% distribution-free intervals of the median: n=10 -> (x2, x9); n=100 -> (x40, x61);
+    # below 6 values no such interval exists.
+    assert median_interval([float(i) for i in range(1, 11)]) == (2.0, 9.0)
+    assert median_interval([float(i) for i in range(1, 101)]) == (40.0, 61.0)
+    assert median_interval([1.0] * 5) is None
+
+
+def test_checkpoint_benchmark_prints_save_and_load_against_the_disk():
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.checkpoint", "--sizes", "1", "--repeats", "1"],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    for pattern in (r"save at \d+% of the disk rate", r"load at \d+% of the disk rate",
+                    r"stages of a save: state dict", r"async save blocks .* of a sync save",
+                    r"during a background save .* ratio \d+\.\d+"):
+        assert re.search(pattern, out), (pattern, out)

@@ -35,6 +35,12 @@ class TrainerSettings(BaseModel):
         "Micro-batches drawn per step; the step's gradient is that of the mean loss over "
         "every target of all of them on all DP ranks. The last window of an epoch may be "
         "shorter."))
+    fsdp_reduce_every_micro_batch: bool = Field(True, description=(
+        "FSDP2 with num_accumulate > 1: reduce-scatter gradients after every micro-batch, "
+        "keeping only sharded gradients (True), or after the last only (False): N-1 fewer "
+        "reduce-scatters a step, but every rank holds the unsharded gradients of the whole "
+        "model meanwhile. HSDP's all-reduce across replicas runs on the last micro-batch "
+        "either way."))
     # -- validation and scores -------------------------------------------------------------
     validate_every_n_steps: int | None = Field(None, ge=1, description=(
         "Run the valid units every this many steps (needs valid_units)."))

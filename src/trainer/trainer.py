@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from gangs import Gangs, any_rank, first_error, on_rank0
 from gangs.parallel import reduce_expert_gradients
 from trainer import gradients
+from trainer.accumulation import MicroBatchSync
 from trainer.callbacks import Callback, CallbackList
 from trainer.checkpoint import CheckpointManager
 from trainer.console_log import show_on_console
@@ -180,6 +181,8 @@ class Trainer(Generic[BatchT]):
         # One process, no loss scale: a one-micro-batch step knows its target count before
         # backward, which then starts from 1/count: the mean, at no extra op.
         self._may_seed_mean = self.gangs.dp.size == 1 and self.scaler is None
+        self._micro_batch_sync = MicroBatchSync(
+            unit.model, fsdp_reduce_every_micro_batch=s.fsdp_reduce_every_micro_batch)
         # Expert-parallel MoE weights are not reduced by DDP/FSDP2 over dp: the trainer
         # reduces them over the gang of their replicas after backward.
         self._has_expert_params = any(getattr(p, "is_expert_param", False)
@@ -298,15 +301,13 @@ class Trainer(Generic[BatchT]):
     def _forward_backward(self, batches: list[BatchT]
                           ) -> tuple[torch.Tensor, torch.Tensor | int, bool]:
         """Forward and backward of each micro-batch on its summed loss: (the step's loss sum,
-        detached; its local target count; whether backward took the mean already). DDP
-        reduces the gradients on the last micro-batch only."""
-        model = self.unit.model
+        detached; its local target count; whether backward took the mean already). DDP and
+        HSDP reduce across DP on the last micro-batch only (see `accumulation`)."""
         loss_sum: torch.Tensor | None = None
         local_count: torch.Tensor | int = 0
         normalised = False
         for i, batch in enumerate(batches):
-            defer_sync = i < len(batches) - 1 and isinstance(model, DDP)
-            with model.no_sync() if defer_sync else contextlib.nullcontext():
+            with self._micro_batch_sync.sync(last=i == len(batches) - 1):
                 with self._autocast:
                     loss, num_targets = self.unit(batch, self.metrics)
                 num_targets = check_unit_output(self.unit, loss, num_targets, self.state.step_nr)

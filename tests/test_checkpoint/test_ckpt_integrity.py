@@ -59,7 +59,7 @@ def test_truncated_file_falls_back_to_previous(tmp_path, caplog):
     mgr.close()
 
 
-def test_same_size_corruption_is_caught_by_sha256(tmp_path, caplog):
+def test_same_size_corruption_is_caught_by_the_checksum(tmp_path, caplog):
     _saved(tmp_path)
     rank_file = tmp_path / "step_4" / "rank_0.pt"
     data = bytearray(rank_file.read_bytes())
@@ -68,7 +68,7 @@ def test_same_size_corruption_is_caught_by_sha256(tmp_path, caplog):
     mgr = _manager(tmp_path)
     with caplog.at_level(logging.WARNING):
         assert mgr.find_latest() == 3
-    assert any("step_4" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
+    assert any("step_4" in r.getMessage() and "crc32c checksum" in r.getMessage() for r in caplog.records)
     mgr.close()
 
 

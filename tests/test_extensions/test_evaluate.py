@@ -188,7 +188,7 @@ def test_a_damaged_checkpoint_or_another_model_is_refused(run, tmp_path):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     units, _ = fresh_units()
-    with pytest.raises(UserError, match=r"checkpoint .*step_16 cannot be loaded: .*sha256"):
+    with pytest.raises(UserError, match=r"checkpoint .*step_16 cannot be loaded: .*checksum"):
         evaluate(units, [valid], output_dir=out, checkpoint="last")
 
 

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ class CheckpointDir:
         self.path = path
         self.bad: set[int] = set()
         self._verified: dict[int, tuple[Any, ...]] = {}  # step -> fingerprint when verified
+        self._deleting: threading.Thread | None = None
 
     def step_dir(self, step_nr: int) -> Path:
         return self.path / f"step_{step_nr}"
@@ -100,14 +102,29 @@ class CheckpointDir:
         fsync_dir(self.path)
         self.bad.discard(step_nr)
 
-    def delete(self, step_nr: int) -> None:
+    def delete(self, step_nr: int, *, background: bool = False) -> None:
         """Rename out of sight first, so a crash mid-delete leaves no half `step_N` behind
-        (a `.trash_step_N` is removed by `remove_leftovers`)."""
+        (a `.trash_step_N` is removed by `remove_leftovers`). With `background`, the files
+        are then removed by a thread (unlinking 600 MB took 0.5 s here, a third of a save);
+        `finish_deletions` waits for it."""
+        self.finish_deletions()
         trash = self.path / f"{_TRASH_PREFIX}{step_nr}"
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(self.step_dir(step_nr), trash)
-        shutil.rmtree(trash, ignore_errors=True)
         self._verified.pop(step_nr, None)
+        if background:
+            self._deleting = threading.Thread(
+                target=shutil.rmtree, args=(trash, True), name="checkpoint-delete"
+            )
+            self._deleting.start()
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def finish_deletions(self) -> None:
+        """Wait for the background deletion, if one runs."""
+        if self._deleting is not None:
+            self._deleting.join()
+            self._deleting = None
 
     def write_pointers(self, last_step: int | None, best_step: int | None) -> None:
         """`last` and `best` name the given step directories; a pointer to None is removed."""

@@ -4,7 +4,7 @@ Saving step N (every rank takes part):
 
 1. every rank writes into `checkpoint_dir/.tmp_step_N/`: its `rank_N.pt`, its share of the
    DCP checkpoint `model_optim/` (DCP spreads replicated tensors over the ranks), and the
-   sha256 of its share of the files (`.sha256_rank_r.json`), so hashing runs in parallel;
+   crc32c of the files it wrote, computed while writing them (`.checksums_rank_r.json`);
 2. the ranks agree that every one of them succeeded (an all-reduce);
 3. rank 0 completes the checksums, writes `manifest.json`, fsyncs, renames the directory to
    `step_N` and fsyncs `checkpoint_dir`, applies retention and rewrites the `last`/`best`
@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 from torch.optim import Optimizer
 
 from gangs import FakeGang, Gangs, first_error, on_rank0
+from trainer.checkpoint import digest
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.disk_space import (
     DiskFullError,
@@ -218,10 +219,15 @@ class CheckpointManager:
             files_error = error
         write_shard(
             tmp_dir, state, rank_bytes,
-            rank=self._rank, world=self._world, process_group=self._pg, no_dist=self._no_dist,
+            rank=self._rank, process_group=self._pg, no_dist=self._no_dist,
         )
         if files_error is not None:
             raise files_error
+
+    @property
+    def writing(self) -> bool:
+        """True while this rank's files of an async save are still being written (local)."""
+        return self._in_flight is not None and not self._in_flight.future.done()
 
     def wait(self) -> None:
         """Finish and commit the save in flight, if any (collective)."""
@@ -266,6 +272,7 @@ class CheckpointManager:
             "gangs": {"dp": g.dp.size, "tp": g.tp.size, "ep": g.ep.size},
             "config_digest": self.config_digest,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "checksums": digest.DESCRIPTION,
             "files": files,
         }
 
@@ -301,7 +308,7 @@ class CheckpointManager:
         )
         for step_nr in sorted(set(manifests) - keep):
             log.info("retention: deleting checkpoint %s", self._disk.step_dir(step_nr))
-            self._disk.delete(step_nr)
+            self._disk.delete(step_nr, background=True)
 
     # --- finding and loading ------------------------------------------------------------
 
@@ -467,6 +474,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._writer.close()
+            self._disk.finish_deletions()
             if self._pg is not None and dist.is_initialized():
                 dist.destroy_process_group(self._pg)
                 self._pg = None
