@@ -45,7 +45,7 @@ def config_text(config: Mapping[str, Any]) -> str:
     return yaml.safe_dump(dict(config), sort_keys=False, allow_unicode=True)
 
 
-def digest(text: str) -> str:
+def sha256_of(text: str) -> str:
     """The sha256 of a config file's text: the manifest's `config_digest`."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

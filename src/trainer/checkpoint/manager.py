@@ -74,7 +74,7 @@ from trainer.checkpoint.retention import rank_by_score, steps_to_keep
 from trainer.checkpoint.state import check_plain, model_optim_state
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.errors import UserError
-from trainer.run_config import CONFIG_FILE, config_text, digest
+from trainer.run_config import CONFIG_FILE, config_text, sha256_of
 
 log = logging.getLogger("gangtrain")
 
@@ -116,7 +116,7 @@ class CheckpointManager:
         self.async_save = async_save
         # The run's config, kept beside each step as config.yaml; its sha256 is the digest.
         self._config_text = config_text(config) if config is not None else None
-        self.config_digest = digest(self._config_text) if self._config_text else config_digest
+        self.config_digest = sha256_of(self._config_text) if self._config_text else config_digest
         self.on_commit = on_commit
         """Called on every rank as `on_commit(step_nr, step_dir)` once a save is committed
         (renamed to its final name), by whichever call commits it: `save`, `wait`, `close`."""
