@@ -28,7 +28,7 @@ wrapper); compiling once serves both sides, and an untimed loop run first takes 
 compilation.
 
 MFU = tokens/s x ``recipes.lm.model.flops_per_token`` / the device's dense peak for the
-dtype (``trainer.system_metrics.peak_flops``: H100 SXM and H200 989 TFLOP/s bf16).
+dtype (``trainer.observe.system_metrics.peak_flops``: H100 SXM and H200 989 TFLOP/s bf16).
 Peak memory is ``torch.cuda.max_memory_allocated`` of each run.
 
 Host syncs: one more Trainer run (eager) whose unit is a `SyncCheckedUnit`: torch's CUDA
@@ -78,7 +78,7 @@ from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
 from trainer import TrainerConfig
 from trainer.cli import load_config
 from trainer.errors import UserError
-from trainer.recorders import JsonlRecorder, TensorBoardRecorder
+from trainer.observe.recorders import JsonlRecorder, TensorBoardRecorder
 from units import MetricBag, TrainUnit
 from units.causal_lm import CausalLMUnit
 

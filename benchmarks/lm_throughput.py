@@ -35,14 +35,14 @@ from recipes.lm.config import PRESETS, LMConfig
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
 from trainer.cli import load_config
 from trainer.errors import UserError
-from trainer.system_metrics import peak_flops as device_peak_flops
+from trainer.observe.system_metrics import peak_flops as device_peak_flops
 from units.causal_lm import CausalLMUnit
 
 Batch = dict[str, torch.Tensor]
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[str, float | None]:
     """(the device's name, its dense peak FLOP/s for `dtype`, or None for a CPU or a GPU
-    the trainer's table (`trainer.system_metrics.peak_flops`) does not know)."""
+    the trainer's table (`trainer.observe.system_metrics.peak_flops`) does not know)."""
     if device.type != "cuda":
         return "cpu", None
     return torch.cuda.get_device_name(device), device_peak_flops(device, dtype)

@@ -319,7 +319,7 @@ def _current_rss_kib() -> int:
 
 def memory_child(kind: str, size_name: str, steps: int) -> None:
     """Runs in a subprocess: prints {"baseline_kib", "peak_kib"} as JSON."""
-    import trainer.recorders.event_file  # noqa: F401  (imported by both: library code is not counted)
+    import trainer.observe.recorders.event_file  # noqa: F401  (imported by both: library code is not counted)
 
     size = SIZES[size_name]
     batches = build_batches(size)

@@ -1,5 +1,6 @@
 """The structure DESIGN.md asks for, checked on the source: no import cycle among our
-modules, and `trainer.trainer` imported only by the package face, the config and the CLI."""
+modules, imports between trainer's parts only point downwards, and `trainer.trainer` is
+imported only by the package face, the config and the CLI."""
 
 from __future__ import annotations
 
@@ -87,7 +88,62 @@ def test_no_import_cycle_among_our_modules():
 
 def test_only_the_face_the_config_and_the_cli_import_the_trainer_module():
     importers = {name for name, deps in import_graph().items() if "trainer.trainer" in deps}
-    assert importers <= {"trainer", "trainer.config", "trainer.cli"}, importers
+    assert importers <= {"trainer", "trainer.config.trainer_config", "trainer.cli"}, importers
+
+
+# The parts of `trainer`, lowest first, and what each may import besides itself, `units` and
+# `gangs`. "loop" is the top: the modules directly under src/trainer/ (the loop, its result,
+# validation, settings, early stoppers, HF interop); "face" is the package `__init__` and the
+# command line, which may import everything.
+PART_IMPORTS = {
+    "errors": set(),
+    "checkpoint": {"errors"},
+    "lifecycle": {"errors", "checkpoint"},
+    "state": {"errors", "checkpoint", "lifecycle"},
+    "step": {"errors", "checkpoint", "lifecycle", "state"},
+    "observe": {"errors", "checkpoint", "lifecycle", "state", "step"},
+    "loop": {"errors", "checkpoint", "lifecycle", "state", "step", "observe"},
+    "config": {"errors", "checkpoint", "lifecycle", "state", "step", "observe", "loop"},
+}
+PART_IMPORTS["face"] = set(PART_IMPORTS)
+# What the other packages may import: arrows point down to gangs.
+PACKAGE_IMPORTS = {"gangs": set(), "units": {"gangs"}, "trainer": {"units", "gangs"},
+                   "recipes": {"trainer", "units", "gangs"}}
+
+
+def part_of(module: str) -> str:
+    """The part of `trainer` that `module` (a dotted name under trainer) belongs to."""
+    parts = module.split(".")
+    if module in ("trainer", "trainer.cli"):
+        return "face"
+    if parts[1] in PART_IMPORTS and len(parts) > 2 or parts[1] in ("checkpoint", "errors"):
+        return parts[1]
+    return "loop"
+
+
+def test_imports_point_downwards_between_the_parts_of_trainer():
+    upward = []
+    for module, deps in import_graph().items():
+        package = module.split(".")[0]
+        for dep in deps:
+            dep_package = dep.split(".")[0]
+            if dep_package != package:
+                if dep_package not in PACKAGE_IMPORTS[package]:
+                    upward.append(f"{module} -> {dep}")
+                continue
+            if package != "trainer" or dep == "trainer.errors":
+                continue
+            mine, theirs = part_of(module), part_of(dep)
+            if theirs != mine and theirs not in PART_IMPORTS[mine]:
+                upward.append(f"{module} ({mine}) -> {dep} ({theirs})")
+    assert upward == [], "\n".join(sorted(upward))
+
+
+def test_each_part_of_trainer_says_what_lives_there_and_what_it_may_import():
+    for part in ("config", "step", "state", "observe", "lifecycle", "checkpoint"):
+        doc = ast.get_docstring(ast.parse((ROOT / "src" / "trainer" / part / "__init__.py")
+                                          .read_text()))
+        assert doc and "imports only" in doc.lower(), part
 
 
 def test_help_trainer_explains_every_argument():
@@ -108,9 +164,9 @@ def test_help_trainer_explains_every_argument():
         assert field.description, name
 
 
-def test_readme_lists_every_setting():
+def test_the_trainer_page_lists_every_setting():
     from trainer.settings import TrainerSettings
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "trainer.md").read_text()
     for name in TrainerSettings.model_fields:
         assert f"| `{name}` |" in readme, name

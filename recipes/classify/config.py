@@ -6,8 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from trainer.config import AdamWConfig, TrainerConfig
-from trainer.early_stopper_config import EarlyStopperConfig
+from trainer.config.early_stopper import EarlyStopperConfig
+from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 
 
 class _Section(BaseModel):

@@ -16,10 +16,10 @@ from gangs import Gangs, setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
 from recipes.classify.config import ClassifyConfig
 from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
-from trainer.console_log import configure_logging
-from trainer.early_stopper_config import build_early_stopper
+from trainer.config.early_stopper import build_early_stopper
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
+from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from units.classification import ClassificationEvalUnit, ClassificationUnit
 

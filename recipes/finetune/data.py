@@ -15,7 +15,7 @@ is a target exactly once; the tail shorter than a window is dropped. A seeded ra
 whatever the number of ranks, and no target is both trained on and scored.
 
 ``WindowReader`` serves the training windows in one global shuffled order, each DP rank
-taking its slice of every global batch (`trainer.global_batches`), so its O(1) state resumes
+taking its slice of every global batch (`trainer.state.global_batches`), so its O(1) state resumes
 exactly, even on another DP size.
 """
 
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from trainer.errors import UserError
-from trainer.global_batches import GlobalBatchReader
+from trainer.state.global_batches import GlobalBatchReader
 
 __all__ = ["Batch", "WindowReader", "eval_batches", "pack_windows", "read_documents",
            "split_windows", "tokenize_documents"]
@@ -128,7 +128,7 @@ def _to_batch(windows: Tensor) -> Batch:
 
 class WindowReader(GlobalBatchReader[Batch]):
     """Training reader: shuffled global batches of windows, sliced per DP rank (see
-    `trainer.global_batches` for the order, epochs and resumable state)."""
+    `trainer.state.global_batches` for the order, epochs and resumable state)."""
 
     def __init__(self, windows: Tensor, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from trainer.config import AdamWConfig, TrainerConfig
+from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 
 
 class _Section(BaseModel):

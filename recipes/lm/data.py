@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from trainer.errors import UserError
-from trainer.global_batches import GlobalBatchReader
+from trainer.state.global_batches import GlobalBatchReader
 
 __all__ = [
     "EXCLUDED_DIR_NAMES",
@@ -145,7 +145,7 @@ def _to_batch(windows: torch.Tensor) -> Batch:
 
 class ByteWindowReader(GlobalBatchReader[Batch]):
     """Training reader: shuffled global batches of packed windows, sliced per DP rank (see
-    `trainer.global_batches` for the order, epochs and resumable state)."""
+    `trainer.state.global_batches` for the order, epochs and resumable state)."""
 
     def __init__(
         self,

@@ -24,9 +24,9 @@ from recipes.lm.data import (
 )
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
 from recipes.lm.schedule import warmup_cosine
-from trainer.console_log import configure_logging
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
+from trainer.observe.console_log import configure_logging
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
 

@@ -1,11 +1,12 @@
 """The model-agnostic training loop and its services."""
 
-from trainer.callbacks import Callback, CallbackConfig, CallbackError
-from trainer.config import TrainerConfig
+from trainer.config.callbacks import CallbackConfig
+from trainer.config.trainer_config import TrainerConfig
 from trainer.errors import NonFiniteLossError, UserError
 from trainer.evaluate import evaluate
-from trainer.global_batches import GlobalBatchReader
+from trainer.observe.callbacks import Callback, CallbackError
 from trainer.result import TrainResult
+from trainer.state.global_batches import GlobalBatchReader
 from trainer.trainer import Trainer
 
 __all__ = [

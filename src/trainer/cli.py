@@ -19,8 +19,8 @@ The config is built from, lowest precedence first: the config type's defaults, t
 ``OUTPUT_DIR/config.yaml`` when there is one and the command resumes or evaluates (a run
 trained with ``--preset tiny`` is evaluated or extended without repeating it; the recipe's
 default preset is then not applied), the preset, each ``--config-file`` in order, each
-``--set`` in order (see `trainer.config_loading` for the merge rules;
-`trainer.config_errors` formats validation errors).
+``--set`` in order (see `trainer.config.loading` for the merge rules;
+`trainer.config.errors` formats validation errors).
 
 User mistakes (bad keys, values, files, presets, arguments, and `UserError` raised by the
 recipe's main) print ``error: <message>`` on stderr, with no traceback, and exit with status 2.
@@ -42,14 +42,14 @@ from pydantic import BaseModel
 # load_config, parse_override and format_validation_error are re-exported: recipes, tests and
 # benchmarks import them from here.
 from trainer.checkpoint import CheckpointError
-from trainer.config_errors import format_validation_error
-from trainer.config_loading import PRESET_DOC_KEY, load_config, parse_override
+from trainer.checkpoint.run_config import record_history
+from trainer.config.errors import format_validation_error
+from trainer.config.loading import PRESET_DOC_KEY, load_config, parse_override
 from trainer.errors import UserError
 from trainer.evaluate import CHECKPOINT_DIR, find_checkpoint, parse_checkpoint_choice
-from trainer.output_dir import clear_previous_run, used_by_another_run
-from trainer.resume_guard import check_resume_config
-from trainer.run_config import record_history
-from trainer.run_lock import RunLock
+from trainer.lifecycle.output_dir import clear_previous_run, used_by_another_run
+from trainer.lifecycle.resume_guard import check_resume_config
+from trainer.lifecycle.run_lock import RunLock
 
 __all__ = [
     "dump_config",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gangs import FakeGang, Gangs, setup_gangs, setup_root_gang
-from trainer.console_log import show_on_console
+from trainer.observe.console_log import show_on_console
 
 log = logging.getLogger("gangtrain")
 

@@ -40,10 +40,10 @@ from trainer.checkpoint.manifest import (
     check_model_fits,
 )
 from trainer.checkpoint.state import model_optim_state
-from trainer.console_log import show_on_console
 from trainer.default_gangs import default_gangs
 from trainer.errors import UserError
-from trainer.recorders import ConsoleRecorder, JsonlRecorder
+from trainer.observe.console_log import show_on_console
+from trainer.observe.recorders import ConsoleRecorder, JsonlRecorder
 from trainer.validator import Validator
 from units import EvalUnit
 

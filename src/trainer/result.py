@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import CheckpointManager, rank_by_score
-from trainer.train_state import TrainState
+from trainer.state.train_state import TrainState
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trainer.profiler import ProfilerConfig
+from trainer.observe.profiler import ProfilerConfig
 
 Precision = Literal["fp32", "bf16", "fp16"]
 

@@ -28,34 +28,34 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs, any_rank, first_error, on_rank0
 from gangs.parallel import reduce_expert_gradients
-from trainer import gradients
-from trainer.accumulation import MicroBatchSync
-from trainer.callbacks import Callback, CallbackList
 from trainer.checkpoint import CheckpointManager
-from trainer.console_log import show_on_console
-from trainer.data_position import DataPosition
+from trainer.checkpoint.run_config import warn_if_changed
 from trainer.default_gangs import default_gangs
 from trainer.early_stoppers import EarlyStopper
 from trainer.errors import UserError
 from trainer.hf import export_best_model
-from trainer.loss_scaler import LossScaler
-from trainer.optimizer_step import OptimizerStep
-from trainer.output_dir import prepare_output_dir
-from trainer.profiler import StepProfiler
-from trainer.rank_failure import RankFailure, share_failure
-from trainer.recorders import MetricRecorder, training_recorder
+from trainer.lifecycle.output_dir import prepare_output_dir
+from trainer.lifecycle.rank_failure import RankFailure, share_failure
+from trainer.lifecycle.run_lock import RunLock, hold_run_lock
+from trainer.lifecycle.stop_signal import StopSignal
+from trainer.observe.callbacks import Callback, CallbackList
+from trainer.observe.console_log import show_on_console
+from trainer.observe.profiler import StepProfiler
+from trainer.observe.recorders import MetricRecorder, training_recorder
+from trainer.observe.system_metrics import SystemMetrics, flops_per_target_of
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
-from trainer.run_config import warn_if_changed
-from trainer.run_lock import RunLock, hold_run_lock
 from trainer.same_start import check_same_start
 from trainer.score_direction import score_direction
-from trainer.seeding import RngState
 from trainer.settings import settings_doc, signature_with_settings, validate_settings
-from trainer.step_log import StepLog
-from trainer.stop_signal import StopSignal
-from trainer.system_metrics import SystemMetrics, flops_per_target_of
-from trainer.train_state import TrainState
+from trainer.state.data_position import DataPosition
+from trainer.state.seeding import RngState
+from trainer.state.train_state import TrainState
+from trainer.step import gradients
+from trainer.step.accumulation import MicroBatchSync
+from trainer.step.loss_scaler import LossScaler
+from trainer.step.optimizer_step import OptimizerStep
+from trainer.step.step_log import StepLog
 from trainer.validator import Validator
 from units import EvalUnit, MetricBag, TrainUnit
 from units.unit import BatchT

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from gangs import Gangs, any_rank_each
-from trainer.device import to_device
+from trainer.lifecycle.device import to_device
 from units import EvalUnit, MetricBag
 
 

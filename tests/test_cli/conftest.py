@@ -3,7 +3,7 @@
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from trainer.early_stopper_config import EarlyStopperConfig
+from trainer.config.early_stopper import EarlyStopperConfig
 
 
 class ModelSection(BaseModel):

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from trainer.cli import load_config, run_recipe
-from trainer.early_stopper_config import build_early_stopper
+from trainer.config.early_stopper import build_early_stopper
 from trainer.early_stoppers import Patience
 from trainer.errors import UserError
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.callbacks import Callback
+from trainer.observe.callbacks import Callback
 
 
 class EventLog(Callback):

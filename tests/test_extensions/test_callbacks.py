@@ -12,17 +12,11 @@ from ext_callbacks import DuckTyped, EventLog
 from pydantic import BaseModel, ConfigDict
 from regression import Regression
 
-from trainer.callbacks import (
-    Callback,
-    CallbackConfig,
-    CallbackError,
-    CallbackList,
-    build_callbacks,
-    implemented_events,
-)
 from trainer.cli import load_config
+from trainer.config.callbacks import CallbackConfig, build_callbacks
+from trainer.config.import_path import import_object
 from trainer.errors import UserError
-from trainer.import_path import import_object
+from trainer.observe.callbacks import Callback, CallbackError, CallbackList, implemented_events
 from units import EvalUnit, MetricBag
 
 
@@ -168,11 +162,11 @@ def test_a_constructor_error_names_the_path():
 
 
 def test_import_object_reaches_nested_attributes():
-    assert import_object("trainer.callbacks:Callback.on_step_end", "thing") is \
+    assert import_object("trainer.observe.callbacks:Callback.on_step_end", "thing") is \
         Callback.on_step_end
-    with pytest.raises(ValueError, match="^cannot import thing 'trainer.callbacks:Callback.nope': "
-                                         "'trainer.callbacks:Callback' has no attribute 'nope'$"):
-        import_object("trainer.callbacks:Callback.nope", "thing")
+    with pytest.raises(ValueError, match="^cannot import thing 'trainer.observe.callbacks:Callback.nope': "
+                                         "'trainer.observe.callbacks:Callback' has no attribute 'nope'$"):
+        import_object("trainer.observe.callbacks:Callback.nope", "thing")
     with pytest.raises(ValueError, match="thing path ':x' must look like"):
         import_object(":x", "thing")
 

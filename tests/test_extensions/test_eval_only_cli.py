@@ -11,7 +11,7 @@ import pytest
 from recipe_runs import describe, run_all
 
 from trainer.cli import run_recipe
-from trainer.recorders import read_jsonl
+from trainer.observe.recorders import read_jsonl
 
 
 def digest(directory: Path) -> dict[str, str]:

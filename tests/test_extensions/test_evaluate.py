@@ -18,7 +18,7 @@ from rich.console import Console
 
 from trainer.errors import UserError
 from trainer.evaluate import evaluate, find_checkpoint, parse_checkpoint_choice
-from trainer.recorders import read_jsonl
+from trainer.observe.recorders import read_jsonl
 from trainer.trainer import Trainer
 from units import EvalUnit, MetricBag
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from trainer.profiler import ProfilerConfig, StepProfiler
+from trainer.observe.profiler import ProfilerConfig, StepProfiler
 
 
 def _train(profiler: StepProfiler, num_steps: int) -> None:

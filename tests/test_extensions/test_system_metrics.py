@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.system_metrics import (
+from trainer.observe.system_metrics import (
     DataWaitClock,
     SystemMetrics,
     flops_per_target_of,

@@ -8,8 +8,8 @@ import time
 import torch
 from regression import Regression
 
-from trainer.profiler import ProfilerConfig
-from trainer.recorders import JsonlRecorder, read_jsonl
+from trainer.observe.profiler import ProfilerConfig
+from trainer.observe.recorders import JsonlRecorder, read_jsonl
 
 
 def _batches(n=12):

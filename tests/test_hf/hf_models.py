@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from gangs import setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
-from trainer.global_batches import GlobalBatchReader
+from trainer.state.global_batches import GlobalBatchReader
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 

@@ -18,7 +18,7 @@ from gangs import setup_gangs, setup_root_gang
 from gangs.parallel import param_groups
 from recipes.lm.model import GPT, GPTConfig
 from recipes.lm.parallelize import parallelize_gpt
-from trainer.recorders.base import MetricRecorder
+from trainer.observe.recorders.base import MetricRecorder
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMUnit
 

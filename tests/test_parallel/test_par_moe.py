@@ -19,7 +19,7 @@ from gangs.parallel import param_groups, reduce_expert_gradients
 from gangs.parallel.expert import MoEFeedForward, ddp_ignored_names, moe_aux_loss, moe_layers
 from recipes.lm.model import GPT, GPTConfig
 from recipes.lm.parallelize import parallelize_gpt
-from trainer.gradients import global_target_count, scale_gradients
+from trainer.step.gradients import global_target_count, scale_gradients
 from units.causal_lm import lm_loss
 
 CONFIG = GPTConfig(seq_len=16, dim=32, num_layers=2, num_heads=4, num_experts=4, top_k=2)

@@ -14,7 +14,7 @@ from recipes.classify.config import PRESETS, ClassifyConfig
 from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
 from trainer.cli import load_config
 from trainer.early_stoppers import Patience
-from trainer.recorders import read_jsonl
+from trainer.observe.recorders import read_jsonl
 
 
 @pytest.fixture(scope="module")

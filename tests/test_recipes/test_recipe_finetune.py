@@ -31,7 +31,7 @@ from recipes.finetune.data import (
 from recipes.finetune.tiny import make_tiny_model, write_tiny_corpus
 from trainer.checkpoint import read_model_state
 from trainer.errors import UserError
-from trainer.recorders import read_jsonl
+from trainer.observe.recorders import read_jsonl
 
 MAX_STEPS = 40  # the tiny preset's
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from recipe_runs import describe, run_all, run_module
 
-from trainer.recorders import read_jsonl
+from trainer.observe.recorders import read_jsonl
 
 
 def run_many(module: str, commands: dict[str, list]) -> dict[str, subprocess.CompletedProcess]:

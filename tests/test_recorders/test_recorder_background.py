@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from trainer.recorders import BackgroundRecorder, JsonlRecorder, MetricRecorder, read_jsonl
+from trainer.observe.recorders import BackgroundRecorder, JsonlRecorder, MetricRecorder, read_jsonl
 
 
 class Slow(MetricRecorder):

@@ -1,6 +1,6 @@
 """`BufferedRecorder`: "train" records go through in batches, nothing is held past a sync."""
 
-from trainer.recorders import BufferedRecorder, JsonlRecorder, MetricRecorder, read_jsonl
+from trainer.observe.recorders import BufferedRecorder, JsonlRecorder, MetricRecorder, read_jsonl
 
 
 class Log(MetricRecorder):

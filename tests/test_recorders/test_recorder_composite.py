@@ -2,7 +2,7 @@ import io
 
 from rich.console import Console
 
-from trainer.recorders import (
+from trainer.observe.recorders import (
     CompositeRecorder,
     ConsoleRecorder,
     JsonlRecorder,

@@ -4,7 +4,7 @@ import re
 
 from rich.console import Console
 
-from trainer.recorders import ConsoleRecorder, format_value
+from trainer.observe.recorders import ConsoleRecorder, format_value
 
 
 def _plain_console():

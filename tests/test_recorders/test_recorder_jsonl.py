@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from trainer.recorders import JsonlRecorder, read_jsonl, section_file_name
+from trainer.observe.recorders import JsonlRecorder, read_jsonl, section_file_name
 
 
 def _steps(path):

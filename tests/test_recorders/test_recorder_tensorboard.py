@@ -8,7 +8,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.tensorflow_stub import errors
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
 
-from trainer.recorders import TensorBoardRecorder, event_file
+from trainer.observe.recorders import TensorBoardRecorder, event_file
 
 
 def _scalars(log_dir):
@@ -160,7 +160,7 @@ def test_event_checksums_match_tensorboards_own():
 
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
 
-    from trainer.recorders.event_file import masked_crc32c
+    from trainer.observe.recorders.event_file import masked_crc32c
 
     for length in (0, 1, 7, 8, 9, 300, 4099):
         data = os.urandom(length)

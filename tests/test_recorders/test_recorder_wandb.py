@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from trainer.recorders import WandbRecorder, wandb_available
+from trainer.observe.recorders import WandbRecorder, wandb_available
 
 
 def test_missing_wandb_raises_a_clear_error(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from trainer.callbacks import Callback
+from trainer.observe.callbacks import Callback
 
 
 class WaitAtStep(Callback):

@@ -11,7 +11,7 @@ from recipe_runs import describe, run_all, run_module
 
 from recipes.lm.schedule import WarmupCosine
 from trainer.checkpoint import read_model_state
-from trainer.recorders import read_jsonl
+from trainer.observe.recorders import read_jsonl
 
 
 def test_schedule_follows_warmup_then_cosine_to_its_own_length():

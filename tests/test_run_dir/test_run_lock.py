@@ -23,8 +23,8 @@ from gangs.parallel import data_parallel
 from trainer import Trainer
 from trainer.checkpoint import read_model_state
 from trainer.errors import UserError
-from trainer.recorders import read_jsonl
-from trainer.run_lock import LOCK_FILE, RunLock
+from trainer.lifecycle.run_lock import LOCK_FILE, RunLock
+from trainer.observe.recorders import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 
@@ -111,7 +111,7 @@ def test_second_run_in_a_directory_is_refused_and_the_first_ends_as_if_alone(tmp
 
 HOLD = """
 import sys, time
-from trainer.run_lock import RunLock
+from trainer.lifecycle.run_lock import RunLock
 RunLock(sys.argv[1]).hold()
 print("held", flush=True)
 time.sleep(600)

@@ -1,5 +1,5 @@
 """Gradient accumulation under FSDP2 and HSDP runs the collectives it needs and no more
-(`trainer.accumulation`), and the result equals one process's.
+(`trainer.step.accumulation`), and the result equals one process's.
 
 The collectives are counted as they reach torch's dispatcher (`c10d` ops, with the name of
 the process group they run on), per optimizer step, on real Gloo ranks running the Trainer.

@@ -11,7 +11,7 @@ import torch
 from ranks import run_ranks
 
 from gangs import FakeGang, setup_root_gang
-from trainer.loss_scaler import LossScaler, LossScaleUnderflowError
+from trainer.step.loss_scaler import LossScaler, LossScaleUnderflowError
 
 CPU = torch.device("cpu")
 

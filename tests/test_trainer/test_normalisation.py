@@ -16,7 +16,7 @@ from toy import TokenUnit, collate, make_model, make_samples, reference_run
 
 from gangs import setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
-from trainer.recorders import MetricRecorder
+from trainer.observe.recorders import MetricRecorder
 from trainer.trainer import Trainer
 
 # Global micro-batches: sizes vary; samples 4 and 12 and the whole micro-batch 5 have no

@@ -15,8 +15,8 @@ from toy import TokenUnit, collate, make_model, make_samples
 from gangs import setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
 from trainer.errors import NonFiniteLossError
-from trainer.loss_scaler import LossScaleUnderflowError
-from trainer.recorders import MetricRecorder
+from trainer.observe.recorders import MetricRecorder
+from trainer.step.loss_scaler import LossScaleUnderflowError
 from trainer.trainer import Trainer
 
 

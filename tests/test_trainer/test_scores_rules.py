@@ -16,7 +16,7 @@ from toy import TokenUnit, collate, make_model, make_samples
 
 from trainer.early_stoppers import patience
 from trainer.evaluate import evaluate
-from trainer.recorders import read_jsonl
+from trainer.observe.recorders import read_jsonl
 from trainer.trainer import Trainer
 from units import EvalUnit, MetricBag
 

@@ -1,4 +1,4 @@
-"""Each row of the README's table of the early stopper's rules (min_delta, ties, NaN), run
+"""Each row of the table in docs/semantics.md of the early stopper's rules (min_delta, ties, NaN), run
 through the Trainer: the scores are validated one a step, and the step the run stops at
 and its best step must be what the row says."""
 
@@ -15,12 +15,12 @@ from trainer import early_stoppers
 from trainer.trainer import Trainer
 from units import EvalUnit, MetricBag
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+RULES_PAGE = Path(__file__).resolve().parents[2] / "docs" / "semantics.md"
 
 
 def rule_rows() -> list[list[str]]:
     """The table whose header starts with `| rule | scores | stopper |`, cell by cell."""
-    text = README.read_text()
+    text = RULES_PAGE.read_text()
     table = text.split("| rule | scores | stopper | stops at | best |", 1)[1]
     rows = []
     for line in table.splitlines()[2:]:
@@ -60,7 +60,7 @@ class Scripted(EvalUnit):
 def test_each_rule_of_the_readme_table_holds_through_the_trainer(tmp_path, row):
     _, scores_text, stopper_text, stops_at, best, *_ = row
     scores = [math.nan if s == "nan" else float(s) for s in scores_text.split(", ")]
-    stopper = eval(stopper_text.strip("`"), vars(early_stoppers))  # noqa: S307 (our README)
+    stopper = eval(stopper_text.strip("`"), vars(early_stoppers))  # noqa: S307 (our docs)
     model = make_model()
     unit = Scripted(model, scores)
     samples = make_samples(2 * len(scores), seed=1)
@@ -124,6 +124,6 @@ def leading(cell: str) -> int | None | str:
 def test_the_peers_columns_follow_their_rules(row):
     _, scores_text, stopper_text, _, _, lightning, hf = row
     scores = [math.nan if s == "nan" else float(s) for s in scores_text.split(", ")]
-    stopper = eval(stopper_text.strip("`"), vars(early_stoppers))  # noqa: S307 (our README)
+    stopper = eval(stopper_text.strip("`"), vars(early_stoppers))  # noqa: S307 (our docs)
     assert leading(lightning) == lightning_stops_at(scores, stopper.patience, stopper.min_delta)
     assert leading(hf) == hf_stops_at(scores, stopper.patience, stopper.min_delta)

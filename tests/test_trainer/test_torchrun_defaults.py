@@ -17,7 +17,7 @@ from torchrun_defaults import GLOBAL_BATCH, STEPS, TokenEval, shard
 from toy import TokenUnit, make_model, make_samples
 
 from trainer import Trainer
-from trainer.recorders import read_jsonl
+from trainer.observe.recorders import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 

@@ -22,7 +22,7 @@ from gangs import setup_gangs, setup_root_gang
 from gangs.parallel import data_parallel
 from trainer import Callback
 from trainer.early_stoppers import patience
-from trainer.recorders import JsonlRecorder, TensorBoardRecorder, WandbRecorder
+from trainer.observe.recorders import JsonlRecorder, TensorBoardRecorder, WandbRecorder
 from trainer.trainer import Trainer
 from units import EvalUnit, MetricBag
 
@@ -315,7 +315,7 @@ def test_output_dir_outputs(tmp_path):
 
 
 def test_to_device_moves_nested_batches():
-    from trainer.device import _move, to_device
+    from trainer.lifecycle.device import _move, to_device
 
     batch = {"x": torch.ones(2), "pair": (torch.zeros(1), [torch.ones(1)]), "n": 3}
     assert to_device(batch, torch.device("cpu")) is batch  # free on the CPU

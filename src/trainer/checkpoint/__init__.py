@@ -1,4 +1,5 @@
-"""Checkpoints: atomic, verified, reshardable saves, retention, and model export."""
+"""Checkpoints: atomic, verified, reshardable saves, retention, and model export; the run's
+config kept beside each step. Imports only errors, units and gangs: every other part may use it."""
 
 from trainer.checkpoint.export import (
     best_step_dir,

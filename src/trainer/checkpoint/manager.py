@@ -71,10 +71,10 @@ from trainer.checkpoint.manifest import (
 )
 from trainer.checkpoint.model_files import write_model_files
 from trainer.checkpoint.retention import rank_by_score, steps_to_keep
+from trainer.checkpoint.run_config import CONFIG_FILE, config_text, sha256_of
 from trainer.checkpoint.state import check_plain, model_optim_state
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.errors import UserError
-from trainer.run_config import CONFIG_FILE, config_text, sha256_of
 
 log = logging.getLogger("gangtrain")
 

@@ -7,7 +7,7 @@ Layout: ``<output_dir>/metrics/<section>.jsonl`` ("/" in a section becomes "_", 
 
 A valid unit's file (``valid.jsonl``) holds its metrics under their full names,
 ``{"step": 10, ..., "valid/loss": 2.4}``: the names of `score_metric`, TensorBoard and W&B
-(`trainer.recorders.base.metric_tag`).
+(`trainer.observe.recorders.base.metric_tag`).
 
 Non-finite floats are not valid JSON, and writing ``null`` would hide *which* one it was
 (a NaN loss and an infinite gradient norm mean different things), so they are written as
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from trainer.recorders.base import MetricRecorder
+from trainer.observe.recorders.base import MetricRecorder
 
 _RESERVED_KEYS = ("step", "time")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gangs import Gangs
-from trainer.train_state import TrainState
+from trainer.state.train_state import TrainState
 
 log = logging.getLogger("gangtrain")
 

@@ -31,8 +31,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gang, ReduceOperation
-from trainer import gradients
-from trainer.loss_scaler import LossScaler
+from trainer.step import gradients
+from trainer.step.loss_scaler import LossScaler
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.recorders.base import MetricRecorder, metric_tag
+from trainer.observe.recorders.base import MetricRecorder, metric_tag
 
 _MISSING_MESSAGE = "W&B recording needs 'pip install gangtrain[wandb]'"
 

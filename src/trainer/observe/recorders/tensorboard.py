@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.recorders.base import MetricRecorder, metric_tag
+from trainer.observe.recorders.base import MetricRecorder, metric_tag
 
 if TYPE_CHECKING:
-    from trainer.recorders.event_file import EventFileWriter
+    from trainer.observe.recorders.event_file import EventFileWriter
 
 
 class TensorBoardRecorder(MetricRecorder):
@@ -65,7 +65,7 @@ class TensorBoardRecorder(MetricRecorder):
 
     def _open(self, purge_step: int | None = None) -> EventFileWriter:
         # Imported here: TensorBoard's protos load only if something is recorded.
-        from trainer.recorders.event_file import EventFileWriter
+        from trainer.observe.recorders.event_file import EventFileWriter
 
         self._writer = EventFileWriter(self._log_dir, purge_step=purge_step)
         return self._writer

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from trainer.config.import_path import NamedConfig, import_object
 from trainer.early_stoppers import (
     AnyOf,
     Divergence,
@@ -33,7 +34,6 @@ from trainer.early_stoppers import (
     Threshold,
 )
 from trainer.errors import UserError
-from trainer.import_path import NamedConfig, import_object
 
 __all__ = ["EarlyStopperConfig", "build_early_stopper"]
 

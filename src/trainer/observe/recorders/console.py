@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from trainer.recorders.base import MetricRecorder
+from trainer.observe.recorders.base import MetricRecorder
 
 # Short display names for the throughput keys units publish.
 _DISPLAY_NAMES = {"tokens_per_s": "tok/s", "targets_per_s": "tgt/s"}

@@ -42,10 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import model_validator
-
 from trainer.errors import UserError
-from trainer.import_path import NamedConfig, import_object
 
 if TYPE_CHECKING:
     from trainer.result import TrainResult
@@ -53,10 +50,8 @@ if TYPE_CHECKING:
 __all__ = [
     "EVENTS",
     "Callback",
-    "CallbackConfig",
     "CallbackError",
     "CallbackList",
-    "build_callbacks",
     "implemented_events",
 ]
 
@@ -180,54 +175,3 @@ class CallbackList:
 def _step_of(trainer: Any) -> int | None:
     step_nr = getattr(trainer, "step_nr", None)
     return step_nr if isinstance(step_nr, int) else None
-
-
-class CallbackConfig(NamedConfig):
-    """A callback in a config: ``{name: "package.module:Class", **kwargs}``.
-
-    ``name`` is the import path of a `Callback` subclass (or of any class with at least one
-    of the event methods, or of a function returning such an object); every other key is a
-    keyword argument of it. A bare string is short for ``{name: <string>}``. Checked when
-    the config is validated: the path imports, the arguments bind to the signature, and a
-    class is a callback. The object is built by `build` / `build_callbacks`.
-    """
-
-
-    @model_validator(mode="after")
-    def _check(self) -> CallbackConfig:
-        obj = import_object(self.name, "callback")
-        if not callable(obj):
-            raise ValueError(f"callback '{self.name}' is a {type(obj).__name__}, not a class")
-        if inspect.isclass(obj) and not issubclass(obj, Callback) and not implemented_events(obj):
-            raise ValueError(
-                f"callback '{self.name}' is not a callback: subclass trainer.Callback or "
-                f"define one of {', '.join(EVENTS)}"
-            )
-        try:
-            inspect.signature(obj).bind(**self.kwargs)
-        except TypeError as err:
-            raise ValueError(f"callback '{self.name}': {err}") from None
-        except ValueError:  # no signature to check against (some builtins)
-            pass
-        return self
-
-    def build(self) -> Callback:
-        """A new callback object; a `UserError` naming the path when it cannot be built."""
-        obj = import_object(self.name, "callback")
-        try:
-            callback = obj(**self.kwargs)
-        except Exception as err:
-            raise UserError(
-                f"callback '{self.name}' could not be built: {type(err).__name__}: {err}"
-            ) from err
-        if not isinstance(callback, Callback) and not implemented_events(callback):
-            raise UserError(
-                f"callback '{self.name}' returned {callback!r}, which is not a callback: "
-                f"subclass trainer.Callback or define one of {', '.join(EVENTS)}"
-            )
-        return callback
-
-
-def build_callbacks(configs: Sequence[CallbackConfig] | None) -> list[Callback]:
-    """The callbacks of ``configs`` (``trainer.callbacks``), built in order."""
-    return [config.build() for config in configs or ()]

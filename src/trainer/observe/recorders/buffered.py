@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Mapping
 
-from trainer.recorders.base import MetricRecorder
+from trainer.observe.recorders.base import MetricRecorder
 
 
 class BufferedRecorder(MetricRecorder):

@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
+from trainer.checkpoint.run_config import flatten
 from trainer.errors import UserError
-from trainer.run_config import flatten
 
 
 def check_resume_config(

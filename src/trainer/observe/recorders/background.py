@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import Callable, Mapping
 
-from trainer.recorders.base import MetricRecorder
+from trainer.observe.recorders.base import MetricRecorder
 
 
 class BackgroundRecorder(MetricRecorder):

@@ -7,14 +7,14 @@ JSONL always, TensorBoard, W&B when installed, and the console. The trainer talk
 happen only when such a recorder is created.
 """
 
-from trainer.recorders.background import BackgroundRecorder
-from trainer.recorders.base import CompositeRecorder, MetricRecorder
-from trainer.recorders.buffered import BufferedRecorder
-from trainer.recorders.console import ConsoleRecorder, format_record, format_value
-from trainer.recorders.defaults import default_recorders, training_recorder
-from trainer.recorders.jsonl import JsonlRecorder, read_jsonl, section_file_name
-from trainer.recorders.tensorboard import TensorBoardRecorder
-from trainer.recorders.wandb import WandbRecorder, wandb_available
+from trainer.observe.recorders.background import BackgroundRecorder
+from trainer.observe.recorders.base import CompositeRecorder, MetricRecorder
+from trainer.observe.recorders.buffered import BufferedRecorder
+from trainer.observe.recorders.console import ConsoleRecorder, format_record, format_value
+from trainer.observe.recorders.defaults import default_recorders, training_recorder
+from trainer.observe.recorders.jsonl import JsonlRecorder, read_jsonl, section_file_name
+from trainer.observe.recorders.tensorboard import TensorBoardRecorder
+from trainer.observe.recorders.wandb import WandbRecorder, wandb_available
 
 __all__ = [
     "BackgroundRecorder",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from gangs import Gang, first_error
 from trainer.errors import UserError
-from trainer.rank_failure import clear_failures
-from trainer.run_lock import RunLock
+from trainer.lifecycle.rank_failure import clear_failures
+from trainer.lifecycle.run_lock import RunLock
 
 RUN_DIRS = ("checkpoints", "metrics", "tb", "wandb", "config_history")
 

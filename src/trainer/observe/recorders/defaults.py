@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainer.recorders.background import BackgroundRecorder
-from trainer.recorders.base import CompositeRecorder, MetricRecorder
-from trainer.recorders.buffered import BufferedRecorder
-from trainer.recorders.console import ConsoleRecorder
-from trainer.recorders.jsonl import JsonlRecorder
-from trainer.recorders.tensorboard import TensorBoardRecorder
-from trainer.recorders.wandb import WandbRecorder
+from trainer.observe.recorders.background import BackgroundRecorder
+from trainer.observe.recorders.base import CompositeRecorder, MetricRecorder
+from trainer.observe.recorders.buffered import BufferedRecorder
+from trainer.observe.recorders.console import ConsoleRecorder
+from trainer.observe.recorders.jsonl import JsonlRecorder
+from trainer.observe.recorders.tensorboard import TensorBoardRecorder
+from trainer.observe.recorders.wandb import WandbRecorder
 
 
 def default_recorders(
@@ -36,7 +36,7 @@ def training_recorder(
 ) -> BufferedRecorder:
     """What the trainer records through: on rank 0 the given recorders (None: the defaults),
     elsewhere none (rank 0 has the synced values), in one-second batches on the training
-    thread (see `trainer.recorders.buffered`)."""
+    thread (see `trainer.observe.recorders.buffered`)."""
     if rank != 0:
         recorders = []
     elif recorders is None:

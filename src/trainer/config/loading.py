@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from trainer.config_errors import format_validation_error
+from trainer.config.errors import format_validation_error
 from trainer.errors import UserError
 
 __all__ = ["PRESET_DOC_KEY", "load_config", "parse_override"]

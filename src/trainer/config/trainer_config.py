@@ -15,10 +15,10 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs
 from gangs.parallel import param_groups
-from trainer.callbacks import CallbackConfig, build_callbacks
-from trainer.early_stopper_config import EarlyStopperConfig, build_early_stopper
+from trainer.config.callbacks import CallbackConfig, build_callbacks
+from trainer.config.early_stopper import EarlyStopperConfig, build_early_stopper
 from trainer.errors import UserError
-from trainer.recorders import MetricRecorder
+from trainer.observe.recorders import MetricRecorder
 from trainer.settings import TrainerSettings
 from trainer.trainer import Trainer
 from units import EvalUnit, TrainUnit
@@ -49,7 +49,7 @@ class TrainerConfig(TrainerSettings):
 
     early_stopper: EarlyStopperConfig | None = Field(None, description=(
         "A built-in stopper by name ({name: patience, patience: 5}) or an import path "
-        "'pkg.mod:function'; see trainer.early_stopper_config."))
+        "'pkg.mod:function'; see trainer.config.early_stopper."))
     callbacks: list[CallbackConfig] = Field([], description=(
         "Callbacks by import path with their keyword arguments: "
         "[{name: 'pkg.mod:Class', every: 100}]; see trainer.callbacks."))

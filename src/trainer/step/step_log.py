@@ -32,7 +32,7 @@ from torch import Tensor
 
 from gangs import Gang, any_rank_each
 from trainer.errors import NonFiniteLossError
-from trainer.optimizer_step import StepOutcome
+from trainer.step.optimizer_step import StepOutcome
 
 log = logging.getLogger("gangtrain")
 
