@@ -110,7 +110,7 @@ def test_a_refused_export_leaves_the_old_directory_and_no_temporary(saved, tmp_p
     step_dir = out / "checkpoints" / "step_2"
     config = step_dir / "hf" / "config.json"
     config.write_text(config.read_text().replace('"n_embd": 32', '"n_embd": 64'))
-    with pytest.raises(UserError, match="does not match its sha256"):  # an edited file
+    with pytest.raises(UserError, match="does not match its crc32c checksum"):  # an edited file
         export_pretrained(step_dir, target)
     manifest = read_manifest(step_dir)  # the same edit, checksummed: a config that lies
     manifest["files"]["hf/config.json"] = file_entry(config)
