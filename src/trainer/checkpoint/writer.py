@@ -143,7 +143,8 @@ class BackgroundWriter:
     def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
         """Run `fn(*args)` on the writer thread (one at a time, in order)."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer",
+                                                initializer=_yield_the_cpu)
         return self._executor.submit(fn, *args)
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -177,3 +178,13 @@ class BackgroundWriter:
             self._executor.shutdown(wait=True)
         if self._stager is not None:
             self._stager.close()
+
+
+def _yield_the_cpu() -> None:
+    """Run this (writer) thread, and the threads it starts, at the lowest CPU priority: where
+    the training step keeps every core busy, the save takes the idle time and the step its
+    own speed (Linux gives each thread its own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
+        pass
