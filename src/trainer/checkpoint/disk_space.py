@@ -56,12 +56,11 @@ def needed_bytes(state: Mapping[str, Any], rank_state_bytes: int, world_size: in
     return total + rank_state_bytes * world_size + _MARGIN
 
 
-def check_free_space(directory: Path, needed: int) -> None:
-    """Raise `DiskFullError` when `directory`'s file system has less than `needed` bytes
-    free (nothing is written)."""
+def free_space_problem(directory: Path, needed: int) -> str | None:
+    """What to tell the user when `directory`'s file system has less than `needed` bytes
+    free, else None (nothing is written)."""
     free = shutil.disk_usage(directory).free
-    if free < needed:
-        raise DiskFullError(disk_full_message(directory, needed, free))
+    return disk_full_message(directory, needed, free) if free < needed else None
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -35,7 +35,6 @@ import logging
 import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,22 +48,16 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 from torch.optim import Optimizer
 
 from gangs import FakeGang, Gangs, first_error, on_rank0
-from trainer.checkpoint import digest
 from trainer.checkpoint.directory import CheckpointDir, scores_of
-from trainer.checkpoint.disk_space import (
-    DiskFullError,
-    check_free_space,
-    disk_full_note,
-    is_disk_full,
-    needed_bytes,
-)
+from trainer.checkpoint.disk_space import DiskFullError, free_space_problem, needed_bytes
+from trainer.checkpoint.failures import describe, rank_cause
 from trainer.checkpoint.manifest import (
-    FORMAT_VERSION,
     MODEL_OPTIM,
     SafeFileSystemReader,
     SafeLoadPlanner,
     check_model_fits,
     fsync_dir,
+    new_manifest,
     rank_file,
     read_manifest,
     write_manifest,
@@ -183,12 +176,7 @@ class CheckpointManager:
         # A disk too small fails the save before any rank writes (agreed: DCP's collectives
         # need every rank or none).
         needed = needed_bytes(state, len(buffer.getvalue()), self._world)
-        short = None
-        try:
-            check_free_space(self.dir, needed)
-        except DiskFullError as ex:
-            short = str(ex)
-        disk_full = first_error(self.gangs.root, short)
+        disk_full = first_error(self.gangs.root, free_space_problem(self.dir, needed))
         if disk_full is not None:
             future = Future()
             future.set_exception(DiskFullError(disk_full))
@@ -235,7 +223,8 @@ class CheckpointManager:
         if job is None:
             return
         error = job.future.exception()  # blocks until this rank's writer is done
-        failure = first_error(self.gangs.root, None if error is None else self._rank_cause(error))
+        cause = None if error is None else rank_cause(error, self._rank, self.dir)
+        failure = first_error(self.gangs.root, cause)
         if failure is not None:
             if self._rank == 0:  # every writer has stopped: the agreement was a barrier
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)
@@ -253,28 +242,15 @@ class CheckpointManager:
             (tmp / CONFIG_FILE).write_text(self._config_text, encoding="utf-8")
         files = collect_checksums(tmp)
         score = job.score if job.score is not None else self._scores.get(job.step_nr)
-        write_manifest(tmp, self._new_manifest(job.step_nr, score, files))
+        g = self.gangs
+        write_manifest(tmp, new_manifest(
+            job.step_nr, score, files, lower_better=self.lower_better, world_size=self._world,
+            gangs={"dp": g.dp.size, "tp": g.tp.size, "ep": g.ep.size},
+            config_digest=self.config_digest))
         fsync_dir(tmp / MODEL_OPTIM)
         self._disk.install(tmp, job.step_nr)
         self._apply_retention()
         self.write_pointers()
-
-    def _new_manifest(
-        self, step_nr: int, score: float | None, files: dict[str, Any]
-    ) -> dict[str, Any]:
-        g = self.gangs
-        return {
-            "format": FORMAT_VERSION,
-            "step": step_nr,
-            "score": score,
-            "lower_better": self.lower_better,
-            "world_size": self._world,
-            "gangs": {"dp": g.dp.size, "tp": g.tp.size, "ep": g.ep.size},
-            "config_digest": self.config_digest,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "checksums": digest.DESCRIPTION,
-            "files": files,
-        }
 
     # --- scores and retention -----------------------------------------------------------
 
@@ -379,7 +355,7 @@ class CheckpointManager:
                 )
         except (Exception, CheckpointException) as ex:  # the latter is a BaseException
             raise UserError(
-                f"checkpoint {step_dir} does not fit the model or optimizer: {_describe(ex)}"
+                f"checkpoint {step_dir} does not fit the model or optimizer: {describe(ex)}"
             ) from ex
         rank_state = self._load_rank_state(step_dir, manifest)
         for name, component in (states or {}).items():
@@ -395,7 +371,7 @@ class CheckpointManager:
         try:
             rank_state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as ex:  # weights_only refuses anything but tensors and plain data
-            raise UserError(f"refusing to load {path}: {_describe(ex)}") from ex
+            raise UserError(f"refusing to load {path}: {describe(ex)}") from ex
         if not isinstance(rank_state, dict):
             raise UserError(f"{path} does not hold a rank state dict")
         g = self.gangs
@@ -448,18 +424,6 @@ class CheckpointManager:
         """Run `action` on rank 0 and share its outcome: every rank returns or raises."""
         on_rank0(self.gangs.root, action, what, CheckpointError)
 
-    def _rank_cause(self, error: BaseException) -> str:
-        """`"rank R: cause"`: DCP reports the rank whose write failed, else it is this one.
-        A write that found the disk full says so (torch's own message does not)."""
-        rank: int = self._rank
-        if isinstance(error, CheckpointException) and error.failures:
-            rank, failure = min(error.failures.items(), key=lambda kv: kv[0])
-            error = failure[0] if isinstance(failure, tuple) else failure
-        cause = f"rank {rank}: {_describe(error)}"
-        if is_disk_full(error) and not isinstance(error, DiskFullError):
-            cause += f" ({disk_full_note(self.dir)})"
-        return cause
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the CheckpointManager is closed")
@@ -478,14 +442,4 @@ class CheckpointManager:
             if self._pg is not None and dist.is_initialized():
                 dist.destroy_process_group(self._pg)
                 self._pg = None
-
-
-def _describe(ex: BaseException) -> str:
-    """One line for a user: DCP's `CheckpointException` hides the cause in `failures`."""
-    if isinstance(ex, CheckpointException) and ex.failures:
-        rank, failure = next(iter(sorted(ex.failures.items(), key=lambda kv: kv[0])))
-        cause = failure[0] if isinstance(failure, tuple) else failure
-        return f"{_describe(cause)} (rank {rank})"
-    text = str(ex).strip()
-    return text.splitlines()[0] if text else type(ex).__name__
 

@@ -35,6 +35,7 @@ import json
 import os
 import pickle
 import warnings
+from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 from typing import Any
@@ -47,8 +48,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from trainer.checkpoint.digest import DESCRIPTION, mismatch
 from trainer.checkpoint.digest import file_entry as file_entry  # the entry of one file
-from trainer.checkpoint.digest import mismatch
 from trainer.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -91,6 +92,25 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def new_manifest(step_nr: int, score: float | None, files: dict[str, Any], *,
+                 lower_better: bool, world_size: int, gangs: dict[str, int],
+                 config_digest: str) -> dict[str, Any]:
+    """The manifest of a step being committed: what it is, who wrote it, and the size and
+    checksum of every file (`files`)."""
+    return {
+        "format": FORMAT_VERSION,
+        "step": step_nr,
+        "score": score,
+        "lower_better": lower_better,
+        "world_size": world_size,
+        "gangs": gangs,
+        "config_digest": config_digest,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "checksums": DESCRIPTION,
+        "files": files,
+    }
 
 
 def write_manifest(step_dir: Path, manifest: dict[str, Any]) -> None:

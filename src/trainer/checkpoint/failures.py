@@ -1,0 +1,35 @@
+"""What a failed save or load tells the user: one line naming the rank and the cause.
+
+DCP's `CheckpointException` hides the cause of a failed write in `failures` (rank ->
+exception); torch's message for a full disk names neither the disk nor the space.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.distributed.checkpoint import CheckpointException
+
+from trainer.checkpoint.disk_space import DiskFullError, disk_full_note, is_disk_full
+
+
+def describe(ex: BaseException) -> str:
+    """One line for a user: the first line of the cause, with DCP's rank when it names one."""
+    if isinstance(ex, CheckpointException) and ex.failures:
+        rank, failure = next(iter(sorted(ex.failures.items(), key=lambda kv: kv[0])))
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        return f"{describe(cause)} (rank {rank})"
+    text = str(ex).strip()
+    return text.splitlines()[0] if text else type(ex).__name__
+
+
+def rank_cause(error: BaseException, rank: int, checkpoint_dir: Path) -> str:
+    """`"rank R: cause"`: DCP reports the rank whose write failed, else it is `rank`. A
+    write that found the disk full says so (torch's own message does not)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, failure = min(error.failures.items(), key=lambda kv: kv[0])
+        error = failure[0] if isinstance(failure, tuple) else failure
+    cause = f"rank {rank}: {describe(error)}"
+    if is_disk_full(error) and not isinstance(error, DiskFullError):
+        cause += f" ({disk_full_note(checkpoint_dir)})"
+    return cause
