@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic
@@ -35,7 +34,7 @@ from trainer.early_stoppers import EarlyStopper
 from trainer.errors import UserError
 from trainer.hf import export_best_model
 from trainer.lifecycle.output_dir import prepare_output_dir
-from trainer.lifecycle.rank_failure import RankFailure, share_failure
+from trainer.lifecycle.rank_failure import raise_if_a_peer_failed
 from trainer.lifecycle.run_lock import RunLock, hold_run_lock
 from trainer.lifecycle.stop_signal import StopSignal
 from trainer.observe.callbacks import Callback, CallbackList
@@ -56,7 +55,7 @@ from trainer.step.accumulation import MicroBatchSync
 from trainer.step.loss_scaler import LossScaler
 from trainer.step.optimizer_step import OptimizerStep
 from trainer.step.step_log import StepLog
-from trainer.validator import Validator
+from trainer.validator import Validator, by_unit
 from units import EvalUnit, MetricBag, TrainUnit
 from units.unit import BatchT
 
@@ -70,9 +69,8 @@ class Trainer(Generic[BatchT]):
 
     Args:
         unit: turns a batch into `(summed loss, num_targets)`; its `model` is trained.
-        data_reader: any iterable of batches (one pass is an epoch); with
-            `state_dict()`/`load_state_dict()` (e.g. `StatefulDataLoader`) it resumes
-            mid-epoch exactly.
+        data_reader: any iterable of batches (a pass is an epoch); with `state_dict()` and
+            `load_state_dict()` (e.g. `StatefulDataLoader`) it resumes mid-epoch exactly.
         optimizer: over the model's parameters. `AdamW(fused=True)` normalises, clips and
             skips on the device (no host read a step).
         output_dir: where checkpoints (`checkpoints/`), metrics (`metrics/*.jsonl`) and
@@ -94,10 +92,9 @@ class Trainer(Generic[BatchT]):
             Starting over (False) where another run left checkpoints or metrics is refused.
         overwrite: start over, deleting another run's checkpoints, metrics and TensorBoard
             files in `output_dir` first.
-        run_config: the run's whole config (a recipe's, as plain data), kept beside each
-            checkpoint as `config.yaml` (its sha256 is the manifest's `config_digest`) and
-            compared on resume: changed keys that change results are named in a warning.
-            Default: these settings, as `{"trainer": {...}}`.
+        run_config: the run's whole config (plain data), kept beside each checkpoint as
+            `config.yaml` (sha256: the manifest's `config_digest`) and compared on resume,
+            naming changed keys in a warning. Default: these settings, `{"trainer": {...}}`.
 
     Settings (validated at construction; `trainer.settings.TrainerSettings`):
     """
@@ -187,7 +184,6 @@ class Trainer(Generic[BatchT]):
         # reduces them over the gang of their replicas after backward.
         self._has_expert_params = any(getattr(p, "is_expert_param", False)
                                       for p in self.optimizer_step.params)
-        self._window_start = time.perf_counter()
         self._last_published: dict[str, float] = {}
 
     @property
@@ -199,20 +195,18 @@ class Trainer(Generic[BatchT]):
         """Every component whose state a checkpoint holds, by name."""
         states: dict[str, Any] = {"train": self.state, "data": self.data, "rng": self.rng,
                                   "steps": self.steps, "unit_metrics": self.metrics}
-        if self.lr_scheduler is not None:
-            states["lr_scheduler"] = self.lr_scheduler
-        if self.scaler is not None:
-            states["loss_scaler"] = self.scaler
-        if hasattr(self.early_stopper, "state_dict"):
-            states["early_stopper"] = self.early_stopper
+        optional = {"lr_scheduler": self.lr_scheduler, "loss_scaler": self.scaler,
+                    "early_stopper": self.early_stopper}  # a plain callable keeps no state
+        states.update((name, c) for name, c in optional.items() if hasattr(c, "state_dict"))
         return states
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> TrainResult:
         """Train until a limit, the end of data, an early stop or a stop signal."""
         self.rng.seed_all()
-        if self.settings.compile_model:
-            _inner_module(self.unit.model).compile()
+        if self.settings.compile_model:  # the module inside DDP: DDP(compiled) is what runs
+            model = self.unit.model
+            (model.module if isinstance(model, DDP) else model).compile()
         self.unit.model.train()
         anomaly = (torch.autograd.detect_anomaly() if self.settings.anomaly_detection
                    else contextlib.nullcontext())
@@ -227,12 +221,9 @@ class Trainer(Generic[BatchT]):
                         self.output_dir, self.gangs.root.rank, self.device,
                         start_step=self.state.step_nr)
                 reason = self._loop(stop)
-            except Exception as error:
-                root = self.gangs.root
-                peer = share_failure(self.output_dir, root.rank, root.size, self.state.step_nr,
-                                     error)
-                if peer is not None:
-                    raise RankFailure(f"{peer} (rank {root.rank} stopped with it)") from error
+            except Exception as error:  # a peer's earlier failure is the cause, if any
+                raise_if_a_peer_failed(self.output_dir, self.gangs.root, self.state.step_nr,
+                                       error)
                 raise
             finally:
                 if self._profiler is not None:
@@ -328,18 +319,17 @@ class Trainer(Generic[BatchT]):
     def _post_step(self, stop: StopSignal) -> str | None:
         """Publish, validate and checkpoint when due; the reason to stop, if any."""
         s, step_nr = self.settings, self.state.step_nr
-        synced = False  # every rank is here: a stop signal can be agreed
-        if step_nr % s.publish_metrics_every_n_steps == 0:
+        publish = step_nr % s.publish_metrics_every_n_steps == 0
+        validate = _due(step_nr, s.validate_every_n_steps) and bool(self.validator)
+        save = _due(step_nr, s.checkpoint_every_n_steps) and self.checkpoints is not None
+        if publish:
             self._publish()
-            synced = True
-        if _due(step_nr, s.validate_every_n_steps) and self.validator:
-            synced = True
-            if self._validate():
-                return "early_stop"
-        if _due(step_nr, s.checkpoint_every_n_steps) and self.checkpoints is not None:
+        if validate and self._validate():
+            return "early_stop"
+        if save:
             self._save()
-            synced = True
-        if synced and any_rank(self.gangs.root, stop.requested):
+        # Every rank met here (a collective ran): a stop signal can be agreed.
+        if (publish or validate or save) and any_rank(self.gangs.root, stop.requested):
             log.warning("stop signal: stopping at step %d", step_nr)
             return "signal"
         return None
@@ -347,49 +337,30 @@ class Trainer(Generic[BatchT]):
     def _publish(self) -> None:
         """Sync the window's metrics over DP (the only host copy) and record them."""
         window = self.steps.take_window()  # a non-finite loss stops the run here
-        dp = self.gangs.dp
-        if dp.size > 1:  # summed over the ranks with the unit's metrics
-            self.metrics.update_total("loss", window.loss_sum, window.num_targets)
-            self.metrics.update_sum("num_targets", window.num_targets)
-        values = self.metrics.sync_and_compute(dp)
-        if dp.size == 1:  # already on the host: no device op
-            values["loss"] = window.loss_sum / window.num_targets if window.num_targets else math.nan
-            values["num_targets"] = window.num_targets
-        if window.grad_norm is not None:  # global already: no reduction
-            values["grad_norm"] = window.grad_norm
+        values = window.metrics(self.metrics, self.gangs.dp)
         self.unit.derive_metrics(values)
-        elapsed = time.perf_counter() - self._window_start
         values["num_skipped_steps"] = self.steps.total_skipped
-        values["steps_per_s"] = window.num_steps / elapsed
-        values["targets_per_s"] = values.get("num_targets", 0.0) / elapsed
-        values.update(self.system.collect(self.optimizer, values["targets_per_s"], elapsed))
+        values.update(self.system.publish(self.optimizer, window.num_steps,
+                                          values.get("num_targets", 0.0)))
         values["epoch"] = self.data.epoch_nr
         if self.scaler is not None:
             values["loss_scale"] = self.scaler.scale
         self.recorder.record("train", self.state.step_nr, values)
         self._last_published = values
         self.metrics.reset()
-        self._window_start = time.perf_counter()
 
     def _validate(self, scheduled: bool = True) -> bool:
-        """Validate, record the metrics and the score; True when the early stopper says
-        stop (decided on rank 0, shared with every rank). Only a `scheduled` validation
-        reaches the early stopper: the extra one at the end of a run is recorded (and may
-        rank for best) but changes no stop decision, so a longer run of the same command
-        goes on exactly as one never stopped there."""
+        """Validate, record the metrics and the score; True when the early stopper (rank 0,
+        shared with every rank) says stop. Only a `scheduled` validation reaches it: the extra
+        one at the end of a run is recorded (and may rank for best) but decides nothing, so a
+        longer run of the same command goes on exactly as one never stopped there."""
         self.steps.check()  # never validate (or save) a model a non-finite loss poisoned
         self.recorder.flush()  # the train records so far, on disk while validation runs
-        started = time.perf_counter()
         step_nr = self.state.step_nr
         self.state.validated_step = step_nr
-        values = self.validator.run()
-        self._window_start += time.perf_counter() - started  # throughput excludes validation
-        # One file per valid unit (metrics/<unit>.jsonl), each metric under its full name
-        # ('valid/accuracy'), as in score_metric, TensorBoard, W&B and eval.jsonl.
-        sections: dict[str, dict[str, float]] = {}
-        for key, value in values.items():
-            sections.setdefault(key.rpartition("/")[0], {})[key] = value
-        for section, section_values in sections.items():
+        with self.system.left_out():  # throughput is of training time
+            values = self.validator.run()
+        for section, section_values in by_unit(values).items():
             self.recorder.record(section, step_nr, section_values)
         self.callbacks.on_validation_end(self, values)
         score = self.validator.score(values)
@@ -400,9 +371,7 @@ class Trainer(Generic[BatchT]):
                         step_nr, self.settings.score_metric,
                         "" if self.early_stopper is None or not scheduled
                         else f"; the early stopper {self.early_stopper!r} judges it")
-        self.state.score_history.append((step_nr, score))
-        if not scheduled:
-            self.state.unscheduled_steps.append(step_nr)
+        self.state.record_score(step_nr, score, scheduled)
         if self.checkpoints is not None:
             self.checkpoints.record_score(step_nr, score)
         if self.early_stopper is None or not scheduled:
@@ -436,18 +405,15 @@ class Trainer(Generic[BatchT]):
         if step_nr is None:  # nothing to resume: start over cleanly
             self.recorder.rewind(0)
             return
-        states = self._states()
         assert self.checkpoints is not None
-        loaded = self.checkpoints.load(step_nr, self.unit.model, self.optimizer, states)
+        loaded = self.checkpoints.load(step_nr, self.unit.model, self.optimizer, self._states())
         problem = first_error(self.gangs.root, self.data.resume_problem)
         if problem is not None:  # refused on every rank, before a step is taken
             raise UserError(f"cannot resume from step {step_nr}: {problem}")
         if self.early_stopper is not None and "early_stopper" not in loaded:
-            # A plain callable keeps its state to itself: rebuild it from the scores it
-            # was given (the scheduled ones).
-            for history_step, score in self.state.score_history:
-                if history_step not in self.state.unscheduled_steps:
-                    self.early_stopper(history_step, score)
+            # A plain callable keeps its state to itself: rebuild it from what it was given.
+            for history_step, score in self.state.scheduled_scores():
+                self.early_stopper(history_step, score)
         self.checkpoints.remember_scores(dict(self.state.score_history))
         self.state.last_saved_step = step_nr
         path = self.checkpoints.dir / f"step_{step_nr}"
@@ -466,9 +432,9 @@ class Trainer(Generic[BatchT]):
             validated = self.state.validated_step == step_nr
             if s.validate_at_end and self.validator and not validated and step_nr > 0:
                 self._validate(scheduled=False)
-        if self.checkpoints is not None and step_nr > (self.state.last_saved_step or 0):
-            self._save(blocking=True)  # the final save: at the end and on a clean stop
         if self.checkpoints is not None:
+            if step_nr > (self.state.last_saved_step or 0):
+                self._save(blocking=True)  # the final save: at the end and on a clean stop
             self.checkpoints.wait()
             if self.gangs.root.rank == 0 and self.checkpoints.best_step is not None:
                 # A HF model's best becomes OUTPUT_DIR/hf/; any other's best_model.safetensors.
@@ -481,9 +447,3 @@ Trainer.__init__.__signature__ = signature_with_settings(Trainer.__init__)  # ty
 
 def _due(step_nr: int, every: int | None) -> bool:
     return every is not None and step_nr > 0 and step_nr % every == 0
-
-
-def _inner_module(model: torch.nn.Module) -> torch.nn.Module:
-    """Compile the module inside DDP, not DDP itself (DDP(torch.compile(m)) is the one
-    that runs compiled)."""
-    return model.module if isinstance(model, DDP) else model

@@ -104,3 +104,13 @@ class Validator:
             )
         score = values[self.score_metric]
         return score if not math.isnan(score) else math.nan
+
+
+def by_unit(values: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Validation metrics grouped by valid unit (`{"valid": {"valid/accuracy": ...}}`): one
+    file each (metrics/<unit>.jsonl), every metric under its full name, as in score_metric,
+    TensorBoard, W&B and eval.jsonl."""
+    sections: dict[str, dict[str, float]] = {}
+    for key, value in values.items():
+        sections.setdefault(key.rpartition("/")[0], {})[key] = value
+    return sections

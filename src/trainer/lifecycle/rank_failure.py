@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -55,3 +56,13 @@ def share_failure(output_dir: Path, rank: int, world_size: int, step_nr: int,
     if dist.is_initialized():
         dist.destroy_process_group()  # peers' pending collectives fail now, not at timeout
     return cause
+
+
+def raise_if_a_peer_failed(output_dir: Path, root: Any, step_nr: int,
+                           error: BaseException) -> None:
+    """In a rank whose run raised `error`: raise `RankFailure` naming the other rank's
+    earlier failure when there is one (see `share_failure`); else return, and the caller
+    re-raises its own error."""
+    peer = share_failure(output_dir, root.rank, root.size, step_nr, error)
+    if peer is not None:
+        raise RankFailure(f"{peer} (rank {root.rank} stopped with it)") from error

@@ -8,10 +8,11 @@ one object, one `collect` call per publish.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -246,6 +247,26 @@ class SystemMetrics:
         self.flops_per_target = flops_per_target
         self.data_wait = DataWaitClock()
         self._peak = peak_flops(self.device, self.dtype) if flops_per_target else None
+        self._window_start = time.perf_counter()  # of the publish window's training time
+
+    def publish(self, optimizer: Optimizer, num_steps: int, num_targets: float
+                ) -> dict[str, float]:
+        """``steps_per_s`` and ``targets_per_s`` over the training time since the last
+        publish (validation left out: `left_out`), then `collect`'s values; starts a new
+        window."""
+        now = time.perf_counter()
+        elapsed, self._window_start = now - self._window_start, now
+        rates = {"steps_per_s": num_steps / elapsed, "targets_per_s": num_targets / elapsed}
+        return rates | self.collect(optimizer, rates["targets_per_s"], elapsed)
+
+    @contextlib.contextmanager
+    def left_out(self) -> Iterator[None]:
+        """The time spent inside (a validation) is left out of the publish window's."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._window_start += time.perf_counter() - started
 
     def collect(
         self, optimizer: Optimizer, targets_per_s: float, elapsed_s: float | None = None

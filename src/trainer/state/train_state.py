@@ -28,6 +28,17 @@ class TrainState:
     last_saved_step: int | None = None
     """The last step checkpointed by this run or the run it resumed."""
 
+    def record_score(self, step_nr: int, score: float, scheduled: bool) -> None:
+        """The score of a validation at `step_nr`; `scheduled`: not the extra one at the end."""
+        self.score_history.append((step_nr, score))
+        if not scheduled:
+            self.unscheduled_steps.append(step_nr)
+
+    def scheduled_scores(self) -> list[tuple[int, float]]:
+        """`(step, score)` of the scheduled validations: what an early stopper was given."""
+        return [(step, score) for step, score in self.score_history
+                if step not in self.unscheduled_steps]
+
     def score_at(self, step_nr: int) -> float | None:
         """The score recorded at `step_nr`, if that step was validated."""
         if self.score_history and self.score_history[-1][0] == step_nr:

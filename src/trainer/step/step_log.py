@@ -33,6 +33,7 @@ from torch import Tensor
 from gangs import Gang, any_rank_each
 from trainer.errors import NonFiniteLossError
 from trainer.step.optimizer_step import StepOutcome
+from units import MetricBag
 
 log = logging.getLogger("gangtrain")
 
@@ -45,6 +46,20 @@ class Window:
     loss_sum: float
     num_targets: float
     grad_norm: float | None  # of the last step, when it was measured
+
+    def metrics(self, unit_metrics: MetricBag, dp: Gang) -> dict[str, float]:
+        """The unit's metrics with the window's loss (a mean over its targets), target count
+        and gradient norm, summed over DP: the one host copy of a publish."""
+        if dp.size > 1:  # summed over the ranks with the unit's metrics
+            unit_metrics.update_total("loss", self.loss_sum, self.num_targets)
+            unit_metrics.update_sum("num_targets", self.num_targets)
+        values = unit_metrics.sync_and_compute(dp)
+        if dp.size == 1:  # already on the host: no device op
+            values["loss"] = self.loss_sum / self.num_targets if self.num_targets else math.nan
+            values["num_targets"] = self.num_targets
+        if self.grad_norm is not None:  # global already: no reduction
+            values["grad_norm"] = self.grad_norm
+        return values
 
 
 @dataclass
