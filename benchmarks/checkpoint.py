@@ -15,8 +15,9 @@ alike):
   model and optimizer (verification included).
 
 The medians are printed with the disk's time as a fraction of ours: 100% is the disk's speed.
-Then the stages of one save, timed separately; the time an async save blocks (`save()`
-returning, host copy done) against a sync save; and the mean training step (forward,
+Then the stages of one save, timed separately; the time an async save blocks training
+(`save()` returning, plus what the step after it takes beyond a quiet step while the
+parameters are copied) against a sync save; and the mean training step (forward,
 backward, AdamW) of the same model while a background save is being written, against steps
 with no save (three saves, four quiet steps before each).
 """
@@ -30,6 +31,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -133,8 +135,51 @@ def step_times(
     return times
 
 
+def _mark(marks: list[float], *_: object) -> None:
+    marks.append(time.perf_counter())
+
+
+def background_saves(mgr: CheckpointManager, model: torch.nn.Module,
+                     optim: torch.optim.Optimizer, x: torch.Tensor, rounds: int,
+                     sync_save: float) -> None:
+    """Training steps around async saves. A save blocks the training thread until save()
+    returns (the copy of what a forward may change), then in the optimizer's next step, which
+    waits for the copy of the parameters and optimizer state (timed by two step pre-hooks,
+    one registered before the save's own, one after). The steps while the save is written
+    may be slowed: their time beyond a quiet step's, plus the blocking, is what a save costs."""
+    quiet: list[float] = []
+    busy: list[float] = []
+    blocked: list[float] = []
+    lost: list[float] = []
+    for i in range(rounds):  # alternating, so that the machine's drift hits both
+        quiet_here = step_times(model, optim, x, n=4)
+        marks: list[float] = []
+        mark = partial(_mark, marks)
+        first = optim.register_step_pre_hook(mark)
+        returned = timed(lambda s=20 + i: mgr.save(s, model, optim, {"step": s}))
+        last = optim.register_step_pre_hook(mark)
+        busy_here = step_times(model, optim, x, n=1)
+        first.remove()
+        last.remove()
+        busy_here += step_times(model, optim, x, until=lambda: not mgr.writing)
+        mgr.wait()
+        blocked.append(returned + marks[1] - marks[0])
+        lost.append(returned + sum(busy_here) - len(busy_here) * statistics.median(quiet_here))
+        quiet += quiet_here
+        busy += busy_here
+    q, b = statistics.median(quiet), statistics.median(busy)
+    print(f"  async save blocks training {statistics.median(blocked) * 1e3:.1f} ms = "
+          f"{statistics.median(blocked) / sync_save:.1%} of a sync save (save() returning, "
+          f"then the optimizer's next step waiting for the copy; median of {rounds})")
+    print(f"  training step (median) {q * 1e3:.1f} ms without a save, {b * 1e3:.1f} ms "
+          f"during a background save ({len(busy)} steps in {rounds} saves): ratio {b / q:.3f}")
+    print(f"  training time a save costs in all (blocking, and every step while it is written "
+          f"beyond a quiet step): {statistics.median(lost) * 1e3:.0f} ms = "
+          f"{statistics.median(lost) / sync_save:.1%} of a sync save (median of {rounds})")
+
+
 def measure(width: int, layers: int, device: str, root: Path | None, repeats: int,
-            rounds: int = 3) -> None:
+            rounds: int = 5) -> None:
     model, optim = build(width, layers, device)
     n_params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory(dir=root) as tmp:
@@ -163,26 +208,9 @@ def measure(width: int, layers: int, device: str, root: Path | None, repeats: in
               f"{med['read'] / med['load']:.0%} of the disk rate")
         print(f"  stages of a save: {save_stages(model, optim, Path(tmp))}")
 
-        blocking = []
-        for step in (10, 11):
-            blocking.append(timed(lambda s=step: mgr.save(s, model, optim, {"step": s})))
-            mgr.wait()
-        print(f"  async save blocks {blocking[-1]:.3f} s = {blocking[-1] / med['save']:.1%} "
-              "of a sync save")
-
         x = torch.randn(16, width, device=device)
         step_times(model, optim, x, n=2)  # warm-up
-        quiet: list[float] = []
-        busy: list[float] = []
-        for i in range(rounds):  # alternating, so that the machine's drift hits both
-            quiet += step_times(model, optim, x, n=4)
-            mgr.save(20 + i, model, optim, {"step": 20 + i})
-            busy += step_times(model, optim, x, until=lambda: not mgr.writing)
-            mgr.wait()
-        q, b = statistics.median(quiet), statistics.median(busy)
-        print(f"  training step (median) {q * 1e3:.1f} ms without a save, {b * 1e3:.1f} ms "
-              f"during a background save ({len(busy)} steps in {rounds} saves): ratio "
-              f"{b / q:.3f}")
+        background_saves(mgr, model, optim, x, rounds, med["save"])
         mgr.close()
 
 

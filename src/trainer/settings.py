@@ -66,7 +66,9 @@ class TrainerSettings(BaseModel):
         "Retention: keep the N best-scoring checkpoints; every checkpoint step must be a "
         "validation step (checkpoint_every_n_steps a multiple of validate_every_n_steps)."))
     async_checkpoint: bool = Field(False, description=(
-        "Write checkpoints on a background thread from a host copy; training goes on."))
+        "Write checkpoints on a background thread from a host copy; training goes on. The "
+        "copy of parameters and optimizer state overlaps the next forward and backward; the "
+        "next optimizer step waits for it."))
     # -- the step --------------------------------------------------------------------------
     max_gradient_norm: float | None = Field(None, gt=0, description=(
         "Clip the global L2 norm of the (normalised, unscaled) gradients to this."))

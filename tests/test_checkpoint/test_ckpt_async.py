@@ -159,3 +159,55 @@ def test_the_background_writer_yields_the_cpu_and_training_keeps_its_priority(tm
     assert seen == [19]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
     assert mgr.steps() == [1]
+
+
+def test_async_save_copies_buffers_at_once_and_the_optimizer_step_waits_for_the_rest(
+        tmp_path, monkeypatch):
+    """save() returns before the parameters and optimizer state are copied: a forward may
+    change the BatchNorm statistics at once (copied before save() returned), and the
+    optimizer's next step waits until the rest is copied. The checkpoint holds the state at
+    save time."""
+    from trainer.checkpoint.staging import HostStaging
+
+    def bn_model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                   torch.nn.Linear(8, 2))
+
+    model = bn_model(0)
+    optim = torch.optim.AdamW(model.parameters())
+    _step(model, optim, 0)
+    mgr = CheckpointManager(tmp_path, setup_gangs(FakeGang()), async_save=True)
+    release, copies = threading.Event(), []
+    copy = HostStaging._copy
+
+    def held_copy(self, state):
+        copies.append(sorted(state["model"]))
+        if len(copies) == 2:  # the second copy: the parameters and the optimizer state
+            release.wait(10)
+        return copy(self, state)
+
+    monkeypatch.setattr(HostStaging, "_copy", held_copy)
+    expected = _snapshot(model, optim)
+    mgr.save(1, model, optim, {"step": 1})
+    assert copies[0] == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+
+    optim.zero_grad()
+    model(torch.randn(5, 4)).sum().backward()  # changes the BatchNorm statistics
+    assert not torch.equal(model[1].running_mean, expected[0]["1.running_mean"])
+    stepper = threading.Thread(target=optim.step)
+    stepper.start()
+    stepper.join(0.5)
+    assert stepper.is_alive()  # waiting for the copy of what it would change
+    release.set()
+    stepper.join(10)
+    assert not stepper.is_alive()
+    mgr.wait()
+
+    fresh = bn_model(99)
+    fresh_optim = torch.optim.AdamW(fresh.parameters())
+    mgr.load(1, fresh, fresh_optim)
+    loaded = _snapshot(fresh, fresh_optim)
+    _assert_equal(loaded[0], expected[0])
+    _assert_equal(loaded[1], expected[1])
+    mgr.close()

@@ -65,6 +65,7 @@ from trainer.checkpoint.manifest import (
 from trainer.checkpoint.model_files import write_model_files
 from trainer.checkpoint.retention import rank_by_score, steps_to_keep
 from trainer.checkpoint.run_config import CONFIG_FILE, config_text, sha256_of
+from trainer.checkpoint.staging import HostStaging
 from trainer.checkpoint.state import check_plain, model_optim_state
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.errors import UserError
@@ -119,6 +120,7 @@ class CheckpointManager:
         self._disk = CheckpointDir(self.dir)
         self._in_flight: PendingSave | None = None
         self._scores: dict[int, float] = {}  # recorded scores, for saves not committed yet
+        self._staging = HostStaging()
         self._writer = BackgroundWriter()
         self._closed = False
 
@@ -155,9 +157,12 @@ class CheckpointManager:
         `torch.load(weights_only=True)` accepts.
 
         Async (when the manager has `async_save` and `blocking` is not True): returns once
-        the state is copied to host memory; the files are written in the background and
-        committed by `wait()`, the next `save()` or `close()`. At most one save is in flight:
-        this first waits for (and commits) the previous one.
+        what a forward may change (buffers) is copied to host memory; the parameters and
+        the optimizer state are copied while training goes on, and `optimizer`'s next step
+        waits for that copy (`staging`: until then, change them only through that step).
+        The files are written in the background and committed by `wait()`, the next
+        `save()` or `close()`. At most one save is in flight: this first waits for (and
+        commits) the previous one.
         """
         self._check_open()
         self.wait()
@@ -181,8 +186,8 @@ class CheckpointManager:
             future = Future()
             future.set_exception(DiskFullError(disk_full))
         elif self.async_save and not blocking:
-            staged = self._writer.stage(state)
-            future = self._writer.submit(self._write_shard, tmp_dir, staged, buffer.getvalue(),
+            staged = self._staging.stage(state, model, optimizer)
+            future = self._writer.submit(self._write_staged, tmp_dir, staged, buffer.getvalue(),
                                          model_files)
         else:
             future = Future()
@@ -194,6 +199,11 @@ class CheckpointManager:
         self._in_flight = PendingSave(step_nr, tmp_dir, score, future)
         if future.done():
             self.wait()
+
+    def _write_staged(self, tmp_dir: Path, staged: Future[dict[str, Any]], rank_bytes: bytes,
+                      model_files: Callable[[Path], None] | None) -> None:
+        """The background thread's part of an async save: wait for the host copy, write it."""
+        self._write_shard(tmp_dir, staged.result(), rank_bytes, model_files)
 
     def _write_shard(self, tmp_dir: Path, state: dict[str, Any], rank_bytes: bytes,
                      model_files: Callable[[Path], None] | None = None) -> None:
@@ -223,6 +233,7 @@ class CheckpointManager:
         if job is None:
             return
         error = job.future.exception()  # blocks until this rank's writer is done
+        self._staging.release_guards()
         cause = None if error is None else rank_cause(error, self._rank, self.dir)
         failure = first_error(self.gangs.root, cause)
         if failure is not None:
@@ -438,6 +449,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._writer.close()
+            self._staging.close()
             self._disk.finish_deletions()
             if self._pg is not None and dist.is_initialized():
                 dist.destroy_process_group(self._pg)

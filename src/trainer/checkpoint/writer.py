@@ -5,8 +5,8 @@
 wrote (`.checksums_rank_r.json`), computed as the bytes were written. `collect_checksums` (rank 0,
 when committing) merges those sums into the manifest's `files`, hashing whatever no rank did.
 
-`BackgroundWriter` serves async saves: `stage` copies the state to host memory (so training
-may go on mutating parameters) and `submit` runs the write on a single worker thread.
+`BackgroundWriter` serves async saves: `submit` runs the write of a host copy (`staging`) on
+a single worker thread.
 Nothing here runs collectives but DCP's own, on the process group it is given.
 """
 
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainer.checkpoint import digest
 from trainer.checkpoint.digest import DigestingFileSystemWriter
@@ -134,11 +133,10 @@ def collect_checksums(tmp_dir: Path) -> dict[str, Any]:
 
 
 class BackgroundWriter:
-    """The host copy and the worker thread of async saves, both created on first use."""
+    """The worker thread of async saves, created on first use."""
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
-        self._stager: DefaultStager | None = None
 
     def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
         """Run `fn(*args)` on the writer thread (one at a time, in order)."""
@@ -147,37 +145,10 @@ class BackgroundWriter:
                                                 initializer=_yield_the_cpu)
         return self._executor.submit(fn, *args)
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A CPU copy of `state` (DTensors stay DTensors, with CPU local shards)."""
-        try:
-            return self._get_stager().stage(state)
-        except Exception:
-            # torch 2.11's stager fails when reused (KeyError: <class 'type'>); a fresh one
-            # works, at the price of new host buffers.
-            log.debug("checkpoint staging failed with a reused stager; retrying", exc_info=True)
-            self._get_stager().close()
-            self._stager = None
-            return self._get_stager().stage(state)
-
-    def _get_stager(self) -> DefaultStager:
-        if self._stager is None:
-            # Host buffers are cached and reused by the next save: one extra copy of the
-            # model and optimizer state stays in CPU memory while async saving is on.
-            options = StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(),
-                use_shared_memory=False,
-                use_async_staging=False,  # the copy is done when stage() returns
-                use_non_blocking_copy=False,
-            )
-            self._stager = DefaultStager(options)
-        return self._stager
-
     def close(self) -> None:
-        """Wait for the writer thread to finish, then release it and the host buffers."""
+        """Wait for the writer thread to finish, then release it."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        if self._stager is not None:
-            self._stager.close()
 
 
 def _yield_the_cpu() -> None:
