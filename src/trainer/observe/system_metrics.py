@@ -42,20 +42,26 @@ def memory_peak_gib(device: torch.device | str) -> float:
     (`torch.cuda.max_memory_allocated`). Elsewhere: the peak resident set size of the process
     (`resource.getrusage`; NaN where the platform has no `resource` module).
     """
+    return memory_peak_reader(device)()
+
+
+def memory_peak_reader(device: torch.device | str) -> Callable[[], float]:
+    """`memory_peak_gib` of `device` as a function of no argument, the way chosen once: a
+    publish calls it every few milliseconds on small models."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / _GIB
+        return lambda: torch.cuda.max_memory_allocated(device) / _GIB
     try:
         import resource
     except ImportError:  # Windows
-        return math.nan
+        return lambda: math.nan
     # Linux's RUSAGE_THREAD reports the process's peak RSS too (threads share it) without
     # summing every thread's CPU time, which locks the run queues of the CPUs they run on:
     # RUSAGE_SELF took a median 1.6 ms (p90 20 ms) in one of four trainer runs on the
     # loaded 2-core VM, RUSAGE_THREAD 10-12 us in all.
-    peak = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    return peak / _GIB if sys.platform == "darwin" else peak * 1024 / _GIB
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    unit = 1 / _GIB if sys.platform == "darwin" else 1024 / _GIB  # macOS: bytes; Linux: KiB
+    return lambda: resource.getrusage(who).ru_maxrss * unit
 
 
 # --- waiting for data -----------------------------------------------------------------------
@@ -242,6 +248,7 @@ class SystemMetrics:
         flops_per_target: float | None = None,
     ) -> None:
         self.device = torch.device(device)
+        self._memory_peak_gib = memory_peak_reader(self.device)
         self.dtype = _as_dtype(dtype)
         self.num_devices = num_devices
         self.flops_per_target = flops_per_target
@@ -275,7 +282,7 @@ class SystemMetrics:
         ``elapsed_s`` (the publish window) and, when known, ``mfu``; starts a new data-wait
         window."""
         values = lr_metrics(optimizer)
-        values["memory_peak_gib"] = memory_peak_gib(self.device)
+        values["memory_peak_gib"] = self._memory_peak_gib()
         values["data_wait_fraction"] = self.data_wait.take_fraction(elapsed_s)
         if self._peak is not None and self.flops_per_target is not None:
             values["mfu"] = (self.flops_per_target * targets_per_s
