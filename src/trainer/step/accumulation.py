@@ -33,17 +33,20 @@ class MicroBatchSync:
     set only when they change (never with `num_accumulate=1`)."""
 
     def __init__(self, model: nn.Module, *, fsdp_reduce_every_micro_batch: bool) -> None:
-        self._model = model
         self._reduce_every = fsdp_reduce_every_micro_batch
+        self._ddp = model if isinstance(model, DDP) else None
         self._fsdp = model if isinstance(model, FSDPModule) else None
         self._deferring = False  # FSDP2's flags are in their "skip" state
 
     def sync(self, last: bool) -> AbstractContextManager[object]:
-        if isinstance(self._model, DDP):
-            return contextlib.nullcontext() if last else self._model.no_sync()
+        if self._ddp is not None:
+            return _AS_IS if last else self._ddp.no_sync()
         if self._fsdp is not None and self._deferring == last:
             self._deferring = not last
             self._fsdp.set_requires_all_reduce(last)
             if not self._reduce_every:
                 self._fsdp.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
+        return _AS_IS
+
+
+_AS_IS = contextlib.nullcontext()  # reusable: nothing to enter or leave
