@@ -10,11 +10,10 @@ Saving step N (every rank takes part):
    `step_N` and fsyncs `checkpoint_dir`, applies retention and rewrites the `last`/`best`
    pointer files; a broadcast of its outcome releases the other ranks.
 
-An async save does step 1 in a background thread on a CPU copy of the state (so training
-may go on mutating parameters) and steps 2-3 later, on the main thread, in `wait()`, the
-next `save()` or `close()`: collectives must run in the same order on every rank, which a
-background thread cannot promise. The DCP writes of the background thread run on a
-dedicated Gloo process group that nothing else uses.
+An async save does step 1 in a background thread on a host copy of the state (`staging`)
+and steps 2-3 later, on the main thread, in `wait()`, the next `save()` or `close()`:
+collectives must run in the same order on every rank, which a background thread cannot
+promise. Its DCP writes run on a dedicated Gloo process group that nothing else uses.
 
 Collective methods (call them on every rank, in the same order): the constructor, `save`,
 `wait`, `record_score`, `find_latest`, `load`, `close`. Local methods (any rank, any time):
@@ -24,8 +23,8 @@ file system): rank 0 commits what the others wrote. Renaming is atomic on local 
 systems, not on every network one (HF reverted atomic saves for this reason).
 
 The pieces: `writer` (step 1 and the background thread; rank 0's merge of the checksums),
-`directory` (the layout of `checkpoint_dir`, verification, deletion, pointer files), `state`
-(the state dict given to DCP, the check of the rank state).
+`staging` (the host copy of an async save), `directory` (the layout of `checkpoint_dir`,
+verification, deletion, pointer files), `state` (the state dict given to DCP).
 """
 
 from __future__ import annotations
@@ -156,13 +155,11 @@ class CheckpointManager:
         data (saved as it is): tensors, numbers, strings, lists and dicts, what
         `torch.load(weights_only=True)` accepts.
 
-        Async (when the manager has `async_save` and `blocking` is not True): returns once
-        what a forward may change (buffers) is copied to host memory; the parameters and
-        the optimizer state are copied while training goes on, and `optimizer`'s next step
-        waits for that copy (`staging`: until then, change them only through that step).
+        Async (the manager's `async_save`, `blocking` not True): returns once the buffers
+        are copied to host memory; parameters and optimizer state are copied meanwhile and
+        `optimizer`'s next step waits for that (`staging`: change them only through it).
         The files are written in the background and committed by `wait()`, the next
-        `save()` or `close()`. At most one save is in flight: this first waits for (and
-        commits) the previous one.
+        `save()` or `close()`, which first waits for (and commits) the save in flight.
         """
         self._check_open()
         self.wait()
@@ -187,8 +184,9 @@ class CheckpointManager:
             future.set_exception(DiskFullError(disk_full))
         elif self.async_save and not blocking:
             staged = self._staging.stage(state, model, optimizer)
-            future = self._writer.submit(self._write_staged, tmp_dir, staged, buffer.getvalue(),
-                                         model_files)
+            future = self._writer.submit(  # waits for the host copy, then writes it
+                lambda: self._write_shard(tmp_dir, staged.result(), buffer.getvalue(),
+                                          model_files))
         else:
             future = Future()
             try:
@@ -199,11 +197,6 @@ class CheckpointManager:
         self._in_flight = PendingSave(step_nr, tmp_dir, score, future)
         if future.done():
             self.wait()
-
-    def _write_staged(self, tmp_dir: Path, staged: Future[dict[str, Any]], rank_bytes: bytes,
-                      model_files: Callable[[Path], None] | None) -> None:
-        """The background thread's part of an async save: wait for the host copy, write it."""
-        self._write_shard(tmp_dir, staged.result(), rank_bytes, model_files)
 
     def _write_shard(self, tmp_dir: Path, state: dict[str, Any], rank_bytes: bytes,
                      model_files: Callable[[Path], None] | None = None) -> None:
