@@ -8,7 +8,7 @@ each object's ``text_field`` is one document. Every document becomes ``[bos] tok
 are joined into one token stream.
 
 Windows: the stream is cut into non-overlapping windows of ``seq_len + 1`` tokens that share
-their boundary token (window ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``, input
+their boundary token (`recipes.lm.data.pack_windows`; window ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``, input
 its first ``seq_len`` tokens, targets its last ``seq_len``), so every token but the first
 is a target exactly once; the tail shorter than a window is dropped. A seeded random share
 ``valid_fraction`` of the windows is held out for validation: the same split on every rank,
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from recipes.lm.data import pack_windows, to_batch
 from trainer.errors import UserError
 from trainer.state.global_batches import GlobalBatchReader
 
@@ -97,12 +98,6 @@ def tokenize_documents(documents: Sequence[str], tokenizer: Any,
     return torch.cat(pieces)
 
 
-def pack_windows(tokens: Tensor, seq_len: int) -> Tensor:
-    """``[num_windows, seq_len + 1]`` windows of the stream (a view, see the module docstring)."""
-    num_windows = max(0, (tokens.numel() - 1) // seq_len)
-    return tokens[: num_windows * seq_len + 1].unfold(0, seq_len + 1, seq_len)
-
-
 def split_windows(windows: Tensor, valid_fraction: float, seed: int, min_train: int
                   ) -> tuple[Tensor, Tensor]:
     """(train, valid) windows: ``round(n * valid_fraction)`` windows (at least one) chosen by a
@@ -121,11 +116,6 @@ def split_windows(windows: Tensor, valid_fraction: float, seed: int, min_train: 
     return windows[~held_out], windows[held_out]
 
 
-def _to_batch(windows: Tensor) -> Batch:
-    windows = windows.long()  # token ids, as embeddings and cross entropy take them
-    return {"input_ids": windows[:, :-1].contiguous(), "target_ids": windows[:, 1:].contiguous()}
-
-
 class WindowReader(GlobalBatchReader[Batch]):
     """Training reader: shuffled global batches of windows, sliced per DP rank (see
     `trainer.state.global_batches` for the order, epochs and resumable state)."""
@@ -136,7 +126,7 @@ class WindowReader(GlobalBatchReader[Batch]):
         super().__init__(windows.shape[0], batch_size, dp_rank, dp_size, seed)
 
     def make_batch(self, indices: Tensor) -> Batch:
-        return _to_batch(self.windows[indices])
+        return to_batch(self.windows[indices])
 
 
 def eval_batches(windows: Tensor, batch_size: int, dp_rank: int = 0, dp_size: int = 1
@@ -158,5 +148,5 @@ def eval_batches(windows: Tensor, batch_size: int, dp_rank: int = 0, dp_size: in
     for start, end in zip(starts, [*starts[1:], n]):
         size = end - start
         rows = slice(start + dp_rank * size // dp_size, start + (dp_rank + 1) * size // dp_size)
-        batches.append(_to_batch(windows[rows]))
+        batches.append(to_batch(windows[rows]))
     return batches

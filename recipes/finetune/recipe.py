@@ -6,7 +6,6 @@ units and the trainer, which exports the best checkpoint as a HF directory at th
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +33,7 @@ from trainer.cli import run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import load_pretrained
+from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
@@ -80,7 +80,7 @@ class _Setup:
 
 
 def _setup(config: FinetuneConfig, train: bool) -> _Setup:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()  # on rank 0 only: every line once
     # The user's mistakes first, before any process group or model.
     _check_model_path(config.model.path)
     if config.gangs.dp_shard_size is not None and config.trainer.data_parallel != "fsdp":
@@ -128,6 +128,7 @@ def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
         CausalLMUnit(s.model, flops_per_target=s.flops_per_token), s.reader, optimizer,
         output_dir=output_dir, gangs=s.gangs, lr_scheduler=scheduler,
         valid_units=s.valid_units, valid_data_readers=s.valid_readers, resume=resume,
+        run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
     if s.console:

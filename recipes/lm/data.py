@@ -35,7 +35,9 @@ __all__ = [
     "find_source_files",
     "gzip_bits_per_byte",
     "load_bytes",
+    "pack_windows",
     "split_files",
+    "to_batch",
 ]
 
 SEPARATOR = b"\x00"
@@ -121,10 +123,11 @@ def load_bytes(files: Sequence[Path], max_bytes: int | None = None) -> torch.Ten
     return torch.frombuffer(stream, dtype=torch.uint8)
 
 
-def _windows(data: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """View ``data`` as ``[num_windows, seq_len + 1]`` non-overlapping windows (no copy)."""
+def pack_windows(data: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """View ``data`` (a 1-D stream of bytes or token ids) as ``[num_windows, seq_len + 1]``
+    windows that share their boundary element (no copy)."""
     if data.dim() != 1:
-        raise ValueError(f"data must be a 1-D tensor of bytes, got shape {tuple(data.shape)}")
+        raise ValueError(f"data must be a 1-D tensor, got shape {tuple(data.shape)}")
     if seq_len < 1:
         raise UserError(f"seq_len must be positive, got {seq_len}")
     num_windows = max(0, (data.numel() - 1) // seq_len)
@@ -135,7 +138,8 @@ def _windows(data: torch.Tensor, seq_len: int) -> torch.Tensor:
     return data[: num_windows * seq_len + 1].unfold(0, seq_len + 1, seq_len)
 
 
-def _to_batch(windows: torch.Tensor) -> Batch:
+def to_batch(windows: torch.Tensor) -> Batch:
+    """Inputs and next-token targets of ``windows`` as a `Batch`."""
     tokens = windows.long()
     return {
         "input_ids": tokens[:, :-1].contiguous(),
@@ -157,7 +161,7 @@ class ByteWindowReader(GlobalBatchReader[Batch]):
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
-        self._windows = _windows(data, seq_len)
+        self._windows = pack_windows(data, seq_len)
         self.seq_len = seq_len
         if self._windows.shape[0] < batch_size:
             raise UserError(
@@ -171,7 +175,7 @@ class ByteWindowReader(GlobalBatchReader[Batch]):
         return self.num_samples
 
     def make_batch(self, indices: torch.Tensor) -> Batch:
-        return _to_batch(self._windows[indices])
+        return to_batch(self._windows[indices])
 
 
 def eval_batches(
@@ -195,7 +199,7 @@ def eval_batches(
         raise UserError(f"batch_size must be positive, got {batch_size}")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
-    windows = _windows(data, seq_len)
+    windows = pack_windows(data, seq_len)
     if windows.shape[0] == 0:
         raise UserError(
             f"validation data of {data.numel()} bytes is shorter than one window of "
@@ -208,7 +212,7 @@ def eval_batches(
         global_batch = windows[start : start + batch_size]
         n = global_batch.shape[0]
         batches.append(
-            _to_batch(global_batch[dp_rank * n // dp_size : (dp_rank + 1) * n // dp_size])
+            to_batch(global_batch[dp_rank * n // dp_size : (dp_rank + 1) * n // dp_size])
         )
     return batches
 

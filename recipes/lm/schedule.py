@@ -51,18 +51,19 @@ class WarmupCosine(LRScheduler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The step and the schedule's length from the checkpoint (the length from this
         config instead when it sets one); warm-up and final scale from this config."""
-        mine = (self.warmup_steps, self.final_lr_scale, self.num_steps, self.num_steps_given)
+        warmup, final_scale = self.warmup_steps, self.final_lr_scale
+        num_steps, given = self.num_steps, self.num_steps_given
         super().load_state_dict(state_dict)
-        self.warmup_steps, self.final_lr_scale = mine[0], mine[1]
-        saved = state_dict.get("num_steps", mine[2])
-        self.num_steps_given = mine[3]
-        if mine[3] and mine[2] != saved:
+        self.warmup_steps, self.final_lr_scale, self.num_steps_given = warmup, final_scale, given
+        saved = state_dict.get("num_steps", num_steps)
+        if given and num_steps != saved:
             log.warning("lr_scheduler.num_steps is %s, the checkpoint's schedule had %s: the "
-                        "learning rates of the steps to come change", mine[2], saved)
-        self.num_steps = mine[2] if mine[3] else saved
+                        "learning rates of the steps to come change", num_steps, saved)
+        self.num_steps = num_steps if given else saved
 
 
-def warmup_cosine(optimizer: Optimizer, section: Any, max_num_steps: int) -> WarmupCosine:
+def warmup_cosine(optimizer: Optimizer, section: Any, max_num_steps: int | None
+                  ) -> WarmupCosine:
     """The schedule of a recipe's `lr_scheduler` section (`LRSchedulerSection`): its own
     length when it sets `num_steps`, else the first run's `max_num_steps`."""
     given = section.num_steps is not None

@@ -36,13 +36,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from pydantic import BaseModel
 
 # load_config, parse_override and format_validation_error are re-exported: recipes, tests and
 # benchmarks import them from here.
 from trainer.checkpoint import CheckpointError
-from trainer.checkpoint.run_config import record_history
+from trainer.checkpoint.run_config import config_text, record_history
 from trainer.config.errors import format_validation_error
 from trainer.config.loading import PRESET_DOC_KEY, load_config, parse_override
 from trainer.errors import UserError
@@ -193,7 +192,7 @@ def _run_config(args: argparse.Namespace) -> Path | None:
 
 def dump_config(config: BaseModel) -> str:
     """The config as YAML, in field order; loading it back gives an equal config."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    return config_text(config.model_dump(mode="json"))
 
 
 # ---------------------------------------------------------------------------------------------

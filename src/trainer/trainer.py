@@ -420,7 +420,8 @@ class Trainer(Generic[BatchT]):
         self.steps.last_good_checkpoint = path
         self.recorder.rewind(step_nr)
         log.warning("resumed from %s (step %d)", path, step_nr)
-        warn_if_changed(path, self.run_config)
+        if self.gangs.root.rank == 0:  # the one rank that logs reads the saved config
+            warn_if_changed(path, self.run_config)
 
     def _finish(self, reason: str) -> None:
         """Publish what is left, validate and save the final step (not after a stop signal:

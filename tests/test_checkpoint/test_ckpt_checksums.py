@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gangs import FakeGang, setup_gangs
-from trainer.checkpoint import CheckpointManager, verify
+from trainer.checkpoint import CheckpointManager, verify, writer
 from trainer.checkpoint.digest import extend
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -27,8 +27,13 @@ def _save(path):
     return path / "step_7"
 
 
-def test_checksums_written_while_saving_match_the_files(tmp_path):
+def test_checksums_written_while_saving_match_the_files(tmp_path, monkeypatch):
+    hashed_at_commit = []
+    file_entry = writer.file_entry
+    monkeypatch.setattr(writer, "file_entry",
+                        lambda path: hashed_at_commit.append(path.name) or file_entry(path))
     step_dir = _save(tmp_path)
+    assert hashed_at_commit == []  # every file's sum was computed while writing it
     assert torch.serialization.get_crc32_options()  # torch.save's zip CRC is back on
     manifest = json.loads((step_dir / "manifest.json").read_text())
     assert "integrity" in manifest["checksums"] and "not a security" in manifest["checksums"]

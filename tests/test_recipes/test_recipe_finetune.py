@@ -185,6 +185,8 @@ def test_killed_run_resumes_bit_for_bit(straight, tiny, tmp_path):
     assert_same_state(checkpoint_state(straight / final), checkpoint_state(killed / final))
     for section in ("train", "valid"):
         assert by_step(killed, section) == by_step(straight, section)
+    steps = [r["step"] for r in read_jsonl(killed / "metrics" / "train.jsonl")]
+    assert steps == [r["step"] for r in read_jsonl(straight / "metrics" / "train.jsonl")]
     exported = [AutoModelForCausalLM.from_pretrained(out / "hf") for out in (straight, killed)]
     for (name, p), q in zip(exported[0].named_parameters(), exported[1].parameters()):
         assert torch.equal(p, q), name

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import pickle
 import subprocess
 import sys
@@ -35,10 +36,13 @@ def train(out, max_num_steps: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_checkpoint_round_trip_on_this_interpreter(tmp_path):
+def test_checkpoint_round_trip_on_this_interpreter(tmp_path, caplog):
     straight = train(tmp_path / "straight", 6)
     train(tmp_path / "resumed", 3)
-    resumed = train(tmp_path / "resumed", 6)  # loads step_3: DCP metadata, rank state
+    with caplog.at_level(logging.WARNING, logger="gangtrain"):
+        resumed = train(tmp_path / "resumed", 6)  # loads step_3: DCP metadata, rank state
+    step_3 = tmp_path / "resumed" / "checkpoints" / "step_3"
+    assert f"resumed from {step_3} (step 3)" in caplog.text  # not a fresh start
     for name, value in straight.items():
         assert torch.equal(resumed[name], value), f"{name} on Python {sys.version}"
     exported = read_model_state(tmp_path / "resumed" / "checkpoints" / "step_6")

@@ -55,6 +55,7 @@ def test_extending_a_run_keeps_its_past_rates_and_equals_a_straight_run(tmp_path
     expected = read_jsonl(straight / "metrics" / "train.jsonl")
     assert [r["step"] for r in got] == [10, 20, 30, 40]
     assert {r["step"]: r["lr"] for r in got if r["step"] <= 20} == first_lrs  # the past
+    assert got[2]["lr"] == 3e-3 * 0.1  # step 30: past the end of the 20-step schedule
     assert [(r["step"], r["lr"], r["loss"]) for r in got] == \
         [(r["step"], r["lr"], r["loss"]) for r in expected]
     assert got[-1]["lr"] == 3e-3 * 0.1  # past its end the rate stays at lr * final scale

@@ -176,6 +176,11 @@ def _try_hold(out: str, answers) -> None:
         answers.put(str(error))
 
 
+def _sleep_until_killed(ready) -> None:
+    ready.set()
+    time.sleep(60)
+
+
 def test_a_forked_child_does_not_share_its_parents_lock(tmp_path):
     """Data-loader workers are forked: they neither keep the lock alive nor take it."""
     import multiprocessing
@@ -190,5 +195,18 @@ def test_a_forked_child_does_not_share_its_parents_lock(tmp_path):
         child.join(60)
         assert f"in use by another run (host {socket.gethostname()}, pid {os.getpid()}," \
             in answers.get(timeout=10)
+        # A worker still alive when the run lets go does not keep the lock (flock would).
+        ready = ctx.Event()
+        worker = ctx.Process(target=_sleep_until_killed, args=(ready,))
+        worker.start()
+        assert ready.wait(30)
+        lock.release()
+        other = ctx.Process(target=_try_hold, args=(str(tmp_path), answers))
+        other.start()
+        other.join(60)
+        assert answers.get(timeout=10) == "held"
     finally:
         lock.release()
+        if "worker" in locals():
+            worker.kill()
+            worker.join()

@@ -9,7 +9,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from killed_runs import assert_same_state, checkpoint_state
+from killed_runs import assert_same_state, checkpoint_state, flatten
 from torch import nn
 from toy import CLASSES, PAD, VOCAB, collate, make_samples
 
@@ -75,3 +75,13 @@ def test_async_checkpoints_equal_blocking_ones_bit_for_bit(tmp_path, monkeypatch
         in_background = checkpoint_state(tmp_path / "async" / "checkpoints" / f"step_{step}")
         assert any("running_mean" in key for key in blocking)
         assert_same_state(blocking, in_background)
+        # The rank state too: step, RNG, data position, the loss window.
+        blocking, in_background = (
+            dict(flatten(torch.load(run / "checkpoints" / f"step_{step}" / "rank_0.pt",
+                                    weights_only=True)))
+            for run in (tmp_path / "blocking", tmp_path / "async"))
+        assert blocking.keys() == in_background.keys() and blocking
+        for key, value in blocking.items():
+            same = torch.equal(value, in_background[key]) if torch.is_tensor(value) \
+                else value == in_background[key]
+            assert same, key

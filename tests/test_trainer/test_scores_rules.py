@@ -180,7 +180,9 @@ def test_a_unit_declares_its_own_metrics(tmp_path, caplog):
                       valid_data_readers=[[None]], score_metric="valid/reward",
                       validate_every_n_steps=10, max_num_steps=30)
     unit.steps["trainer"] = trainer
-    assert trainer.run().best_step == 20
+    with caplog.at_level(logging.WARNING, logger="gangtrain"):
+        assert trainer.run().best_step == 20
+    assert "declares no direction" not in caplog.text
 
 
 def test_an_undeclared_metric_without_lower_better_is_warned(tmp_path, caplog):

@@ -102,9 +102,10 @@ def fully_shard_model(
 
 
 def describe_groups(model: nn.Module, blocks: list[nn.Module]) -> str:
-    """Which blocks got an FSDP group of their own, by class and name, e.g. "12 blocks
-    (GPT2Block: transformer.h.0 .. transformer.h.11), the rest with the root module": a wrong
-    block choice (one group for the whole model) shows in the log, not only in the memory."""
+    """Which blocks got an FSDP group of their own, by class and name, e.g. "12 block(s) one
+    group each (12 x GPT2Block: transformer.h.0 .. transformer.h.11), the rest (...) with the
+    root GPT2LMHeadModel": a wrong block choice (one group for the whole model) shows in the
+    log, not only in the memory."""
     if not blocks:
         return f"the whole model as one group ({type(model).__name__}): no repeated block found"
     names = {id(module): name for name, module in model.named_modules()}

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint.disk_space import free_space_problem
 from trainer.checkpoint.manifest import fsync_dir, read_manifest, verify
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,15 @@ class CheckpointDir:
             self._deleting.start()
         else:
             shutil.rmtree(trash, ignore_errors=True)
+
+    def space_problem(self, needed: int) -> str | None:
+        """Why `needed` more bytes do not fit (`free_space_problem`), judged again once a
+        background deletion of retention has finished; None when they fit."""
+        problem = free_space_problem(self.path, needed)
+        if problem is not None and self._deleting is not None:
+            self.finish_deletions()
+            problem = free_space_problem(self.path, needed)
+        return problem
 
     def finish_deletions(self) -> None:
         """Wait for the background deletion, if one runs."""

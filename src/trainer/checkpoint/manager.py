@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 
 from gangs import FakeGang, Gangs, first_error, on_rank0
 from trainer.checkpoint.directory import CheckpointDir, scores_of
-from trainer.checkpoint.disk_space import DiskFullError, free_space_problem, needed_bytes
+from trainer.checkpoint.disk_space import DiskFullError, needed_bytes
 from trainer.checkpoint.failures import describe, rank_cause
 from trainer.checkpoint.manifest import (
     MODEL_OPTIM,
@@ -83,7 +83,7 @@ class CheckpointManager:
     applied after every commit and every `record_score`, from the scores stored in the
     manifests, so a restarted run goes on applying it. `async_save`: see `save`.
     `config` (the run's whole config) is written beside every step as `config.yaml` and
-    its sha256 recorded as the manifest's `config_digest` (else `config_digest` as given);
+    its sha256 recorded as the manifest's `config_digest` (empty without a config);
     the trainer compares it on resume (`trainer.run_config`).
     """
 
@@ -96,7 +96,6 @@ class CheckpointManager:
         keep_best_n: int | None = None,
         lower_better: bool = True,
         async_save: bool = False,
-        config_digest: str = "",
         config: Mapping[str, Any] | None = None,
         on_commit: Callable[[int, Path], None] | None = None,
     ) -> None:
@@ -109,7 +108,7 @@ class CheckpointManager:
         self.async_save = async_save
         # The run's config, kept beside each step as config.yaml; its sha256 is the digest.
         self._config_text = config_text(config) if config is not None else None
-        self.config_digest = sha256_of(self._config_text) if self._config_text else config_digest
+        self.config_digest = sha256_of(self._config_text) if self._config_text else ""
         self.on_commit = on_commit
         """Called on every rank as `on_commit(step_nr, step_dir)` once a save is committed
         (renamed to its final name), by whichever call commits it: `save`, `wait`, `close`."""
@@ -178,7 +177,7 @@ class CheckpointManager:
         # A disk too small fails the save before any rank writes (agreed: DCP's collectives
         # need every rank or none).
         needed = needed_bytes(state, len(buffer.getvalue()), self._world)
-        disk_full = first_error(self.gangs.root, free_space_problem(self.dir, needed))
+        disk_full = first_error(self.gangs.root, self._disk.space_problem(needed))
         if disk_full is not None:
             future = Future()
             future.set_exception(DiskFullError(disk_full))

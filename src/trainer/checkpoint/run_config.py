@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +60,18 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: list(tree) if isinstance(tree, tuple) else tree}
 
 
-def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any],
-                 neutral: Sequence[str] = RESULT_NEUTRAL) -> list[str]:
-    """`"key: old -> new"` for every result-changing key that differs, sorted."""
+def differences(old: Mapping[str, Any], new: Mapping[str, Any],
+                keep: Callable[[str], bool] = lambda key: True) -> list[str]:
+    """`"key: old -> new"` for every flattened key that differs and `keep` keeps, sorted."""
     old_flat, new_flat = flatten(old), flatten(new)
-
-    def is_neutral(key: str) -> bool:
-        return any(key == n or key.startswith(n + ".") for n in neutral)
-
     return [f"{key}: {old_flat.get(key, '<unset>')!r} -> {new_flat.get(key, '<unset>')!r}"
             for key in sorted(old_flat.keys() | new_flat.keys())
-            if not is_neutral(key) and old_flat.get(key) != new_flat.get(key)]
+            if keep(key) and old_flat.get(key) != new_flat.get(key)]
+
+
+def under(key: str, sections: Sequence[str]) -> bool:
+    """Whether the flattened `key` is one of `sections` or inside one."""
+    return any(key == s or key.startswith(s + ".") for s in sections)
 
 
 def read_step_config(step_dir: Path) -> dict[str, Any] | None:
@@ -88,7 +89,7 @@ def warn_if_changed(step_dir: Path, config: Mapping[str, Any]) -> list[str]:
     saved = read_step_config(step_dir)
     if saved is None:
         return []
-    changes = changed_keys(saved, config)
+    changes = differences(saved, config, keep=lambda key: not under(key, RESULT_NEUTRAL))
     if changes:
         log.warning("resuming %s with a config that differs from the one it was trained "
                     "with (kept in %s):\n  %s", step_dir, step_dir / CONFIG_FILE,

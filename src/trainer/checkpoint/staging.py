@@ -16,7 +16,6 @@ manager's `wait()` first). Without an optimizer everything is copied before `sav
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from typing import Any
@@ -56,20 +55,20 @@ class HostStaging:
             if self._stream is None:
                 self._stream = torch.Stream()
             self._stream.wait_stream(torch.accelerator.current_stream())
-        now, later = _split(state, _parameter_storages(model) if optimizer is not None else ())
+        now, later = _split(state, _parameter_storages(model) if optimizer is not None else set())
         staged_now = self._executor.submit(self._copy, now).result()
         staged = self._executor.submit(lambda: _merge(staged_now, self._copy(later)))
         if optimizer is not None and not staged.done():
             def wait_for_the_copy(*_: Any) -> None:
-                wait([staged])  # a failed copy fails the save, not the training step
+                if not staged.done():  # the hook stays until the manager's next call
+                    wait([staged])  # a failed copy fails the save, not the training step
             self._guards.append(optimizer.register_step_pre_hook(wait_for_the_copy))
         return staged
 
     def _copy(self, state: dict[str, Any]) -> dict[str, Any]:
         """The staging thread: a host copy of `state`, done when this returns."""
         try:
-            with self._stream if self._stream is not None else nullcontext():
-                return self._get_stager().stage(state)
+            return self._stage_on_stream(state)
         except Exception:
             # torch 2.11's stager fails when reused (KeyError: <class 'type'>); a fresh one
             # works, at the price of new host buffers. Nothing changed the source meanwhile:
@@ -77,8 +76,11 @@ class HostStaging:
             log.debug("checkpoint staging failed with a reused stager; retrying", exc_info=True)
             self._get_stager().close()
             self._stager = None
-            with self._stream if self._stream is not None else nullcontext():
-                return self._get_stager().stage(state)
+            return self._stage_on_stream(state)
+
+    def _stage_on_stream(self, state: dict[str, Any]) -> dict[str, Any]:
+        with self._stream if self._stream is not None else nullcontext():
+            return self._get_stager().stage(state)
 
     def _get_stager(self) -> DefaultStager:
         if self._stager is None:
@@ -113,12 +115,11 @@ def _parameter_storages(model: nn.Module) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in locals_ if t.numel() > 0}
 
 
-def _split(state: dict[str, Any], parameters: Iterable[int]
+def _split(state: dict[str, Any], parameters: set[int]
            ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(what a forward may change or is not a tensor, the parameters and optimizer
     state): the model's entries by storage, the optimizer's `state` (its tensors change
     only in a step) and `param_groups` (plain values, rewritten by the LR scheduler)."""
-    parameters = set(parameters)
     if not parameters:
         return state, {}
     now: dict[str, Any] = {"model": {}}
@@ -141,7 +142,6 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     for key, value in b.items():
         merged[key] = _merge(merged[key], value) if key in merged else value
     return merged
-
 
 
 def _one_cpu_thread() -> None:

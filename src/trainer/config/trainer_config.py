@@ -52,7 +52,7 @@ class TrainerConfig(TrainerSettings):
         "'pkg.mod:function'; see trainer.config.early_stopper."))
     callbacks: list[CallbackConfig] = Field([], description=(
         "Callbacks by import path with their keyword arguments: "
-        "[{name: 'pkg.mod:Class', every: 100}]; see trainer.callbacks."))
+        "[{name: 'pkg.mod:Class', every: 100}]; see trainer.config.callbacks."))
     data_parallel: Literal["ddp", "fsdp"] = Field("ddp", description=(
         "How the recipe wraps the model over the DP gang: DDP or FSDP2."))
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from trainer.checkpoint.run_config import flatten
+from trainer.checkpoint.run_config import differences, under
 from trainer.errors import UserError
 
 
@@ -28,19 +28,10 @@ def check_resume_config(
     if not guarded or not has_checkpoints or not old_file.exists():
         return
     old = yaml.safe_load(old_file.read_text()) or {}
-    differences = [
-        f"  {key}: {old_flat.get(key, '<unset>')!r} -> {new_flat.get(key, '<unset>')!r}"
-        for old_flat, new_flat in [(flatten(old), flatten(new_config))]
-        for key in sorted(old_flat.keys() | new_flat.keys())
-        if _is_guarded(key, guarded) and old_flat.get(key) != new_flat.get(key)
-    ]
-    if differences:
+    changes = differences(old, new_config, keep=lambda key: under(key, guarded))
+    if changes:
         raise UserError(
             f"cannot resume from '{output_dir / 'checkpoints'}': the config changed where "
-            "the checkpoints cannot follow:\n" + "\n".join(differences) +
+            "the checkpoints cannot follow:\n  " + "\n  ".join(changes) +
             "\nundo the change, or start over with --no-resume or another OUTPUT_DIR"
         )
-
-
-def _is_guarded(key: str, guarded: Sequence[str]) -> bool:
-    return any(key == g or key.startswith(g + ".") for g in guarded)

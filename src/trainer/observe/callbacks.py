@@ -145,26 +145,27 @@ class CallbackList:
         return bool(self._hooks[event])
 
     def on_train_start(self, trainer: Any) -> None:
-        self._call("on_train_start", trainer, trainer)
+        self._call("on_train_start", trainer)
 
     def on_step_end(self, trainer: Any) -> None:
-        self._call("on_step_end", trainer, trainer)
+        self._call("on_step_end", trainer)
 
     def on_validation_end(self, trainer: Any, scores: dict[str, float]) -> None:
-        self._call("on_validation_end", trainer, trainer, scores)
+        self._call("on_validation_end", trainer, scores)
 
     def on_checkpoint_saved(self, trainer: Any, step_nr: int, path: Path) -> None:
-        self._call("on_checkpoint_saved", trainer, trainer, step_nr, path, step_nr=step_nr)
+        self._call("on_checkpoint_saved", trainer, step_nr, path, step_nr=step_nr)
 
     def on_train_end(self, trainer: Any, result: TrainResult) -> None:
-        self._call("on_train_end", trainer, trainer, result)
+        self._call("on_train_end", trainer, result)
 
-    def _call(self, event: str, trainer: Any, *args: Any, step_nr: int | None = None) -> None:
+    def _call(self, event: str, *args: Any, step_nr: int | None = None) -> None:
+        """Call `event`'s callbacks with `args` (the trainer first)."""
         for callback, method in self._hooks[event]:
             try:
                 method(*args)
             except Exception as err:
-                step_nr = _step_of(trainer) if step_nr is None else step_nr  # for the message
+                step_nr = _step_of(args[0]) if step_nr is None else step_nr  # for the message
                 at = f" at step {step_nr}" if step_nr is not None else ""
                 message = (f"callback {type(callback).__name__}.{event}{at}: "
                            f"{type(err).__name__}: {err}")
