@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torchdata.stateful_dataloader import StatefulDataLoader
 from toy import TokenUnit, collate, make_model, make_samples
 
+from trainer.config.trainer_config import TrainerConfig
 from trainer.early_stoppers import patience
 from trainer.evaluate import evaluate
 from trainer.observe.recorders import read_jsonl
@@ -263,3 +264,25 @@ def test_a_validation_metric_has_one_name_in_every_file(tmp_path):
     assert evaluate([unit], [[None]], output_dir=tmp_path) == {"valid/accuracy": 0.8}
     (line,) = read_jsonl(tmp_path / "metrics" / "eval.jsonl")
     assert (line["step"], line["valid/accuracy"]) == (20, 0.8)
+
+
+def test_a_user_stopper_factory_gets_the_direction_the_unit_declares(tmp_path, monkeypatch):
+    """`lower_better` left out of the config: a user factory that takes it is handed the
+    valid unit's declaration (accuracy: higher-better), not its own default."""
+    (tmp_path / "my_factories.py").write_text(
+        "def flat(window=2, lower_better=True):\n"
+        "    def stopper(step_nr, score):\n"
+        "        return False\n"
+        "    stopper.lower_better = lower_better\n"
+        "    return stopper\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = make_model()
+    unit = StepScore(model, {}, metric="accuracy")
+    unit.higher_better_metrics = ("accuracy",)
+    config = TrainerConfig(score_metric="valid/accuracy", validate_every_n_steps=10,
+                           max_num_steps=10, early_stopper={"name": "my_factories:flat"})
+    trainer = config.build(TokenUnit(model), batches(),
+                           torch.optim.AdamW(model.parameters()), output_dir=tmp_path / "out",
+                           valid_units=[unit], valid_data_readers=[[None]], recorders=[])
+    assert trainer.early_stopper.stopper.lower_better is False
+    assert trainer.lower_better is False

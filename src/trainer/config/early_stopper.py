@@ -214,9 +214,10 @@ def build_early_stopper(
 ) -> EarlyStopper | None:
     """Builds a fresh stopper from its config (None -> None, no early stopping).
 
-    ``lower_better`` is the trainer's score direction (None: the Trainer hands the built-ins
-    the direction the valid unit declares; a user factory then gets none). Call it again to get a stopper with
-    fresh state (e.g. before replaying a resumed run's score history).
+    ``lower_better`` is the run's score direction (`TrainerConfig.build` works it out from
+    what the valid unit declares when the config leaves it out; None here: a user factory
+    keeps its own default). Call it again to get a stopper with fresh state (e.g. before
+    replaying a resumed run's score history).
     """
     if config is None:
         return None

@@ -19,6 +19,7 @@ from trainer.config.callbacks import CallbackConfig, build_callbacks
 from trainer.config.early_stopper import EarlyStopperConfig, build_early_stopper
 from trainer.errors import UserError
 from trainer.observe.recorders import MetricRecorder
+from trainer.score_direction import score_direction
 from trainer.settings import TrainerSettings
 from trainer.trainer import Trainer
 from units import EvalUnit, TrainUnit
@@ -76,12 +77,15 @@ class TrainerConfig(TrainerSettings):
         `run_config`: the recipe's whole config, kept with each checkpoint (see `Trainer`)."""
         settings = {name: getattr(self, name) for name in TrainerSettings.model_fields}
         try:
+            if self.early_stopper is not None:  # a user factory gets the direction too
+                settings["lower_better"] = score_direction(self.lower_better,
+                                                           self.score_metric, valid_units)
             return Trainer(
                 unit, data_reader, optimizer, output_dir=output_dir, gangs=gangs,
                 lr_scheduler=lr_scheduler, valid_units=valid_units,
                 valid_data_readers=valid_data_readers, resume=resume, overwrite=overwrite,
                 recorders=recorders, run_config=run_config,
-                early_stopper=build_early_stopper(self.early_stopper, self.lower_better),
+                early_stopper=build_early_stopper(self.early_stopper, settings["lower_better"]),
                 callbacks=build_callbacks(self.callbacks),
                 **settings,
             )
