@@ -56,14 +56,20 @@ def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
     hf_model = hf_model_of(model)
     assert hf_model is not None  # load_pretrained builds a transformers model
     # No KV cache: training never reuses it, and a block recomputed in backward would append
-    # its keys and values to it a second time.
-    hf_model.config.use_cache = False
+    # its keys and values to it a second time. Passed to each forward (it outranks the
+    # config), so the config the checkpoints and OUT/hf/ write keeps the pretrained value.
+    hf_model.register_forward_pre_hook(_without_kv_cache, with_kwargs=True)
     if checkpointing and kind == "ddp":
         # Each block of the wrapped model recomputes its activations in backward
         # (non-reentrant checkpointing, which DDP supports).
         for block in find_blocks(hf_model):
             checkpoint(block)
     return model
+
+
+def _without_kv_cache(module: nn.Module, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return args, {**kwargs, "use_cache": False}
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """`python -m recipes.finetune` end to end, run as users run it: a tiny Llama and its own
 byte-level BPE tokenizer made here (`recipes.finetune.tiny`), fine-tuned on a text file and
 a JSONL file; then read back through what a user relies on: the held-out loss goes down,
-OUT/hf/ loads with `from_pretrained` and scores what training recorded, `--eval-only`
-gives the best score again, a run killed twice (once mid-save) ends in the state of a run
-never stopped, FSDP2, DDP and TP on 2 ranks give one process's losses, and mistakes are one
-clear line."""
+OUT/hf/ loads with `from_pretrained` and scores what training recorded, its config is the
+pretrained one (trained without a KV cache, generating with it), `--eval-only` gives the
+best score again, a run killed twice (once mid-save) ends in the state of a run never
+stopped, FSDP2, DDP and TP on 2 ranks give one process's losses, and mistakes are one clear
+line."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import subprocess
@@ -21,6 +23,8 @@ from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 from recipe_runs import REPO, describe, recipe_env, run_all, run_module
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from gangs import setup_gangs, setup_root_gang
+from recipes.finetune.config import FinetuneConfig
 from recipes.finetune.data import (
     eval_batches,
     pack_windows,
@@ -28,6 +32,7 @@ from recipes.finetune.data import (
     split_windows,
     tokenize_documents,
 )
+from recipes.finetune.recipe import load_model
 from recipes.finetune.tiny import make_tiny_model, write_tiny_corpus
 from trainer.checkpoint import read_model_state
 from trainer.errors import UserError
@@ -109,6 +114,25 @@ def test_finetune_learns_and_exports_the_best_checkpoint(straight, tiny):
     tokenizer = AutoTokenizer.from_pretrained(straight / "hf")
     text = "Return a new dictionary"
     assert tokenizer(text)["input_ids"] == AutoTokenizer.from_pretrained(tiny[0])(text)["input_ids"]
+
+
+def test_export_keeps_the_pretrained_config(straight, tiny):
+    """Training runs without a KV cache, yet every config.json written (each checkpoint's,
+    the export's) is the pretrained one: generating from OUT/hf/ uses the cache again."""
+    pretrained = json.loads((tiny[0] / "config.json").read_text())
+    assert pretrained["use_cache"] is True  # transformers' default
+    written = [straight / "hf", *sorted((straight / "checkpoints").glob("step_*/hf"))]
+    assert len(written) >= 2
+    for directory in written:
+        config = json.loads((directory / "config.json").read_text())
+        assert config == pretrained, directory
+    assert AutoModelForCausalLM.from_pretrained(straight / "hf").config.use_cache is True
+    # The recipe's model builds no cache in training, where the pretrained one builds one.
+    model = load_model(FinetuneConfig(model={"path": str(tiny[0])}),
+                       setup_gangs(setup_root_gang())).train()
+    ids = valid_windows(tiny)[:2, :-1]
+    assert model(ids).cache is None
+    assert AutoModelForCausalLM.from_pretrained(tiny[0]).train()(ids).cache is not None
 
 
 def test_eval_only_reproduces_the_best_score(straight, tiny):
