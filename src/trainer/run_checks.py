@@ -74,8 +74,8 @@ def check_readers_repeat(validator: Validator) -> None:
 def check_unit_output(unit: Any, loss: Any, num_targets: Any, step_nr: int) -> Tensor | int:
     """The unit returned `(a scalar loss tensor, an int or scalar tensor count or None)`;
     the count to use (None, a mean, counts 1). Cheap: no host read."""
-    name = type(unit).__name__
     if not isinstance(loss, Tensor) or loss.dim() != 0:
+        name = type(unit).__name__
         what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
                 else f"a {type(loss).__name__} ({loss!r})")
         raise TypeError(
@@ -86,6 +86,7 @@ def check_unit_output(unit: Any, loss: Any, num_targets: Any, step_nr: int) -> T
         return 1
     if isinstance(num_targets, bool) or not isinstance(num_targets, (int, Tensor)) or (
             isinstance(num_targets, Tensor) and num_targets.numel() != 1):
+        name = type(unit).__name__
         what = (f"a tensor of shape {tuple(num_targets.shape)}"
                 if isinstance(num_targets, Tensor)
                 else f"a {type(num_targets).__name__} ({num_targets!r})")

@@ -11,6 +11,8 @@ from `1 / count` (`mean_seed`), as a hand-written loop's mean loss would: no ext
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -93,8 +95,14 @@ def supports_device_skip(optimizer: Optimizer) -> bool:
 
 def mean_seed(count: int, like: Tensor) -> Tensor:
     """What backward starts from to take the mean of a summed loss over `count` targets:
-    ``1 / count`` as a scalar like `like`, one read-only tensor per value (no op a step)."""
-    return _constant(1.0 / max(count, 1), like.dtype, like.device)
+    ``1 / count`` as a scalar like `like`, one read-only tensor per value (no op a step).
+    Looked up by `like.get_device()` (an int; -1 on the CPU): building `like.device` each
+    step cost 2 us in place."""
+    key = (count, like.dtype, like.get_device())
+    seed = _SEEDS.get(key)
+    if seed is None:
+        seed = _remember(_SEEDS, key, _constant(1.0 / max(count, 1), like.dtype, like.device))
+    return seed
 
 
 def normalisation_divisor(dp_size: int, global_count: Tensor | int,
@@ -111,13 +119,21 @@ def _constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     key = (value, dtype, device)
     tensor = _CONSTANTS.get(key)
     if tensor is None:
-        if len(_CONSTANTS) >= 1024:
-            _CONSTANTS.clear()
-        tensor = _CONSTANTS[key] = torch.full((), value, dtype=dtype, device=device)
+        tensor = _remember(_CONSTANTS, key, torch.full((), value, dtype=dtype, device=device))
+    return tensor
+
+
+def _remember(cache: dict[Any, Tensor], key: Any, tensor: Tensor) -> Tensor:
+    """`tensor`, kept in `cache` under `key`; a cache grown past 1024 values starts over
+    (counts that vary without end, e.g. tokens a step)."""
+    if len(cache) >= 1024:
+        cache.clear()
+    cache[key] = tensor
     return tensor
 
 
 _CONSTANTS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
+_SEEDS: dict[tuple[int, torch.dtype, int], Tensor] = {}
 
 
 def clip_divisor(norm: Tensor, max_norm: float) -> Tensor:
