@@ -44,3 +44,22 @@ def test_checkpoint_benchmark_prints_save_and_load_against_the_disk():
                     r"stages of a save: state dict", r"async save blocks .* of a sync save",
                     r"during a background save .* ratio \d+\.\d+"):
         assert re.search(pattern, out), (pattern, out)
+
+
+def test_overhead_ab_switches_a_piece_per_window_and_puts_it_back(capsys):
+    from benchmarks import overhead_ab
+    from trainer.trainer import Trainer
+
+    real = Trainer._post_step
+    published = []
+    overhead_ab.EXPERIMENTS["test_publish"] = (
+        Trainer, "_post_step", lambda self, stop: published.append(self.step_nr),
+        "publish steps of B windows")
+    try:
+        overhead_ab.measure("test_publish", runs=1, steps=40)
+    finally:
+        del overhead_ab.EXPERIMENTS["test_publish"]
+    assert Trainer._post_step is real  # put back for the next experiment
+    # Steps 11-20 and 31-40 are the B windows of each of the two runs (warm-up and measured).
+    assert published == [20, 40, 20, 40]
+    assert re.search(r"test_publish +B - A +[-+]\d+\.\d us a step \(runs", capsys.readouterr().out)
