@@ -14,10 +14,8 @@ from typing import Any
 
 from rich.console import Console
 from torch import nn
-from torch.distributed._composable import checkpoint
 
 from gangs import Gangs, setup_gangs, setup_root_gang
-from gangs.parallel.blocks import find_blocks
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
 from recipes.finetune.data import (
     WindowReader,
@@ -48,10 +46,9 @@ def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
     tensor-parallel by its own plan over `gangs.tp`, wrapped over DP, each rank reading its
     slices of the weights; activation checkpointing per block if asked."""
     kind = config.trainer.data_parallel
-    checkpointing = config.model.activation_checkpointing
-    # FSDP2 applies activation checkpointing to each block before sharding it (one process
-    # too); DDP has no such option, see below.
-    options = {"activation_checkpointing": True} if checkpointing and kind == "fsdp" else {}
+    # Activation checkpointing goes on each block before the model is wrapped (DDP, FSDP2,
+    # or FSDP2 for DDP x TP), in one process too.
+    options = {"activation_checkpointing": True} if config.model.activation_checkpointing else {}
     model = load_pretrained(config.model.path, gangs, data_parallel=kind, **options)
     hf_model = hf_model_of(model)
     assert hf_model is not None  # load_pretrained builds a transformers model
@@ -59,11 +56,6 @@ def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
     # its keys and values to it a second time. Passed to each forward (it outranks the
     # config), so the config the checkpoints and OUT/hf/ write keeps the pretrained value.
     hf_model.register_forward_pre_hook(_without_kv_cache, with_kwargs=True)
-    if checkpointing and kind == "ddp":
-        # Each block of the wrapped model recomputes its activations in backward
-        # (non-reentrant checkpointing, which DDP supports).
-        for block in find_blocks(hf_model):
-            checkpoint(block)
     return model
 
 

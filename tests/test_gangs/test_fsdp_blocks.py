@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from gangs import FakeGang, setup_gangs
-from gangs.parallel import fully_shard_model
+from gangs.parallel import data_parallel, fully_shard_model
 from gangs.parallel.blocks import find_blocks
 from gangs.parallel.fsdp import mixed_precision_policy
 from recipes.lm.model import GPT, GPTConfig, TransformerBlock
@@ -79,13 +79,14 @@ def test_options_that_cannot_work_are_refused():
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 
-def test_activation_checkpointing_recomputes_each_block_with_the_same_gradients():
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_activation_checkpointing_recomputes_each_block_with_the_same_gradients(kind):
     x = torch.randn(4, 8)
     grads, calls = [], []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = fully_shard_model(Stack(), setup_gangs(FakeGang()),
-                                  activation_checkpointing=checkpointing)
+        model = data_parallel(Stack(), setup_gangs(FakeGang()), kind,
+                              activation_checkpointing=checkpointing)
         count = [0]
         model.trunk.h[1].linear.register_forward_hook(lambda *_, c=count: c.__setitem__(0, c[0] + 1))
         model(x).square().sum().backward()

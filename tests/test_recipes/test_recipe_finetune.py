@@ -157,14 +157,17 @@ def torchrun(ranks: int, out: Path, tiny, *extra: str) -> list:
 
 def test_layouts_and_bf16_track_one_process(straight, tiny, tmp_path):
     """2 Gloo ranks under FSDP2 and under DDP, both with activation checkpointing, and under
-    tensor parallelism (the model's own plan) give the one-process validation losses; bf16
-    autocast stays close."""
+    tensor parallelism (the model's own plan; DDP x TP, which runs FSDP2, with activation
+    checkpointing put on before it) give the one-process validation losses; bf16 autocast
+    stays close."""
     procs = run_all({
         "fsdp2_ckpt": torchrun(2, tmp_path / "fsdp", tiny,
                                "--set", "model.activation_checkpointing=true"),
         "ddp2_ckpt": torchrun(2, tmp_path / "ddp", tiny, "--set", "trainer.data_parallel=ddp",
                               "--set", "model.activation_checkpointing=true"),
-        "tp2": torchrun(2, tmp_path / "tp2", tiny, "--set", "gangs.tp_size=2"),
+        "tp2": torchrun(2, tmp_path / "tp2", tiny, "--set", "gangs.tp_size=2",
+                        "--set", "trainer.data_parallel=ddp",
+                        "--set", "model.activation_checkpointing=true"),
         "bf16": ["recipes.finetune", *finetune_args(tmp_path / "bf16", tiny,
                                                     "--set", "trainer.dtype=bf16")],
     })

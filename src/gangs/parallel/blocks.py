@@ -20,13 +20,21 @@ import logging
 from collections.abc import Sequence
 
 from torch import nn
+from torch.distributed._composable import checkpoint
 
-__all__ = ["BlockSpec", "find_blocks"]
+__all__ = ["BlockSpec", "checkpoint_blocks", "find_blocks"]
 
 log = logging.getLogger("gangtrain")
 
 BlockSpec = Sequence[str | type[nn.Module]]
 """Block classes, by class or by class name."""
+
+
+def checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
+    """Recompute each block's activations in backward (non-reentrant checkpointing, which
+    DDP and FSDP2 both support); apply it before the model is wrapped."""
+    for block in blocks:
+        checkpoint(block)
 
 
 def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Module]:

@@ -10,20 +10,25 @@ from typing import Any, Literal
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gangs.parallel.blocks import checkpoint_blocks, find_blocks
 from gangs.parallel.expert import ddp_ignored_names
 from gangs.setup import Gangs
 
 
 def data_parallel(
-    model: nn.Module, gangs: Gangs, kind: Literal["ddp", "fsdp"] = "ddp", **kwargs: Any
+    model: nn.Module, gangs: Gangs, kind: Literal["ddp", "fsdp"] = "ddp", *,
+    activation_checkpointing: bool = False, **kwargs: Any,
 ) -> nn.Module:
     """Wrap `model` for data parallelism over `gangs.dp`.
 
     "ddp": `DistributedDataParallel`; kwargs go to it (e.g. `find_unused_parameters=True`).
     A no-op in one process.
     "fsdp": FSDP2, or HSDP when the gangs have a `dp_shard_size`; kwargs go to
-    `gangs.parallel.fully_shard_model` (`blocks`, `param_dtype`, `activation_checkpointing`,
-    ...), which leaves the model unsharded in one process.
+    `gangs.parallel.fully_shard_model` (`blocks`, `param_dtype`, ...), which leaves the
+    model unsharded in one process.
+    activation_checkpointing: recompute each block's activations in backward (the blocks
+    `gangs.parallel.blocks.find_blocks` finds), applied before wrapping, as each wrapper
+    needs; in one process too.
 
     A model already wrapped (DDP, or any FSDP2 module) is refused with a `ValueError`.
     """
@@ -35,7 +40,8 @@ def data_parallel(
     if kind == "fsdp":
         from gangs.parallel.fsdp import fully_shard_model
 
-        return fully_shard_model(model, gangs, **kwargs)
+        return fully_shard_model(model, gangs,
+                                 activation_checkpointing=activation_checkpointing, **kwargs)
     if kind != "ddp":
         raise ValueError(f"data_parallel kind must be 'ddp' or 'fsdp', got {kind!r}")
     if gangs.dp_shard is not None:
@@ -43,6 +49,8 @@ def data_parallel(
             f"dp_shard_size {gangs.dp_shard.size} (HSDP) shards the model with FSDP2: use "
             "data_parallel kind 'fsdp' (DDP keeps a whole replica on every rank)"
         )
+    if activation_checkpointing:
+        checkpoint_blocks(find_blocks(model))
     if gangs.dp.size == 1:
         return model
     # Expert weights differ per EP rank: `reduce_expert_gradients` reduces them instead.

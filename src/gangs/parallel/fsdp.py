@@ -21,10 +21,9 @@ from collections import Counter
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from gangs.parallel.blocks import BlockSpec, find_blocks
+from gangs.parallel.blocks import BlockSpec, checkpoint_blocks, find_blocks
 from gangs.setup import Gangs
 
 __all__ = ["fully_shard_model", "mixed_precision_policy"]
@@ -77,8 +76,7 @@ def fully_shard_model(
         )
     found = find_blocks(model, blocks)
     if activation_checkpointing:
-        for block in found:
-            checkpoint(block)
+        checkpoint_blocks(found)
     dp_mesh = gangs.dp_mesh
     if dp_mesh is None:
         return model
