@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -103,9 +102,7 @@ def measure(name: str, runs: int, steps: int) -> None:
             model = bench.build_model(size)
             optimizer = bench.build_optimizer(model, "fused")
             reader = AlternatingReader(batches, steps)
-            with tempfile.TemporaryDirectory() as output_dir, bench._console_sink(False):
-                Trainer(bench.ClassifierUnit(model), reader, optimizer, output_dir=output_dir,
-                        max_num_steps=steps, recorders=None, progress=True).run()
+            bench.run_trainer(model, optimizer, reader, show_console=False)
             windows = reader.window_step_s(WINDOW)
             a, b = windows[0::2], windows[1::2]
             if run > 0:

@@ -7,10 +7,11 @@ each object's ``text_field`` is one document. Every document becomes ``[bos] tok
 ``<|endoftext|>``), and all documents, in the order of ``data.files`` and of their lines,
 are joined into one token stream.
 
-Windows: the stream is cut into non-overlapping windows of ``seq_len + 1`` tokens that share
-their boundary token (`recipes.lm.data.pack_windows`; window ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``, input
-its first ``seq_len`` tokens, targets its last ``seq_len``), so every token but the first
-is a target exactly once; the tail shorter than a window is dropped. A seeded random share
+Windows (`recipes.lm.data.pack_windows`): the stream is cut into non-overlapping windows of
+``seq_len + 1`` tokens that share their boundary token (window ``i`` is
+``tokens[i*seq_len : i*seq_len + seq_len + 1]``, input its first ``seq_len`` tokens,
+targets its last ``seq_len``), so every token but the first is a target exactly once; the
+tail shorter than a window is dropped. A seeded random share
 ``valid_fraction`` of the windows is held out for validation: the same split on every rank,
 whatever the number of ranks, and no target is both trained on and scored.
 

@@ -187,6 +187,7 @@ def test_a_forked_child_does_not_share_its_parents_lock(tmp_path):
 
     lock = RunLock(tmp_path)
     lock.hold()
+    worker = None
     try:
         ctx = multiprocessing.get_context("fork")
         answers = ctx.Queue()
@@ -207,6 +208,6 @@ def test_a_forked_child_does_not_share_its_parents_lock(tmp_path):
         assert answers.get(timeout=10) == "held"
     finally:
         lock.release()
-        if "worker" in locals():
+        if worker is not None:
             worker.kill()
             worker.join()

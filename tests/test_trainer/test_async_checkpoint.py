@@ -77,9 +77,9 @@ def test_async_checkpoints_equal_blocking_ones_bit_for_bit(tmp_path, monkeypatch
         assert_same_state(blocking, in_background)
         # The rank state too: step, RNG, data position, the loss window.
         blocking, in_background = (
-            dict(flatten(torch.load(run / "checkpoints" / f"step_{step}" / "rank_0.pt",
+            dict(flatten(torch.load(out / "checkpoints" / f"step_{step}" / "rank_0.pt",
                                     weights_only=True)))
-            for run in (tmp_path / "blocking", tmp_path / "async"))
+            for out in (tmp_path / "blocking", tmp_path / "async"))
         assert blocking.keys() == in_background.keys() and blocking
         for key, value in blocking.items():
             same = torch.equal(value, in_background[key]) if torch.is_tensor(value) \

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
-from gangs import describe
+from gangs import Gang, describe
 from trainer.checkpoint import CheckpointError
 from trainer.errors import UserError
 
@@ -58,7 +57,7 @@ def share_failure(output_dir: Path, rank: int, world_size: int, step_nr: int,
     return cause
 
 
-def raise_if_a_peer_failed(output_dir: Path, root: Any, step_nr: int,
+def raise_if_a_peer_failed(output_dir: Path, root: Gang, step_nr: int,
                            error: BaseException) -> None:
     """In a rank whose run raised `error`: raise `RankFailure` naming the other rank's
     earlier failure when there is one (see `share_failure`); else return, and the caller

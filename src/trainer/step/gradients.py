@@ -101,7 +101,8 @@ def mean_seed(count: int, like: Tensor) -> Tensor:
     key = (count, like.dtype, like.get_device())
     seed = _SEEDS.get(key)
     if seed is None:
-        seed = _remember(_SEEDS, key, _constant(1.0 / max(count, 1), like.dtype, like.device))
+        seed = torch.full((), 1.0 / max(count, 1), dtype=like.dtype, device=like.device)
+        _remember(_SEEDS, key, seed)
     return seed
 
 
@@ -119,17 +120,17 @@ def _constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     key = (value, dtype, device)
     tensor = _CONSTANTS.get(key)
     if tensor is None:
-        tensor = _remember(_CONSTANTS, key, torch.full((), value, dtype=dtype, device=device))
+        tensor = torch.full((), value, dtype=dtype, device=device)
+        _remember(_CONSTANTS, key, tensor)
     return tensor
 
 
-def _remember(cache: dict[Any, Tensor], key: Any, tensor: Tensor) -> Tensor:
-    """`tensor`, kept in `cache` under `key`; a cache grown past 1024 values starts over
+def _remember(cache: dict[Any, Tensor], key: Any, tensor: Tensor) -> None:
+    """Keep `tensor` in `cache` under `key`; a cache grown past 1024 values starts over
     (counts that vary without end, e.g. tokens a step)."""
     if len(cache) >= 1024:
         cache.clear()
     cache[key] = tensor
-    return tensor
 
 
 _CONSTANTS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
