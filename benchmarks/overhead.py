@@ -28,10 +28,14 @@ what shared 2-core machines do to one long run (another process taking the core 
 milliseconds), and pairing the two runs of a repetition (a fraction of a second apart)
 cancels the machine's drift of speed over minutes; the ratio of the pooled medians and the
 mean over whole runs are printed beside it. With the 95% confidence interval of that median
-ratio (distribution-free: order statistics of the paired ratios, from the binomial law of
-how many fall below the true median): without ``--reps``, pairs are added until the interval
-is within +-1% of the ratio (``--interval``) or ``--max-seconds`` have passed, so a figure
-says how far it can be trusted on a noisy machine. The trainer's fixed cost per run (construction, setup,
+ratio (distribution-free: order statistics, from the binomial law of how many values fall
+below the true median), taken over the medians of blocks of 10 consecutive pairs rather than
+over single pairs: pairs a few seconds apart share the machine's state, and the ratio itself
+drifts with it (one 160-pair run here: block medians 1.029-1.096, their spread 1.7x what
+independent pairs would give; three invocations within an hour read 1.026, 1.036 and 1.051,
+each with a +-1% interval of single pairs). Without ``--reps``, pairs are added until that
+interval is within +-1% of the ratio (``--interval``) or ``--max-seconds`` have passed, so a
+figure says how far it can be trusted on a noisy machine. The trainer's fixed cost per run (construction, setup,
 the last publish, closing recorders) is printed apart. Two sizes: ``small`` (~0.5 ms a step) and ``large`` (~20 ms), with one
 intra-op thread by default (``--threads``): on a shared 2-core machine, OpenMP barriers
 turn other processes' load into 10x outliers. For memory, each variant of the large size
@@ -91,6 +95,7 @@ SIZES = {
 }
 NUM_DISTINCT_BATCHES = 16
 PUBLISH_EVERY = 10  # the trainer's default publish_metrics_every_n_steps
+PAIRS_PER_BLOCK = 10  # the confidence interval is of block medians: see the module docstring
 
 
 def build_model(size: Size) -> nn.Module:
@@ -238,6 +243,13 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     return ordered[k - 1], ordered[n - k]
 
 
+def block_medians(values: list[float], block: int = PAIRS_PER_BLOCK) -> list[float]:
+    """The medians of consecutive full blocks of `block` values (a last partial block is left
+    out): nearly independent samples when neighbouring values share the machine's state."""
+    return [statistics.median(values[start:start + block])
+            for start in range(0, len(values) - block + 1, block)]
+
+
 def measure_time(size: Size, reps: int | None, show_console: bool, optimizer_kind: str,
                  interval_target: float = 0.01, max_seconds: float = 300.0) -> None:
     """`reps` pairs of runs; None: at least `size.reps`, then more until the median ratio's
@@ -258,7 +270,7 @@ def measure_time(size: Size, reps: int | None, show_console: bool, optimizer_kin
         done = len(paired["loop"])
         if reps is not None or done < size.reps:
             return done < (reps if reps is not None else size.reps)
-        interval = median_interval(paired["loop"])
+        interval = median_interval(block_medians(paired["loop"]))
         wide = interval is None or (interval[1] - interval[0]) / 2 > (
             interval_target * statistics.median(paired["loop"]))
         return wide and time.perf_counter() - started < max_seconds
@@ -279,13 +291,19 @@ def measure_time(size: Size, reps: int | None, show_console: bool, optimizer_kin
             paired[loop].append(rep_median["trainer"] / rep_median[loop])
     ms = {kind: statistics.median(windows[kind]) * 1e3 for kind in kinds}
     ratio = statistics.median(paired["loop"])
-    interval = median_interval(paired["loop"])
+    blocks = block_medians(paired["loop"])
+    interval = median_interval(blocks)
     reps = len(paired["loop"])
     if interval is None:
-        trust = "95% interval: too few pairs"
+        trust = f"95% interval: too few pairs ({PAIRS_PER_BLOCK * 6} needed)"
     else:
         half = (interval[1] - interval[0]) / 2 / ratio
-        trust = f"95% interval {interval[0]:.3f}-{interval[1]:.3f}, +-{half:.1%}"
+        single = median_interval(paired["loop"])
+        assert single is not None  # more values than blocks
+        single_half = (single[1] - single[0]) / 2 / ratio
+        trust = (f"95% interval {interval[0]:.3f}-{interval[1]:.3f}, +-{half:.1%} over "
+                 f"{len(blocks)} blocks of {PAIRS_PER_BLOCK} pairs; +-{single_half:.1%} if "
+                 "single pairs were independent")
     pooled_ratio = ms["trainer"] / ms["loop"]
     mean_ratio = statistics.median(per_step["trainer"]) / statistics.median(per_step["loop"])
     fixed_ms = statistics.median(

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,6 +35,21 @@ def test_the_median_interval_is_the_textbook_order_statistics():
     assert median_interval([float(i) for i in range(1, 11)]) == (2.0, 9.0)
     assert median_interval([float(i) for i in range(1, 101)]) == (40.0, 61.0)
     assert median_interval([1.0] * 5) is None
+
+
+def test_the_interval_is_taken_over_medians_of_blocks_of_consecutive_pairs():
+    from benchmarks.overhead import block_medians, median_interval
+
+    # A machine whose state shifts the ratio for a while: 60 pairs in six blocks of 10, each
+    # block around its own level. The pairs taken one by one give an interval of the median
+    # that only spans the two middle levels; the block medians keep the drift in it.
+    levels = [1.00, 1.02, 1.04, 1.06, 1.08, 1.10]
+    pairs = [level + (i % 10 - 4.5) * 1e-4 for level in levels for i in range(10)]
+    assert block_medians(pairs) == pytest.approx(levels)
+    assert block_medians(pairs[:59]) == pytest.approx(levels[:5])  # a partial block waits
+    single = median_interval(pairs)
+    assert single is not None and single[1] - single[0] < 0.021
+    assert median_interval(block_medians(pairs)) == pytest.approx((1.00, 1.10))
 
 
 def test_checkpoint_benchmark_prints_save_and_load_against_the_disk():
