@@ -48,8 +48,8 @@ def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
     kind = config.trainer.data_parallel
     # Activation checkpointing goes on each block before the model is wrapped (DDP, FSDP2,
     # or FSDP2 for DDP x TP), in one process too.
-    options = {"activation_checkpointing": True} if config.model.activation_checkpointing else {}
-    model = load_pretrained(config.model.path, gangs, data_parallel=kind, **options)
+    model = load_pretrained(config.model.path, gangs, data_parallel=kind,
+                            activation_checkpointing=config.model.activation_checkpointing)
     hf_model = hf_model_of(model)
     assert hf_model is not None  # load_pretrained builds a transformers model
     # No KV cache: training never reuses it, and a block recomputed in backward would append

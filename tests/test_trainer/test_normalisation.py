@@ -201,3 +201,16 @@ def test_published_loss_and_grad_norm_match_the_loop(num_accumulate, opt_kind, h
             assert values["grad_norm"] == pytest.approx(window[-1][2], rel=1e-5), step_nr
         start = step_nr
     assert max(w[2] for w in curve) > 0.05  # the clip test clips some steps
+
+
+def test_mean_seeds_stay_exact_and_bounded_when_counts_never_repeat():
+    """Token counts vary from step to step without end: each seed is still exactly
+    1 / count, and the cache of seeds starts over instead of growing with the run."""
+    from trainer.step import gradients
+
+    like = torch.zeros((), dtype=torch.float32)
+    for count in range(1, 3000):
+        seed = gradients.mean_seed(count, like)
+        assert seed.item() == torch.tensor(1.0 / count, dtype=torch.float32).item(), count
+        assert len(gradients._SEEDS) <= 1024  # noqa: SLF001 (the cache is the behaviour)
+    assert gradients.mean_seed(0, like).item() == 1.0  # no targets: divides by 1

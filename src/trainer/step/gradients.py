@@ -101,8 +101,7 @@ def mean_seed(count: int, like: Tensor) -> Tensor:
     key = (count, like.dtype, like.get_device())
     seed = _SEEDS.get(key)
     if seed is None:
-        seed = torch.full((), 1.0 / max(count, 1), dtype=like.dtype, device=like.device)
-        _remember(_SEEDS, key, seed)
+        seed = _new_scalar(_SEEDS, key, 1.0 / max(count, 1), like.dtype, like.device)
     return seed
 
 
@@ -120,17 +119,19 @@ def _constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     key = (value, dtype, device)
     tensor = _CONSTANTS.get(key)
     if tensor is None:
-        tensor = torch.full((), value, dtype=dtype, device=device)
-        _remember(_CONSTANTS, key, tensor)
+        tensor = _new_scalar(_CONSTANTS, key, value, dtype, device)
     return tensor
 
 
-def _remember(cache: dict[Any, Tensor], key: Any, tensor: Tensor) -> None:
-    """Keep `tensor` in `cache` under `key`; a cache grown past 1024 values starts over
-    (counts that vary without end, e.g. tokens a step)."""
+def _new_scalar(cache: dict[Any, Tensor], key: Any, value: float, dtype: torch.dtype,
+                device: torch.device) -> Tensor:
+    """A new scalar tensor of `value`, kept in `cache` under `key` (the caller looked it up
+    first); a cache grown past 1024 values starts over (counts that vary without end, e.g.
+    tokens a step)."""
     if len(cache) >= 1024:
         cache.clear()
-    cache[key] = tensor
+    cache[key] = tensor = torch.full((), value, dtype=dtype, device=device)
+    return tensor
 
 
 _CONSTANTS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
