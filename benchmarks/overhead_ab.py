@@ -32,6 +32,7 @@ from trainer import trainer as trainer_module
 from trainer.observe.system_metrics import SystemMetrics
 from trainer.step import gradients, step_log
 from trainer.step.optimizer_step import StepOutcome
+from trainer.step.step_call import StepCall
 from trainer.trainer import Trainer
 
 WINDOW = bench.PUBLISH_EVERY
@@ -83,6 +84,8 @@ EXPERIMENTS: dict[str, tuple[Any, str, Callable[..., Any], str]] = {
                      "minus the step's bookkeeping over a hand-written step"),
     "cpu_item_reads": (step_log, "_to_host", _item_reads,
                        "a publish reading CPU values with .item() instead of one stack op"),
+    "wrapped_step": (StepCall, "__call__", lambda self: self.optimizer.step(),
+                     "optimizer.step() through torch's profiler wrapper, always"),
 }
 
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gangs import Gang, ReduceOperation
+from trainer.step.step_call import StepCall
 
 
 def global_target_count(local_count: Tensor | int, dp: Gang, device: torch.device) -> Tensor | int:
@@ -143,21 +144,22 @@ def clip_divisor(norm: Tensor, max_norm: float) -> Tensor:
     return ((norm + 1e-6) / max_norm).clamp(min=1.0)
 
 
-def step_with_device_skip(optimizer: Optimizer, skip: Tensor | None,
+def step_with_device_skip(step: StepCall, skip: Tensor | None,
                           divisor: Tensor | None = None) -> None:
-    """`optimizer.step()` of a fused optimizer that leaves parameters and state untouched
-    where `skip` (a float32 flag) is 1, and divides the gradients by `divisor` inside its
-    kernel. Either may be None: each costs a few operations a step, so only pass what the
-    step needs."""
+    """`step()` of a fused optimizer (`step.optimizer`) that leaves parameters and state
+    untouched where `skip` (a float32 flag) is 1, and divides the gradients by `divisor`
+    inside its kernel. Either may be None: each costs a few operations a step, so only pass
+    what the step needs."""
     if skip is None and divisor is None:
-        optimizer.step()
+        step()
         return
+    optimizer = step.optimizer
     if skip is not None:
         optimizer.found_inf = skip  # type: ignore[attr-defined]
     if divisor is not None:
         optimizer.grad_scale = divisor  # type: ignore[attr-defined]
     try:
-        optimizer.step()
+        step()
     finally:
         if skip is not None:
             del optimizer.found_inf  # type: ignore[attr-defined]
