@@ -5,6 +5,7 @@ weights are the same bit for bit as through `optimizer.step()`."""
 
 from __future__ import annotations
 
+import types
 import warnings
 from functools import partial
 
@@ -100,18 +101,22 @@ def test_a_profiler_sees_the_optimizer_step_ranges(tmp_path):
     assert names.count(WRAPPER_RANGE) == STEPS
 
 
-def test_a_step_replaced_on_the_optimizer_is_called(tmp_path, ranges):
+@pytest.mark.parametrize("with_scheduler", [False, True], ids=["alone", "under_lr_scheduler"])
+def test_a_step_replaced_on_the_optimizer_is_called(tmp_path, ranges, with_scheduler):
+    """Also when the LR scheduler then wraps the replacement in its own counter."""
     model = make_model(0)
     optimizer = OPTIMIZERS["fused"](model.parameters())
     calls = []
-    torch_step = optimizer.step
+    torch_step = type(optimizer).step
 
-    def counted_step(*args, **kwargs):
+    def counted_step(self, *args, **kwargs):
         calls.append(1)
-        return torch_step(*args, **kwargs)
+        return torch_step(self, *args, **kwargs)
 
-    optimizer.step = counted_step
-    train(tmp_path, optimizer, model)
+    optimizer.step = types.MethodType(counted_step, optimizer)
+    scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+                 if with_scheduler else None)
+    train(tmp_path, optimizer, model, scheduler)
     assert len(calls) == STEPS
 
 

@@ -49,13 +49,15 @@ class StepCall:
 
 def _wrapper_has_work(optimizer: Optimizer, replaced: object) -> bool:
     """A profiler runs, a step hook is registered, or `step` was replaced on the optimizer by
-    something other than the LR scheduler's counter."""
+    something other than the LR scheduler's counter around the class's own `step`."""
     return bool(
         torch_profiler._is_profiler_enabled  # noqa: SLF001 (torch's own fast check)
         or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks  # noqa: SLF001
         or torch_optimizer._global_optimizer_pre_hooks  # noqa: SLF001
         or torch_optimizer._global_optimizer_post_hooks  # noqa: SLF001
-        or (replaced is not None and not hasattr(replaced, "_wrapped_by_lr_sched")))
+        or (replaced is not None and not (
+            getattr(replaced, "_wrapped_by_lr_sched", False)
+            and getattr(replaced, "__wrapped__", None) is type(optimizer).step)))
 
 
 def _inside_torch_wrapper(optimizer: Optimizer) -> Callable[[Any], Any] | None:
