@@ -60,10 +60,11 @@ def _item_reads(tensors: list[torch.Tensor]) -> list[float]:
 
 
 def _minimal_step(trainer: Trainer, batches: list[Any]) -> None:
-    """Forward, backward from the mean seed, step, clear: what a hand-written loop does."""
+    """Forward, backward from the mean seed, step, clear: what a hand-written loop does, with
+    the step called as the trainer calls it (so B - A is the bookkeeping alone)."""
     loss, num_targets = trainer.unit(batches[0], trainer.metrics)
     loss.backward(gradients.mean_seed(num_targets, loss))
-    trainer.optimizer.step()
+    trainer.optimizer_step.step_call()
     trainer.steps.log(trainer.state.step_nr, loss.detach(), num_targets,
                       StepOutcome(skipped=False))
     trainer.optimizer_step.clear_gradients()

@@ -118,6 +118,7 @@ def test_a_step_replaced_on_the_optimizer_is_called(tmp_path, ranges, with_sched
                  if with_scheduler else None)
     train(tmp_path, optimizer, model, scheduler)
     assert len(calls) == STEPS
+    assert ranges.opened == STEPS  # the replacement called torch's wrapped step each time
 
 
 def test_the_lr_scheduler_sees_the_optimizer_step_first(tmp_path, ranges):

@@ -60,7 +60,7 @@ class OptimizerStep:
         self.skip_non_finite = skip_non_finite
         self.fused = gradients.supports_device_skip(optimizer) and scaler is None
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._step = StepCall(optimizer)  # optimizer.step(), minus torch's idle wrapper
+        self.step_call = StepCall(optimizer)  # optimizer.step(), minus torch's idle wrapper
         self._zero_grad_overridden = type(optimizer).zero_grad is not Optimizer.zero_grad
 
     def __call__(self, loss: Tensor, count: Tensor | int, normalised: bool, step_nr: int,
@@ -100,12 +100,12 @@ class OptimizerStep:
         if skip_on_host:
             outcome.skipped = True
         elif self.fused:
-            gradients.step_with_device_skip(self._step, skip_on_device, divisor)
+            gradients.step_with_device_skip(self.step_call, skip_on_device, divisor)
             outcome.skipped = False if skip_on_device is None else skip_on_device
         else:
             outcome.skipped = skip_on_device is not None and bool(skip_on_device)  # host read
             if not outcome.skipped:
-                self._step()
+                self.step_call()
         if self.scaler is not None:
             self.scaler.update(overflow, step_nr)
         if self.lr_scheduler is not None:  # every step, skipped or not
