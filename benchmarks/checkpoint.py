@@ -14,12 +14,16 @@ alike):
   writing, fsync, manifest, rename, retention of the previous step) and a load into a fresh
   model and optimizer (verification included).
 
+Each timed write (the disk's and the save's) starts from a drained disk (`settle`), as a
+save does after minutes of training.
+
 The medians are printed with the disk's time as a fraction of ours: 100% is the disk's speed.
 Then the stages of one save, timed separately; the time an async save blocks training
 (`save()` returning, plus what the step after it takes beyond a quiet step while the
 parameters are copied) against a sync save; and the mean training step (forward,
 backward, AdamW) of the same model while a background save is being written, against steps
-with no save (three saves, four quiet steps before each).
+with no save (seven saves, four quiet steps before and four after each; the ratio is the
+median of the saves' own ratios, with their range).
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ from trainer.checkpoint.manifest import fsync_dir, write_manifest
 from trainer.checkpoint.state import model_optim_state
 from trainer.checkpoint.writer import collect_checksums, write_shard
 
-_BLOCK = 64 << 20
+_BLOCK = 1 << 20
+"""The disk's calls move 1 MB each: the fastest size measured here (604 MB written in 0.16 s
+into the page cache with 640 KB to 8 MB calls, 0.43-0.78 s with 64 MB ones), so that the
+limit printed is the disk's and not a slow way of calling it."""
 
 
 def build(
@@ -60,7 +67,7 @@ def build(
 
 def disk_write(path: Path, size: int) -> float:
     """Seconds to write `size` bytes with os.write and fsync them (the limit of a save)."""
-    block = memoryview(os.urandom(1 << 20) * (_BLOCK >> 20))
+    block = memoryview(os.urandom(_BLOCK))
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -85,6 +92,14 @@ def disk_read(path: Path) -> float:
     finally:
         os.close(fd)
     return time.perf_counter() - t0
+
+
+def settle() -> None:
+    """Let the disk drain before a timed write: this VM's disk takes a burst at its full
+    rate, and a second 600 MB right behind the first at 1.2-1.5x the time (measured), so
+    whichever of the disk and the save came second would pay for the other."""
+    os.sync()
+    time.sleep(1.0)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -146,12 +161,18 @@ def background_saves(mgr: CheckpointManager, model: torch.nn.Module,
     returns (the copy of what a forward may change), then in the optimizer's next step, which
     waits for the copy of the parameters and optimizer state (timed by two step pre-hooks,
     one registered before the save's own, one after). The steps while the save is written
-    may be slowed: their time beyond a quiet step's, plus the blocking, is what a save costs."""
+    may be slowed: their time beyond a quiet step's, plus the blocking, is what a save costs.
+
+    Each round brackets its save with quiet steps before and after it, and its ratio is its
+    busy steps' median over its quiet steps' median: a machine drifting between rounds (this
+    shared VM's step moves by 20% within minutes) then moves both sides of a ratio alike, and
+    the spread of the rounds' ratios shows how far one run can be trusted."""
     quiet: list[float] = []
     busy: list[float] = []
+    ratios: list[float] = []
     blocked: list[float] = []
     lost: list[float] = []
-    for i in range(rounds):  # alternating, so that the machine's drift hits both
+    for i in range(rounds):
         quiet_here = step_times(model, optim, x, n=4)
         marks: list[float] = []
         mark = partial(_mark, marks)
@@ -163,8 +184,11 @@ def background_saves(mgr: CheckpointManager, model: torch.nn.Module,
         last.remove()
         busy_here += step_times(model, optim, x, until=lambda: not mgr.writing)
         mgr.wait()
+        quiet_here += step_times(model, optim, x, n=4)
+        quiet_step = statistics.median(quiet_here)
         blocked.append(returned + marks[1] - marks[0])
-        lost.append(returned + sum(busy_here) - len(busy_here) * statistics.median(quiet_here))
+        lost.append(returned + sum(busy_here) - len(busy_here) * quiet_step)
+        ratios.append(statistics.median(busy_here) / quiet_step)
         quiet += quiet_here
         busy += busy_here
     q, b = statistics.median(quiet), statistics.median(busy)
@@ -172,14 +196,16 @@ def background_saves(mgr: CheckpointManager, model: torch.nn.Module,
           f"{statistics.median(blocked) / sync_save:.1%} of a sync save (save() returning, "
           f"then the optimizer's next step waiting for the copy; median of {rounds})")
     print(f"  training step (median) {q * 1e3:.1f} ms without a save, {b * 1e3:.1f} ms "
-          f"during a background save ({len(busy)} steps in {rounds} saves): ratio {b / q:.3f}")
+          f"during a background save ({len(busy)} steps in {rounds} saves): ratio "
+          f"{statistics.median(ratios):.3f} (median of the rounds' ratios, each against the "
+          f"quiet steps around its own save; rounds {min(ratios):.3f}..{max(ratios):.3f})")
     print(f"  training time a save costs in all (blocking, and every step while it is written "
           f"beyond a quiet step): {statistics.median(lost) * 1e3:.0f} ms = "
           f"{statistics.median(lost) / sync_save:.1%} of a sync save (median of {rounds})")
 
 
 def measure(width: int, layers: int, device: str, root: Path | None, repeats: int,
-            rounds: int = 5) -> None:
+            rounds: int = 7) -> None:
     model, optim = build(width, layers, device)
     n_params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory(dir=root) as tmp:
@@ -191,8 +217,10 @@ def measure(width: int, layers: int, device: str, root: Path | None, repeats: in
         rows: dict[str, list[float]] = {k: [] for k in ("write", "save", "read", "load")}
         fresh_model, fresh_optim = build(width, layers, device)
         for r in range(repeats):
+            settle()
             rows["write"].append(disk_write(raw, size))
             step = 2 + r
+            settle()
             rows["save"].append(timed(lambda s=step: mgr.save(s, model, optim, {"step": s},
                                                               blocking=True)))
             rows["read"].append(disk_read(raw))

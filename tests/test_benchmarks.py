@@ -59,7 +59,7 @@ def test_checkpoint_benchmark_prints_save_and_load_against_the_disk():
     ).stdout
     for pattern in (r"save at \d+% of the disk rate", r"load at \d+% of the disk rate",
                     r"stages of a save: state dict", r"async save blocks .* of a sync save",
-                    r"during a background save .* ratio \d+\.\d+"):
+                    r"during a background save .* ratio \d+\.\d+ .* rounds \d+\.\d+\.\.\d+\.\d+"):
         assert re.search(pattern, out), (pattern, out)
 
 
