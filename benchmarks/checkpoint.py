@@ -20,7 +20,7 @@ save does after minutes of training.
 The medians are printed with the disk's time as a fraction of ours: 100% is the disk's speed.
 Then the stages of one save, timed separately; the time an async save blocks training
 (`save()` returning, plus what the step after it takes beyond a quiet step while the
-parameters are copied) against a sync save; and the mean training step (forward,
+parameters are copied) against a sync save; and the median training step (forward,
 backward, AdamW) of the same model while a background save is being written, against steps
 with no save (seven saves, four quiet steps before and four after each; the ratio is the
 median of the saves' own ratios, with their range).
