@@ -168,7 +168,7 @@ def background_saves(mgr: CheckpointManager, model: torch.nn.Module,
     shared VM's step moves by 20% within minutes) then moves both sides of a ratio alike, and
     the spread of the rounds' ratios shows how far one run can be trusted."""
     quiet: list[float] = []
-    busy: list[float] = []
+    busy_steps = 0
     ratios: list[float] = []
     blocked: list[float] = []
     lost: list[float] = []
@@ -190,15 +190,15 @@ def background_saves(mgr: CheckpointManager, model: torch.nn.Module,
         lost.append(returned + sum(busy_here) - len(busy_here) * quiet_step)
         ratios.append(statistics.median(busy_here) / quiet_step)
         quiet += quiet_here
-        busy += busy_here
-    q, b = statistics.median(quiet), statistics.median(busy)
+        busy_steps += len(busy_here)
     print(f"  async save blocks training {statistics.median(blocked) * 1e3:.1f} ms = "
           f"{statistics.median(blocked) / sync_save:.1%} of a sync save (save() returning, "
           f"then the optimizer's next step waiting for the copy; median of {rounds})")
-    print(f"  training step (median) {q * 1e3:.1f} ms without a save, {b * 1e3:.1f} ms "
-          f"during a background save ({len(busy)} steps in {rounds} saves): ratio "
-          f"{statistics.median(ratios):.3f} (median of the rounds' ratios, each against the "
-          f"quiet steps around its own save; rounds {min(ratios):.3f}..{max(ratios):.3f})")
+    print(f"  training step during a background save ({busy_steps} steps in {rounds} saves; "
+          f"a step without one {statistics.median(quiet) * 1e3:.1f} ms): ratio "
+          f"{statistics.median(ratios):.3f} (median of the rounds' ratios, each its steps' "
+          f"median over the quiet steps' around its own save; rounds "
+          f"{min(ratios):.3f}..{max(ratios):.3f})")
     print(f"  training time a save costs in all (blocking, and every step while it is written "
           f"beyond a quiet step): {statistics.median(lost) * 1e3:.0f} ms = "
           f"{statistics.median(lost) / sync_save:.1%} of a sync save (median of {rounds})")
