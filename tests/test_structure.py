@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gangs", "units", "trainer", "recipes")
+PACKAGES = ("gangs", "layers", "parallel", "units", "trainer", "recipes")
 
 
 def module_files() -> dict[str, Path]:
@@ -107,8 +107,10 @@ PART_IMPORTS = {
 }
 PART_IMPORTS["face"] = set(PART_IMPORTS)
 # What the other packages may import: arrows point down to gangs.
-PACKAGE_IMPORTS = {"gangs": set(), "units": {"gangs"}, "trainer": {"units", "gangs"},
-                   "recipes": {"trainer", "units", "gangs"}}
+PACKAGE_IMPORTS = {"gangs": set(), "layers": {"gangs"}, "parallel": {"gangs", "layers"},
+                   "units": {"gangs", "layers"},
+                   "trainer": {"units", "gangs", "parallel", "layers"},
+                   "recipes": {"trainer", "units", "gangs", "parallel", "layers"}}
 
 
 def part_of(module: str) -> str:

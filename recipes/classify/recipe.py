@@ -13,7 +13,7 @@ from rich.console import Console
 from torch import nn
 
 from gangs import Gangs, setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel
+from parallel import data_parallel
 from recipes.classify.config import ClassifyConfig
 from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
 from trainer.config.early_stopper import build_early_stopper

@@ -16,6 +16,7 @@ from rich.console import Console
 from torch import nn
 
 from gangs import Gangs, setup_gangs, setup_root_gang
+from parallel import check_hsdp
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
 from recipes.finetune.data import (
     WindowReader,
@@ -81,8 +82,11 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
     configure_logging()  # on rank 0 only: every line once
     # The user's mistakes first, before any process group or model.
     _check_model_path(config.model.path)
-    if config.gangs.dp_shard_size is not None and config.trainer.data_parallel != "fsdp":
-        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs trainer.data_parallel=fsdp")
+    try:
+        check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
+    except ValueError:
+        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
+                        "trainer.data_parallel=fsdp") from None
     d = config.data
     documents = read_documents(d.files, d.text_field)
     root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gangs import Gang, any_rank
-from gangs.parallel import is_data_parallel
+from parallel import is_data_parallel
 from trainer.errors import NonFiniteLossError
 from trainer.settings import TrainerSettings
 from trainer.validator import Validator
@@ -51,7 +51,7 @@ def check_run(settings: TrainerSettings, validator: Validator, early_stopper: An
     if dp_size > 1 and not is_data_parallel(model):
         raise ValueError(
             f"the unit's model is not wrapped for data parallelism over {dp_size} ranks: "
-            "call `model = gangs.parallel.data_parallel(model, gangs)` before building the "
+            "call `model = parallel.data_parallel(model, gangs)` before building the "
             "optimizer and give the unit that model (under torchrun, "
             "`gangs = setup_gangs(setup_root_gang())`, and pass `gangs=gangs`)"
         )

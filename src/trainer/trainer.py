@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs, any_rank, first_error, on_rank0
-from gangs.parallel import reduce_expert_gradients
+from parallel import reduce_expert_gradients
 from trainer.checkpoint import CheckpointManager
 from trainer.checkpoint.run_config import warn_if_changed
 from trainer.default_gangs import default_gangs

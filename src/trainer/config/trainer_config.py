@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs
-from gangs.parallel import param_groups
+from parallel import param_groups
 from trainer.config.callbacks import CallbackConfig, build_callbacks
 from trainer.config.early_stopper import EarlyStopperConfig, build_early_stopper
 from trainer.errors import UserError
