@@ -51,6 +51,7 @@ log = logging.getLogger("gangtrain")
 EVAL_SECTION = "eval"
 """The metrics section (``metrics/eval.jsonl``) evaluate-only runs append to."""
 
+
 def parse_checkpoint_choice(choice: str | int) -> str | int:
     """``"best"``, ``"last"``, or the step number of ``"step_N"`` / ``"N"`` / ``N``; a
     `ValueError` saying what is allowed otherwise."""
