@@ -105,6 +105,9 @@ PART_IMPORTS = {
     "loop": {"errors", "checkpoint", "lifecycle", "state", "step", "observe"},
     "config": {"errors", "checkpoint", "lifecycle", "state", "step", "observe", "loop"},
 }
+# The run directory's names (trainer/run_dir.py) are a part below all others: every part may
+# spell a path through them, and they import nothing of ours.
+PART_IMPORTS = {"run_dir": set()} | {part: deps | {"run_dir"} for part, deps in PART_IMPORTS.items()}
 PART_IMPORTS["face"] = set(PART_IMPORTS)
 # What the other packages may import: arrows point down to gangs.
 PACKAGE_IMPORTS = {"gangs": set(), "layers": {"gangs"}, "parallel": {"gangs", "layers"},
@@ -118,7 +121,7 @@ def part_of(module: str) -> str:
     parts = module.split(".")
     if module in ("trainer", "trainer.cli"):
         return "face"
-    if parts[1] in PART_IMPORTS and len(parts) > 2 or parts[1] in ("checkpoint", "errors"):
+    if parts[1] in PART_IMPORTS and len(parts) > 2 or parts[1] in ("checkpoint", "errors", "run_dir"):
         return parts[1]
     return "loop"
 

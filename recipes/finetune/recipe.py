@@ -34,12 +34,10 @@ from trainer.evaluate import evaluate
 from trainer.hf import load_pretrained
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
+from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
-__all__ = ["HF_EXPORT_DIR", "cli", "eval_main", "load_model", "main"]
-
-HF_EXPORT_DIR = "hf"
-"""Where, under the output directory, the Trainer exports the best checkpoint of a HF model."""
+__all__ = ["cli", "eval_main", "load_model", "main"]
 
 
 def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
@@ -134,7 +132,7 @@ def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
     )
     result = trainer.run()
     if s.console:
-        _summary(s.console, result, config, output_dir / HF_EXPORT_DIR)
+        _summary(s.console, result, config, RunDir(output_dir).hf)
     s.gangs.close()
     return 0
 

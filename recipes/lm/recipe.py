@@ -27,6 +27,7 @@ from recipes.lm.schedule import warmup_cosine
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.observe.console_log import configure_logging
+from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
 
@@ -162,4 +163,4 @@ def _summary(console: Console, result, output_dir: Path, gzip_bpb: float) -> Non
                       f"{result.best_step} ({verdict} gzip -9: {gzip_bpb:.4f})")
     if result.best_checkpoint is not None:
         console.print(f"best checkpoint: {result.best_checkpoint}")
-    console.print(f"curves: tensorboard --logdir {output_dir / 'tb'}")
+    console.print(f"curves: tensorboard --logdir {RunDir(output_dir).tensorboard}")

@@ -44,6 +44,7 @@ from trainer.observe.recorders import MetricRecorder, training_recorder
 from trainer.observe.system_metrics import SystemMetrics, flops_per_target_of
 from trainer.result import TrainResult
 from trainer.run_checks import check_finite_state, check_run, check_unit_output
+from trainer.run_dir import RunDir
 from trainer.same_start import check_same_start
 from trainer.score_direction import score_direction
 from trainer.settings import settings_doc, signature_with_settings, validate_settings
@@ -159,7 +160,7 @@ class Trainer(Generic[BatchT]):
             skip_non_finite=s.max_consecutive_non_finite > 0,
         )
         self.checkpoints = CheckpointManager(
-            self.output_dir / "checkpoints", self.gangs,
+            RunDir(self.output_dir).checkpoints, self.gangs,
             keep_last_n=s.keep_last_n_checkpoints, keep_best_n=s.keep_best_n_checkpoints,
             lower_better=self.lower_better, async_save=s.async_checkpoint, config=self.run_config,
             on_commit=lambda step_nr, path: self.callbacks.on_checkpoint_saved(self, step_nr,
@@ -396,7 +397,7 @@ class Trainer(Generic[BatchT]):
         self.checkpoints.save(step_nr, self.unit.model, self.optimizer, self._states(),
                               self.state.score_at(step_nr), blocking=blocking)
         self.state.last_saved_step = step_nr
-        self.steps.last_good_checkpoint = self.checkpoints.dir / f"step_{step_nr}"
+        self.steps.last_good_checkpoint = self.checkpoints.step_dir(step_nr)
 
     def _resume(self) -> None:
         """Continue from the newest complete checkpoint, if any; recorders forget the steps
@@ -416,7 +417,7 @@ class Trainer(Generic[BatchT]):
                 self.early_stopper(history_step, score)
         self.checkpoints.remember_scores(dict(self.state.score_history))
         self.state.last_saved_step = step_nr
-        path = self.checkpoints.dir / f"step_{step_nr}"
+        path = self.checkpoints.step_dir(step_nr)
         self.steps.last_good_checkpoint = path
         self.recorder.rewind(step_nr)
         log.warning("resumed from %s (step %d)", path, step_nr)
@@ -439,7 +440,7 @@ class Trainer(Generic[BatchT]):
             self.checkpoints.wait()
             if self.gangs.root.rank == 0 and self.checkpoints.best_step is not None:
                 # A HF model's best becomes OUTPUT_DIR/hf/; any other's best_model.safetensors.
-                export_best_model(self.checkpoints.dir, self.output_dir / "hf")
+                export_best_model(self.checkpoints.dir, RunDir(self.output_dir).hf)
 
 
 Trainer.__doc__ = (Trainer.__doc__ or "") + "\n" + settings_doc() + "\n"
