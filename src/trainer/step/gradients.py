@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gangs import Gang, ReduceOperation
+from trainer import torch_shortcuts
 from trainer.step.step_call import StepCall
 
 
@@ -109,8 +110,10 @@ def _local(grads: list[Tensor]) -> list[Tensor]:
 
 def supports_device_skip(optimizer: Optimizer) -> bool:
     """Fused optimizers (e.g. `AdamW(fused=True)`) can skip a step on the device, reading a
-    `found_inf` flag the way `torch.amp.GradScaler` hands it to them: no host sync."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+    `found_inf` flag the way `torch.amp.GradScaler` hands it to them: no host sync. (Not
+    public API: off with the shortcuts, see `trainer.torch_shortcuts`.)"""
+    return torch_shortcuts.enabled() and bool(
+        getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
         group.get("fused", False) for group in optimizer.param_groups
     )
 
