@@ -63,7 +63,6 @@ from units.unit import BatchT
 log = logging.getLogger("gangtrain")
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_SETTING_NAMES = frozenset(TrainerSettings.model_fields)
 
 
 class Trainer(Generic[BatchT]):
@@ -148,7 +147,8 @@ class Trainer(Generic[BatchT]):
         wandb_project: str | None = None,
         **unknown: Never,  # a misspelt setting: refused, naming the closest one
     ) -> None:
-        given = {name: value for name, value in locals().items() if name in _SETTING_NAMES}
+        arguments = locals()  # the first statement: the arguments alone
+        given = {name: arguments[name] for name in TrainerSettings.model_fields}
         self.settings = s = validate_settings({**given, **unknown})
         self.unit = unit
         self.optimizer = optimizer
