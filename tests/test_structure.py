@@ -136,7 +136,8 @@ def test_imports_point_downwards_between_the_parts_of_trainer():
                 if dep_package not in PACKAGE_IMPORTS[package]:
                     upward.append(f"{module} -> {dep}")
                 continue
-            if package != "trainer" or dep == "trainer.errors":
+            # errors and the switch of torch shortcuts import nothing of ours: any part may.
+            if package != "trainer" or dep in ("trainer.errors", "trainer.torch_shortcuts"):
                 continue
             mine, theirs = part_of(module), part_of(dep)
             if theirs != mine and theirs not in PART_IMPORTS[mine]:
@@ -166,7 +167,28 @@ def test_help_trainer_explains_every_argument():
     # One definition: the config has every setting, with the same default.
     for name, field in TrainerSettings.model_fields.items():
         assert TrainerConfig.model_fields[name].default == field.default, name
-        assert field.description, name
+        assert field.description and field.description in text, name  # explained in help()
+
+
+def test_the_trainer_signature_spells_out_every_setting_as_defined():
+    """`Trainer.__init__` writes each setting as a keyword for editors and type checkers; the
+    definition is `TrainerSettings`: the same names, in its order, types and defaults."""
+    import inspect
+
+    from trainer import Trainer
+    from trainer.settings import TrainerSettings
+
+    params = inspect.signature(Trainer, eval_str=True).parameters
+    fields = TrainerSettings.model_fields
+    keywords = [name for name, p in params.items() if name in fields]
+    assert keywords == list(fields)
+    for name, field in fields.items():
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert params[name].default == field.default, name
+        assert params[name].annotation == field.annotation, name
+    # Nothing else but the Trainer's objects and the catch of a misspelt setting.
+    others = [name for name in params if name not in fields]
+    assert others[-1] == "unknown" and params["unknown"].kind is inspect.Parameter.VAR_KEYWORD
 
 
 def test_the_trainer_page_lists_every_setting():

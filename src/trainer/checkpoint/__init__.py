@@ -1,6 +1,6 @@
 """Checkpoints: atomic, verified, reshardable saves, retention, and model export; the run's
-config kept beside each step. Imports only errors, run_dir, units and gangs: every other part
-may use it."""
+config kept beside each step. Imports only errors, run_dir, torch_shortcuts, units and gangs:
+every other part may use it."""
 
 from trainer.checkpoint.export import (
     export_best,
