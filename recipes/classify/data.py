@@ -21,8 +21,8 @@ import math
 import torch
 from torch import Tensor
 
+from data.global_batches import GlobalBatchReader
 from trainer.errors import UserError
-from trainer.state.global_batches import GlobalBatchReader
 
 __all__ = ["Batch", "ShardedBatchReader", "eval_batches", "make_spirals", "split"]
 
@@ -90,7 +90,7 @@ def split(data: Batch, num_valid: int) -> tuple[Batch, Batch]:
 
 class ShardedBatchReader(GlobalBatchReader[Batch]):
     """Training reader: shuffled global batches of samples, sliced per DP rank (see
-    `trainer.state.global_batches` for the order, epochs and resumable state)."""
+    `data.global_batches` for the order, epochs and resumable state)."""
 
     def __init__(
         self,

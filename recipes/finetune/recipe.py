@@ -15,22 +15,15 @@ from typing import Any
 from rich.console import Console
 from torch import nn
 
+from data import WindowReader, pack_windows, read_documents, split_windows, tokenize_documents
 from gangs import Gangs, setup_gangs, setup_root_gang
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
-from recipes.finetune.data import (
-    WindowReader,
-    eval_batches,
-    pack_windows,
-    read_documents,
-    split_windows,
-    tokenize_documents,
-)
-from recipes.lm.schedule import warmup_cosine
-from trainer.checkpoint.model_files import hf_model_of
+from recipes.finetune.data import eval_batches
 from trainer.cli import run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
-from trainer.hf import load_pretrained
+from trainer.hf import hf_model_of, load_pretrained
+from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit

@@ -23,9 +23,9 @@ from recipes.lm.data import (
     split_files,
 )
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
-from recipes.lm.schedule import warmup_cosine
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
+from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
