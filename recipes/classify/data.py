@@ -10,7 +10,7 @@ best reachable accuracy is about ``1 - label_noise``: validation accuracy platea
 
 ``ShardedBatchReader`` is the training reader. ``batch_size`` is the *global* batch: every
 data-parallel rank computes the same shuffled order of samples and takes its own contiguous
-slice of each global batch (as ``recipes.lm.data.ByteWindowReader`` does), so its O(1) state
+slice of each global batch (as `data.packing.WindowReader` does), so its O(1) state
 ``{"epoch", "batch_index"}`` resumes exactly, on any DP size.
 """
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,10 @@ from rich.console import Console
 from torch import nn
 
 from data import WindowReader, pack_windows, read_documents, split_windows, tokenize_documents
-from gangs import Gangs, setup_gangs, setup_root_gang
+from gangs import Gangs
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
 from recipes.finetune.data import eval_batches
-from trainer.cli import run_recipe
+from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import hf_model_of, load_pretrained
@@ -78,12 +77,8 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
         raise UserError("config 'gangs.dp_shard_size' (HSDP) needs trainer.data_parallel=fsdp")
     d = config.data
     documents = read_documents(d.files, d.text_field)
-    root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
-    try:
-        gangs = setup_gangs(root, config.gangs.tp_size, 1, config.gangs.dp_shard_size)
-    except ValueError as ex:
-        raise UserError(f"config 'gangs': {ex}") from None
-    console = Console(stderr=False, soft_wrap=True) if root.rank == 0 else None
+    gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size, 1,
+                                  config.gangs.dp_shard_size)
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
 
     # Data: every rank tokenises the same documents into the same windows and split.
