@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gangs", "layers", "parallel", "units", "trainer", "recipes")
+PACKAGES = ("gangs", "layers", "parallel", "data", "units", "trainer", "recipes")
 
 
 def module_files() -> dict[str, Path]:
@@ -111,9 +111,9 @@ PART_IMPORTS = {"run_dir": set()} | {part: deps | {"run_dir"} for part, deps in 
 PART_IMPORTS["face"] = set(PART_IMPORTS)
 # What the other packages may import: arrows point down to gangs.
 PACKAGE_IMPORTS = {"gangs": set(), "layers": {"gangs"}, "parallel": {"gangs", "layers"},
-                   "units": {"gangs", "layers"},
-                   "trainer": {"units", "gangs", "parallel", "layers"},
-                   "recipes": {"trainer", "units", "gangs", "parallel", "layers"}}
+                   "data": {"gangs"}, "units": {"gangs", "layers"},
+                   "trainer": {"units", "gangs", "parallel", "layers", "data"},
+                   "recipes": {"trainer", "units", "gangs", "parallel", "layers", "data"}}
 
 
 def part_of(module: str) -> str:
@@ -143,6 +143,13 @@ def test_imports_point_downwards_between_the_parts_of_trainer():
             if theirs != mine and theirs not in PART_IMPORTS[mine]:
                 upward.append(f"{module} ({mine}) -> {dep} ({theirs})")
     assert upward == [], "\n".join(sorted(upward))
+
+
+def test_recipes_never_import_each_other():
+    crossing = [f"{module} -> {dep}" for module, deps in import_graph().items()
+                if module.startswith("recipes.") for dep in deps
+                if dep.startswith("recipes.") and dep.split(".")[1] != module.split(".")[1]]
+    assert crossing == [], "\n".join(sorted(crossing))
 
 
 def test_each_part_of_trainer_says_what_lives_there_and_what_it_may_import():

@@ -8,30 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from torch import nn
 
-from gangs import Gangs, setup_gangs, setup_root_gang
+from data import WindowReader, pack_windows, read_documents, split_windows, tokenize_documents
+from gangs import Gangs
 from parallel import check_hsdp
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
-from recipes.finetune.data import (
-    WindowReader,
-    eval_batches,
-    pack_windows,
-    read_documents,
-    split_windows,
-    tokenize_documents,
-)
-from recipes.lm.schedule import warmup_cosine
-from trainer.checkpoint.model_files import hf_model_of
-from trainer.cli import run_recipe
+from recipes.finetune.data import eval_batches
+from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
-from trainer.hf import load_pretrained
+from trainer.hf import hf_model_of, load_pretrained
+from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from trainer.run_dir import RunDir
@@ -87,12 +79,8 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
                         "trainer.data_parallel=fsdp") from None
     d = config.data
     documents = read_documents(d.files, d.text_field)
-    root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
-    try:
-        gangs = setup_gangs(root, config.gangs.tp_size, 1, config.gangs.dp_shard_size)
-    except ValueError as ex:
-        raise UserError(f"config 'gangs': {ex}") from None
-    console = Console(stderr=False, soft_wrap=True) if root.rank == 0 else None
+    gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size, 1,
+                                  config.gangs.dp_shard_size)
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
 
     # Data: every rank tokenises the same documents into the same windows and split.

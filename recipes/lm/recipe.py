@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from gangs import Gangs, setup_gangs, setup_root_gang
+from gangs import Gangs
 from parallel import check_hsdp, plan
 from parallel.materialize import materialize, seeded_init
 from recipes.lm.config import LMConfig
@@ -23,9 +23,10 @@ from recipes.lm.data import (
     split_files,
 )
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
-from recipes.lm.schedule import warmup_cosine
+from trainer.cli import recipe_gangs
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
+from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
@@ -46,21 +47,15 @@ class _Setup:
 
 
 def _setup(config: LMConfig, train: bool) -> _Setup:
-    from datetime import timedelta
-
     configure_logging()  # on rank 0 only: every line once
     try:
         check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
     except ValueError:
         raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
                         "trainer.data_parallel=fsdp") from None
-    root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
-    try:
-        gangs = setup_gangs(root, config.gangs.tp_size, config.gangs.ep_size,
-                            config.gangs.dp_shard_size)
-    except ValueError as ex:
-        raise UserError(f"config 'gangs': {ex}") from None
-    console = Console(stderr=False) if root.rank == 0 else None
+    gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size,
+                                  config.gangs.ep_size, config.gangs.dp_shard_size,
+                                  soft_wrap=False)
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
 
     # Data: one global order of windows, each DP rank takes its slice of every batch.

@@ -33,10 +33,14 @@ import os
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
+from rich.console import Console
+
+from gangs import Gangs, setup_gangs, setup_root_gang
 
 # load_config, parse_override and format_validation_error are re-exported: recipes, tests and
 # benchmarks import them from here.
@@ -56,6 +60,7 @@ __all__ = [
     "format_validation_error",
     "load_config",
     "parse_override",
+    "recipe_gangs",
     "run_recipe",
 ]
 
@@ -329,3 +334,17 @@ def _write_config(config: BaseModel, output_dir: Path) -> None:
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, config_file)
     record_history(output_dir, text)  # every config the directory went through
+
+
+def recipe_gangs(timeout_s: int, tp_size: int = 1, ep_size: int = 1,
+                 dp_shard_size: int | None = None, soft_wrap: bool = True
+                 ) -> tuple[Gangs, Console | None]:
+    """A recipe's gangs over the root gang (torchrun's world, `timeout_s` for collectives),
+    and its console on rank 0 only (None elsewhere). Sizes that do not fit the world are the
+    user's mistake: a `UserError` naming the config's `gangs` section."""
+    root = setup_root_gang(timeout=timedelta(seconds=timeout_s))
+    try:
+        gangs = setup_gangs(root, tp_size, ep_size, dp_shard_size)
+    except ValueError as ex:
+        raise UserError(f"config 'gangs': {ex}") from None
+    return gangs, Console(stderr=False, soft_wrap=soft_wrap) if root.rank == 0 else None
