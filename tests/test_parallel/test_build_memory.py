@@ -75,10 +75,11 @@ def test_each_rank_builds_a_4_rank_fsdp_model_in_a_fraction_of_its_size(tmp_path
     with torch.device("meta"):
         full = 4 * num_parameters(GPT(CONFIG))  # bytes of float32
     # Measured: 0.28-0.32 of the model per rank (a quarter shard, one full parameter of 0.04
-    # and allocator slack); the eager build 0.98-1.01 (the measure sees a whole model).
+    # and allocator slack); the eager build 0.76-1.01 (the measure sees most of a whole model;
+    # how much of the heap the meta build freed is reused depends on what was imported).
     for rank, (with_meta, eager) in enumerate(growth_per_rank(tmp_path)):
         assert with_meta < 0.4 * full, f"rank {rank}: {with_meta / full:.2f} of the model"
-        assert eager > 0.9 * full, f"rank {rank}: eager build {eager / full:.2f}"
+        assert eager > 0.7 * full, f"rank {rank}: eager build {eager / full:.2f}"
 
 
 if __name__ == "__main__":  # a torchrun worker
