@@ -20,22 +20,21 @@ adapter's dtype, its output back to the base's, as peft does).
 Why not peft itself: peft builds its adapters from the local shapes of whatever it wraps, so
 on a tensor-parallel model each rank gets adapters for its shard that nothing reduces over
 the TP ranks (silently wrong). Here the adapters of a split layer are split with it, from
-the layer's own tensor-parallel style (`tp_styles`), by torch's DTensor styles:
+the layer's own tensor-parallel style (`split_adapters`), by torch's DTensor styles:
 
     base colwise (weight split by rows, input whole):   lora_A replicated, lora_B colwise
     base rowwise (weight split by columns, input split): lora_A rowwise,   lora_B replicated
 
 so `lora_B @ lora_A` has the base weight's split, and the gradients DTensor computes are the
-one-process gradients. Adapters are therefore added AFTER tensor parallelism (torch's TP
-styles would also split every parameter under a layer, adapters included, as the layer's
-weight) and before FSDP2, which shards frozen and trainable parameters in the same groups.
-Everything works on the meta device: build, split, shard, then materialise.
+one-process gradients. Adapters are added on meta before tensor parallelism (a model
+transform of `parallel.plan`), which splits them with their layer, and before FSDP2, which
+shards frozen and trainable parameters in the same groups; then the model is materialised.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import partial
@@ -59,7 +58,9 @@ __all__ = [
     "apply_lora",
     "init_adapter",
     "is_adapter",
+    "lora_settings_of",
     "merged_weight",
+    "split_adapters",
     "style_of",
 ]
 
@@ -105,23 +106,11 @@ class LoraSettings:
         return self.alpha / self.r
 
 
-def apply_lora(
-    model: nn.Module,
-    settings: LoraSettings,
-    *,
-    tp_mesh: DeviceMesh | None = None,
-    tp_styles: Mapping[str, str] | None = None,
-) -> list[str]:
-    """Freeze every parameter of `model` and add adapters to its target layers, in place;
-    return the adapted layers' names (see the module docstring). Call it after tensor
-    parallelism and before FSDP2 / DDP; on meta or on a real device.
-
-    tp_mesh, tp_styles: the TP mesh and the plan that split the model (`{module pattern:
-        style}`, `*` matching one name part, as `parallelize_module` reads it); an adapted
-        layer's adapters follow its style ("colwise", "rowwise" and their whole-input or
-        gathered-output variants). A `ValueError` names what cannot be followed exactly:
-        a target that matches no layer, a target that is not `nn.Linear`, dropout under TP.
-    """
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Freeze every parameter of `model` and add adapters to its target layers, in place,
+    and return it (see the module docstring); on meta or on a real device, before tensor
+    parallelism (`split_adapters`) and FSDP2 / DDP. A `ValueError` names a target that
+    matches no layer and a target that is not an `nn.Linear`."""
     targets = [(name, module) for name, module in model.named_modules()
                if any(name == t or name.endswith("." + t) for t in settings.target_modules)]
     found = {t for t in settings.target_modules
@@ -129,31 +118,73 @@ def apply_lora(
     missing = [t for t in settings.target_modules if t not in found]
     if missing:
         raise ValueError(f"lora.target_modules: no layer of {type(model).__name__} is named "
-                         f"{missing[0]!r} (e.g. {_linear_names(model)})")
+                         f"{missing[0]!r} (its linear layers: {_linear_names(model)})")
     for name, module in targets:
         if type(module) is not nn.Linear:
             raise ValueError(f"lora.target_modules: {name!r} is a {type(module).__name__}; "
                              "adapters go on nn.Linear layers only")
         if any(hasattr(module, key) for key in ADAPTER_KEYS):
             raise ValueError(f"{name!r} has adapters already")
-    split = tp_mesh is not None and tp_mesh.size() > 1
-    if split and settings.dropout > 0:
+    for param in model.parameters():
+        param.requires_grad_(False)
+    # What checkpoints and exports need to know (peft keeps its config on the model too).
+    model.lora_settings = settings
+    for _, module in targets:
+        _add_adapter(module, settings)
+    return model
+
+
+def split_adapters(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: Mapping[str, str],
+    split_base: Callable[[nn.Module], Any],
+) -> None:
+    """Tensor parallelism of a model with adapters: `split_base(model)` applies the model's
+    own plan with the adapters set aside (torch's styles would split every parameter under
+    a layer as its weight), then each layer's adapters are split to follow the layer's
+    style in `plan` (`{module pattern: style}`, `*` matching one name part, as
+    `parallelize_module` reads it; "colwise", "rowwise" and their whole-input or
+    gathered-output variants). A `ValueError` names what cannot be followed exactly: a
+    style without a rule here, dropout on the adapters (the ranks would draw different
+    masks for the same input)."""
+    settings = lora_settings_of(model)
+    layers = adapted_modules(model)
+    if settings is not None and settings.dropout > 0 and tp_mesh.size() > 1:
         raise ValueError("lora.dropout > 0 under tensor parallelism is not supported (the "
                          "ranks of a split layer would draw different dropout masks): set "
                          "lora.dropout=0 or train with tp_size 1")
+    aside = {name: {key: getattr(layer, key) for key in (*ADAPTER_KEYS, "lora_dropout")}
+             for name, layer in layers.items()}
+    for name, layer in layers.items():
+        for key in aside[name]:
+            delattr(layer, key)
+    try:
+        split_base(model)
+    finally:
+        for name, layer in layers.items():
+            for key, child in aside[name].items():
+                layer.add_module(key, child)
+    for name, layer in layers.items():
+        style = style_of(name, plan)
+        if style is not None:
+            _split_adapter(name, layer, style, tp_mesh)
+            assert settings is not None  # apply_lora's
+            _hook(layer, settings.scaling)
 
-    for param in model.parameters():
-        param.requires_grad_(False)
-    for name, module in targets:
-        _add_adapter(module, settings)
-        if split:
-            assert tp_mesh is not None
-            style = style_of(name, tp_styles or {})
-            if style is not None:
-                _split_adapter(name, module, style, tp_mesh)
-            elif isinstance(module.weight, DTensor):
-                raise ValueError(f"{name!r} is split over TP by no style of the plan given")
-    return [name for name, _ in targets]
+
+def lora_settings_of(model: nn.Module) -> LoraSettings | None:
+    """The settings `apply_lora` gave `model`, seen through DDP and `torch.compile`
+    wrappers (FSDP2 keeps the object); None for a model without adapters."""
+    for _ in range(4):  # DDP(compile(model)) at most nests so deep
+        settings = getattr(model, "lora_settings", None)
+        if isinstance(settings, LoraSettings):
+            return settings
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+    return None
 
 
 def adapted_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -212,10 +243,19 @@ def _add_adapter(module: nn.Linear, settings: LoraSettings) -> None:
                       else nn.Identity())
     module.add_module("lora_A", lora_a)
     module.add_module("lora_B", lora_b)
-    # A hook, not a subclass or a wrapper: the base keeps its class, forward and names.
-    # Registered after any TP hook, so it sees the input and output TP hands to forward.
-    module.register_forward_hook(partial(_add_update, scaling=settings.scaling),
-                                 with_kwargs=True)
+    _hook(module, settings.scaling)
+
+
+def _hook(module: nn.Module, scaling: float) -> None:
+    """(Re)register the forward hook that adds the update. A hook, not a subclass or a
+    wrapper: the base keeps its class, forward and names. It must run after a TP style's
+    output hook (which turns the base's DTensor output into the local tensor the model
+    uses), so `split_adapters` registers it again after splitting."""
+    old = getattr(module, "lora_hook", None)
+    if old is not None:
+        old.remove()
+    module.lora_hook = module.register_forward_hook(partial(_add_update, scaling=scaling),
+                                                    with_kwargs=True)
 
 
 def _add_update(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -27,6 +27,15 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+# safetensors' dtype codes (the format's own names) -> torch dtype.
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
 class WeightFiles:
     """The safetensors files of `directory`, by tensor name (see the module docstring)."""
 
@@ -59,6 +68,9 @@ class WeightFiles:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._handle(name).get_slice(name).get_dtype()]
 
     def read(self, name: str, slices: Sequence[slice] | None = None) -> torch.Tensor:
         """Tensor `name`, or only its part `slices` (one slice per dimension). Call once
