@@ -28,10 +28,10 @@ import torch.distributed.checkpoint as dcp
 from rich.console import Console
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from gangs import FakeGang, Gangs
 from trainer.checkpoint import rank_by_score, verify
+from trainer.checkpoint.adapters import check_base
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.manifest import (
     MODEL_OPTIM,
@@ -39,7 +39,8 @@ from trainer.checkpoint.manifest import (
     SafeLoadPlanner,
     check_model_fits,
 )
-from trainer.checkpoint.state import model_optim_state
+from trainer.checkpoint.model_files import hf_model_of
+from trainer.checkpoint.state import model_optim_state, set_model_optim_state
 from trainer.default_gangs import default_gangs
 from trainer.errors import UserError
 from trainer.observe.console_log import show_on_console
@@ -198,6 +199,7 @@ def _distinct_models(units: Sequence[EvalUnit[Any]]) -> list[nn.Module]:
 def _load_model(step_dir: Path, model: nn.Module, gangs: Gangs) -> None:
     """The model weights of a verified ``step_dir`` into ``model`` (wrapped or sharded as
     for training: DCP reshards), reading nothing else and writing nothing."""
+    check_base(step_dir, model, hf_model_of(model))  # adapters only: the same base?
     state = model_optim_state(model, None)
     reader = SafeFileSystemReader(step_dir / MODEL_OPTIM)
     check_model_fits(reader.read_metadata(), state["model"], step_dir)
@@ -210,7 +212,7 @@ def _load_model(step_dir: Path, model: nn.Module, gangs: Gangs) -> None:
             process_group=None if no_dist else gangs.root.as_process_group(),
             no_dist=no_dist,
         )
-        set_model_state_dict(model, state["model"])
+        set_model_optim_state(model, None, state)
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         text = str(err).strip().splitlines()
         raise UserError(f"checkpoint {step_dir} does not fit the model: "

@@ -43,10 +43,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from gangs import FakeGang, Gangs, first_error, on_rank0
+from trainer.checkpoint.adapters import check_base
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.disk_space import DiskFullError, needed_bytes
 from trainer.checkpoint.failures import describe, rank_cause
@@ -61,11 +61,11 @@ from trainer.checkpoint.manifest import (
     read_manifest,
     write_manifest,
 )
-from trainer.checkpoint.model_files import write_model_files
+from trainer.checkpoint.model_files import hf_model_of, write_model_files
 from trainer.checkpoint.retention import rank_by_score, steps_to_keep
 from trainer.checkpoint.run_config import CONFIG_FILE, config_text, sha256_of
 from trainer.checkpoint.staging import HostStaging
-from trainer.checkpoint.state import check_plain, model_optim_state
+from trainer.checkpoint.state import check_plain, model_optim_state, set_model_optim_state
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.errors import UserError
 
@@ -338,6 +338,7 @@ class CheckpointManager:
         manifest = read_manifest(step_dir)
         assert manifest is not None  # verified above
 
+        check_base(step_dir, model, hf_model_of(model))  # adapters only: the same base?
         state = model_optim_state(model, optimizer)
         metadata = SafeFileSystemReader(step_dir / MODEL_OPTIM).read_metadata()
         check_model_fits(metadata, state["model"], step_dir)  # the same verdict on every rank
@@ -349,13 +350,7 @@ class CheckpointManager:
                 process_group=self._pg,
                 no_dist=self._no_dist,
             )
-            if optimizer is None:
-                set_model_state_dict(model, state["model"])
-            else:
-                set_state_dict(
-                    model, optimizer,
-                    model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                )
+            set_model_optim_state(model, optimizer, state)
         except (Exception, CheckpointException) as ex:  # the latter is a BaseException
             raise UserError(
                 f"checkpoint {step_dir} does not fit the model or optimizer: {describe(ex)}"

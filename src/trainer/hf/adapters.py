@@ -31,9 +31,11 @@ from trainer.errors import UserError
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import WeightFiles
 
-__all__ = ["ADAPTER_WEIGHTS", "PEFT_PREFIX", "export_adapter", "is_lora_checkpoint",
+__all__ = ["ADAPTER_DIR", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "export_adapter", "is_lora_checkpoint",
            "merged_tensors", "replace_dir"]
 
+ADAPTER_DIR = "adapter"
+"""Where, beside the run's `hf/`, the end of a run writes the best checkpoint's adapters."""
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 """What peft puts before a model's own parameter names in `adapter_model.safetensors`."""

@@ -29,11 +29,13 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint.adapters import ADAPTER_CONFIG, BASE_REFERENCE
 from trainer.checkpoint.export import best_step_dir, export_best, find_step_dir
 from trainer.checkpoint.manifest import fsync_dir
 from trainer.checkpoint.model_files import HF_FILES
 from trainer.checkpoint.streaming import ModelTensors, TensorInfo, plan_shards, write_safetensors
 from trainer.errors import UserError
+from trainer.hf.adapters import ADAPTER_DIR, export_adapter, is_lora_checkpoint, merged_tensors
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
 
@@ -73,22 +75,32 @@ def export_pretrained(
             "of a transformers model (export other models with "
             "trainer.checkpoint.export_safetensors)"
         )
-    tensors = ModelTensors(step_dir)
-    infos, source = _hf_tensors(tensors, hf_files)
+    if is_lora_checkpoint(step_dir):  # adapters only: merged into the base's weights
+        infos, read = merged_tensors(step_dir)
+    else:
+        tensors = ModelTensors(step_dir)
+        infos, source = _hf_tensors(tensors, hf_files)
+
+        def read(name: str) -> torch.Tensor:
+            return tensors.load(source[name])
+
     if dtype is not None:
         infos = [TensorInfo(i.name, dtype if i.dtype.is_floating_point else i.dtype, i.shape)
                  for i in infos]
     wanted = {info.name: info.dtype for info in infos}
 
     def load(name: str) -> torch.Tensor:
-        return tensors.load(source[name]).to(wanted[name])
+        return read(name).to(wanted[name])
 
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        shutil.copytree(hf_files, tmp)  # config, generation config, tokenizer files
+        # Config, generation config, tokenizer files; not a LoRA checkpoint's adapter files:
+        # from_pretrained would take the directory for an adapter and load its base.
+        shutil.copytree(hf_files, tmp, ignore=shutil.ignore_patterns(ADAPTER_CONFIG,
+                                                                     BASE_REFERENCE))
         if dtype is not None:
             _set_config_dtype(tmp / "config.json", dtype)
         _write_weights(tmp, infos, load, max_shard_size)
@@ -104,10 +116,13 @@ def export_best_model(checkpoint_dir: Path, hf_output_dir: Path) -> Path | None:
     """The end-of-run export of the best checkpoint of `checkpoint_dir`: to the HF directory
     `hf_output_dir` for a HF model, else (or when its weights do not fit its config, with a
     warning) to `checkpoint_dir/best_model.safetensors`; None when no checkpoint has a
-    score."""
+    score. A checkpoint of LoRA adapters is also written in peft's format to `adapter/`
+    beside `hf_output_dir`, and `hf_output_dir` gets the merged model."""
     best = best_step_dir(checkpoint_dir)
     if best is None:
         return None
+    if is_lora_checkpoint(best):
+        export_adapter(best, Path(hf_output_dir).with_name(ADAPTER_DIR))
     if (best / HF_FILES / "config.json").is_file():
         try:
             return export_pretrained(best, hf_output_dir)

@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
 from gangs.parallel import data_parallel as wrap_data_parallel
-from gangs.parallel.materialize import local_slices, materialize
+from gangs.parallel.materialize import local_slices, materialize, seeded_init
+from layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
 from trainer.errors import UserError
 from trainer.hf.safetensors_files import WeightFiles
 from trainer.hf.tensor_parallel import apply_tp_plan
@@ -64,6 +65,8 @@ def load_pretrained(
     *,
     data_parallel: Literal["fsdp", "ddp"] | None = "fsdp",
     dtype: torch.dtype | None = None,
+    lora: LoraSettings | None = None,
+    seed: int = 0,
     **kwargs: Any,
 ) -> nn.Module:
     """The Hugging Face model saved in the local directory `path` (`config.json` and
@@ -79,6 +82,10 @@ def load_pretrained(
         master-weight dtype for training. Compute in bf16 with `amp`/`param_dtype`.
     kwargs: options of `gangs.parallel.data_parallel` (e.g. `activation_checkpointing=True`,
         `param_dtype=torch.bfloat16` for FSDP2; `find_unused_parameters` for DDP).
+    lora: LoRA adapters on the frozen base (`layers.lora`), added on meta before TP (split
+        like their layer) and FSDP2; they train in float32 whatever `dtype` the base has.
+    seed: of the adapters' initialisation (peft's: `lora_A` Kaiming-uniform, `lora_B`
+        zero), drawn per name: the same on every rank and layout.
 
     Tied weights stay tied (GPT-2's `lm_head.weight` is `transformer.wte.weight`). A key the
     model needs that the files lack, a key of the files the model lacks, or a shape that
@@ -100,6 +107,11 @@ def load_pretrained(
     files = WeightFiles(path)
     targets = tensor_aliases(model)
     _check_keys_and_shapes(model, targets, files)
+    if lora is not None:
+        try:
+            apply_lora(model, lora)
+        except ValueError as error:
+            raise UserError(str(error)) from None
 
     if gangs.tp.size > 1:
         if gangs.mesh is None:
@@ -107,7 +119,7 @@ def load_pretrained(
         apply_tp_plan(model, gangs.mesh["tp"])
     if data_parallel == "fsdp":
         model = wrap_data_parallel(model, gangs, "fsdp", **kwargs)
-    _fill(model, targets, files, gangs.device)  # to_empty keeps each tied Parameter one object
+    _fill(model, targets, files, gangs.device, seed)  # to_empty keeps each tied Parameter one object
     if data_parallel == "ddp":
         model = wrap_data_parallel(model, gangs, "ddp", **kwargs)
     return model
@@ -162,18 +174,22 @@ def _check_keys_and_shapes(
 
 
 def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
-          device: torch.device) -> None:
+          device: torch.device, seed: int) -> None:
     """Allocate this rank's storage and copy its slice of every tensor from the files
-    (`gangs.parallel.materialize(sliced=True)`, which keeps tied weights tied); then let the
-    model's own initialisation compute what the files do not hold."""
+    (`gangs.parallel.materialize(sliced=True)`, which keeps tied weights tied), adapters
+    from their seeded initialisation; then let the model's own initialisation compute what
+    the files do not hold."""
     keys = {name: _file_key(names, files) for name, names in targets.items()}
     non_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
+    adapter_init = seeded_init(seed, init_adapter)
 
     def source(name: str, like: torch.Tensor) -> torch.Tensor:
         """This rank's part of `like`, read from the files: a DTensor's slice (the whole
         tensor only when `like` is not sharded)."""
         part = local_slices(like)
         key = keys.get(name)
+        if key is None and is_adapter(name):
+            return adapter_init(name, like)[part]
         if key is None:
             if name not in non_persistent:
                 raise RuntimeError(f"{name!r} of the parallelised model is not in its files")
@@ -189,7 +205,7 @@ def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
     # transformers recomputes them in `initialize_weights`, which skips the tensors that
     # carry its "initialised" flag, i.e. every tensor just read.
     tensors = dict(_named_tensors(model))
-    for name in targets:
+    for name in [*targets, *(name for name in tensors if is_adapter(name))]:
         setattr(tensors[name], _HF_INITIALIZED, True)
     initialize = getattr(model, "initialize_weights", None)
     if callable(initialize):
