@@ -1,5 +1,5 @@
 """The `recipes.finetune` config: sections model, data, optimizer, lr_scheduler (warm-up and
-cosine decay, the LM recipe's), trainer, gangs."""
+cosine decay, the LM recipe's), trainer, gangs, lora (adapters, off by default)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from layers.lora import LoraSettings
 from recipes.lm.config import LRSchedulerSection
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
+from trainer.errors import UserError
 
 
 class _Section(BaseModel):
@@ -48,6 +50,28 @@ class OptimizerSection(AdamWConfig):
     weight_decay: float = Field(default=0.0, ge=0)
 
 
+class LoraSection(_Section):
+    """LoRA adapters on the frozen pretrained model (`layers.lora`, peft's meaning and
+    defaults): on when `r` is set, e.g. `--set lora.r=16`."""
+
+    r: PositiveInt | None = None
+    """Rank of each adapter; null: full fine-tuning (no adapters)."""
+    alpha: float = Field(default=8.0, gt=0)
+    """The update is scaled by alpha / r (peft's lora_alpha)."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input (peft's lora_dropout); 0 under tensor parallelism."""
+    target_modules: list[str] = ["q_proj", "v_proj"]
+    """Linear layers to adapt, by name or name suffix (peft's rule), e.g. [q_proj, v_proj]."""
+
+    def settings(self) -> LoraSettings | None:
+        if self.r is None:
+            return None
+        try:
+            return LoraSettings(self.r, self.alpha, self.dropout, tuple(self.target_modules))
+        except ValueError as error:
+            raise UserError(f"config {error}") from None
+
+
 class GangsSection(_Section):
     tp_size: PositiveInt = 1
     """Tensor parallelism over this many ranks, from the model's own plan (base_model_tp_plan:
@@ -75,10 +99,11 @@ class FinetuneConfig(_Section):
         data_parallel="fsdp",
     )
     gangs: GangsSection = GangsSection()
+    lora: LoraSection = LoraSection()
 
 
 # Settings a resumed run may not change: the model and what a data position means.
-RESUME_GUARD = ("model.path", "data.files", "data.text_field", "data.seq_len",
+RESUME_GUARD = ("model.path", "lora.r", "lora.alpha", "lora.target_modules", "data.files", "data.text_field", "data.seq_len",
                 "data.batch_size", "data.valid_fraction", "data.split_seed",
                 "data.shuffle_seed")
 

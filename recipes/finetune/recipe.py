@@ -31,6 +31,7 @@ from trainer.cli import run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import load_pretrained
+from trainer.hf.adapters import ADAPTER_DIR
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
@@ -49,6 +50,7 @@ def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
     # Activation checkpointing goes on each block before the model is wrapped (DDP, FSDP2,
     # or FSDP2 for DDP x TP), in one process too.
     model = load_pretrained(config.model.path, gangs, data_parallel=kind,
+                            lora=config.lora.settings(), seed=config.trainer.seed or 0,
                             activation_checkpointing=config.model.activation_checkpointing)
     hf_model = hf_model_of(model)
     assert hf_model is not None  # load_pretrained builds a transformers model
@@ -112,8 +114,10 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
                         f"token {int(tokens.max())}, beyond the model's vocab_size "
                         f"{hf_config.vocab_size}: the tokenizer files belong to another model")
     num_params = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if console:
-        console.print(f"model: {config.model.path}, {num_params:,} parameters")
+        adapters = f" ({trained:,} trained: LoRA adapters)" if trained < num_params else ""
+        console.print(f"model: {config.model.path}, {num_params:,} parameters{adapters}")
     return _Setup(gangs, console, model, [CausalLMEvalUnit(model)], [valid_reader], reader,
                   _flops_per_token(hf_config, num_params, d.seq_len))
 
@@ -186,3 +190,6 @@ def _summary(console: Console, result: TrainResult, config: FinetuneConfig,
                       f"{result.best_step}")
     if result.best_checkpoint is not None and exported.is_dir():
         console.print(f"exported {result.best_checkpoint} as a Hugging Face model: {exported}")
+    adapter = exported.with_name(ADAPTER_DIR)
+    if result.best_checkpoint is not None and adapter.is_dir():
+        console.print(f"its LoRA adapters in peft's format: {adapter}")
