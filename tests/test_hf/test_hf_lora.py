@@ -237,3 +237,45 @@ def test_frozen_bf16_base_trains_fp32_adapters(llama_dir, tmp_path):
     assert len(states) == 2 * 2 * len(LORA.target_modules)
     assert all(s["exp_avg"].dtype == torch.float32 for s in states)
 
+
+
+def test_same_start_check_covers_the_adapters(llama_dir, tmp_path):
+    """An adapter changed on one DP rank after loading is refused by name when the Trainer
+    is built, as any replicated parameter is (HSDP: 2 replicas of 1 shard)."""
+
+    def build_trainer():
+        gangs = setup_gangs(setup_root_gang(), dp_shard_size=1)
+        model = load_pretrained(llama_dir, gangs, lora=LORA)
+        if gangs.root.rank == 1:
+            with torch.no_grad():
+                model.model.layers[1].mlp.down_proj.lora_A.weight.to_local()[0, 0] += 1e-3
+        optimizer = torch.optim.AdamW(param_groups(model))
+        with pytest.raises(UserError, match=r"'model\.layers\.1\.mlp\.down_proj\.lora_A\."
+                                            r"weight' differs between the data-parallel"):
+            Trainer(CausalLMUnit(model), [], optimizer, output_dir=tmp_path / "o",
+                    gangs=gangs, max_num_steps=1, progress=False)
+
+    run_ranks(build_trainer, world_size=2)
+
+
+def test_adapters_compute_what_peft_computes(llama_dir):
+    """With the same weights, a model adapted here and peft's `get_peft_model` give the same
+    logits (same scaling, same layers, same names up to peft's adapter name)."""
+    from peft import LoraConfig, get_peft_model
+
+    gangs = setup_gangs(setup_root_gang())
+    ours = load_pretrained(llama_dir, gangs, data_parallel=None, lora=LORA)
+    with torch.no_grad():  # B is zero at the start: give it values
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(len(name)))
+    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(llama_dir), LoraConfig(
+        r=LORA.r, lora_alpha=LORA.alpha, target_modules=list(LORA.target_modules)))
+    adapters = {name.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.",
+                                                                    ".lora_B.default."): p
+                for name, p in ours.named_parameters() if p.requires_grad}
+    missing, unexpected = theirs.base_model.model.load_state_dict(adapters, strict=False)
+    assert unexpected == [] and not [k for k in missing if "lora_" in k]
+    with torch.no_grad():
+        gap = (ours(INPUT_IDS).logits - theirs(INPUT_IDS).logits).abs().max().item()
+    assert gap == 0.0
