@@ -43,12 +43,15 @@ def llama_dir(tmp_path_factory) -> Path:
 
 def train_lora(directory: Path, output_dir: Path, *, tp_size: int = 1,
                data_parallel: str | None = "fsdp", dp_shard_size: int | None = None,
-               max_num_steps: int = STEPS, lora: LoraSettings = LORA, **options):
+               max_num_steps: int = STEPS, lora: LoraSettings = LORA,
+               activation_checkpointing: bool = False, **options):
     """Load `directory` with adapters and train them through the Trainer (validation and a
     checkpoint at the end only: the best checkpoint is the trained model); returns rank 0's
     train losses, this rank's full adapters and the trained model's logits."""
     gangs = setup_gangs(setup_root_gang(), tp_size=tp_size, dp_shard_size=dp_shard_size)
-    model = load_pretrained(directory, gangs, data_parallel=data_parallel, lora=lora, seed=3)
+    load_options = {"activation_checkpointing": True} if activation_checkpointing else {}
+    model = load_pretrained(directory, gangs, data_parallel=data_parallel, lora=lora, seed=3,
+                            **load_options)
     optimizer = torch.optim.AdamW(param_groups(model), lr=2e-2, eps=1e-6)
     rank, size = gangs.dp.rank, gangs.dp.size
     Trainer(
@@ -115,14 +118,15 @@ def test_only_adapters_train_from_peft_init(llama_dir, one_process):
 
 
 @pytest.mark.parametrize(("kind", "options"), [
-    ("fsdp2", {}),
+    ("fsdp2_recompute", {"activation_checkpointing": True}),
     ("ddp2", {"data_parallel": "ddp"}),
     ("hsdp_1x2", {"dp_shard_size": 1}),
     ("tp2", {"tp_size": 2, "data_parallel": None}),
 ])
 def test_layouts_match_one_process(llama_dir, one_process, tmp_path, kind, options):
     """40 steps on 2 ranks: every train loss within 1e-5 relative of one process's, the
-    adapters the same on both ranks (bit for bit) and within float error of one process's."""
+    adapters the same on both ranks (bit for bit) and within float error of one process's
+    (FSDP2 with each block recomputed in backward)."""
     _, reference, ref_adapters, ref_logits = one_process
     results = run_ranks(partial(train_lora, llama_dir, tmp_path / kind, **options),
                         world_size=2, timeout=300)
