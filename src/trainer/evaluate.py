@@ -199,7 +199,7 @@ def _distinct_models(units: Sequence[EvalUnit[Any]]) -> list[nn.Module]:
 def _load_model(step_dir: Path, model: nn.Module, gangs: Gangs) -> None:
     """The model weights of a verified ``step_dir`` into ``model`` (wrapped or sharded as
     for training: DCP reshards), reading nothing else and writing nothing."""
-    check_base(step_dir, model, hf_model_of(model))  # adapters only: the same base?
+    check_base(step_dir, model, hf_model_of(model), gangs.root)  # adapters only: the same base?
     state = model_optim_state(model, None)
     reader = SafeFileSystemReader(step_dir / MODEL_OPTIM)
     check_model_fits(reader.read_metadata(), state["model"], step_dir)

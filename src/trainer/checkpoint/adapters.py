@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from gangs import Gang
 from layers.lora import LoraSettings, lora_settings_of
 from trainer.checkpoint.digest import ALGORITHM, file_entry
 from trainer.errors import UserError
@@ -94,30 +95,40 @@ def base_reference(directory: Path) -> dict[str, Any]:
     return _digests[key]
 
 
-def check_base(step_dir: Path, model: nn.Module, hf_model: nn.Module | None) -> None:
+def check_base(step_dir: Path, model: nn.Module, hf_model: nn.Module | None,
+               gang: Gang) -> None:
     """A `UserError` naming the file when the base that `model` (its HF model `hf_model`)
     was loaded from differs from the one the adapters of checkpoint `step_dir` were trained
     on (see the module docstring); nothing for a checkpoint and a model without adapters.
-    Local: call it on every rank."""
-    recorded_file = Path(step_dir) / "hf" / BASE_REFERENCE
+    Collective over `gang`: rank 0 reads the base files, every rank gets its verdict."""
+    verdict = [_base_mismatch(Path(step_dir), model, hf_model) if gang.rank == 0 else None]
+    gang.broadcast_objects(verdict)
+    if verdict[0] is not None:
+        raise UserError(verdict[0])
+
+
+def _base_mismatch(step_dir: Path, model: nn.Module, hf_model: nn.Module | None) -> str | None:
+    recorded_file = step_dir / "hf" / BASE_REFERENCE
     if lora_settings_of(model) is None:
         if recorded_file.is_file():
-            raise UserError(f"checkpoint {step_dir} holds LoRA adapters only, and the model "
-                            "has no adapters: set the same lora settings as the run that "
-                            "saved it")
-        return
+            return (f"checkpoint {step_dir} holds LoRA adapters only, and the model has no "
+                    "adapters: set the same lora settings as the run that saved it")
+        return None
     if not recorded_file.is_file():
-        raise UserError(f"checkpoint {step_dir} holds no LoRA adapters (a full model's "
-                        "checkpoint), and the model has adapters: resume without lora "
-                        "settings, or start a new run")
+        return (f"checkpoint {step_dir} holds no LoRA adapters (a full model's checkpoint), "
+                "and the model has adapters: resume without lora settings, or start a new run")
     if hf_model is None:
-        raise UserError("a model with LoRA adapters that is not a Hugging Face model: its "
-                        "base cannot be checked")
+        return "a model with LoRA adapters that is not a Hugging Face model: its base cannot " \
+               "be checked"
     recorded = json.loads(recorded_file.read_text())
-    change = base_changes(recorded, Path(str(hf_model.config.name_or_path)))
+    try:
+        change = base_changes(recorded, Path(str(hf_model.config.name_or_path)))
+    except UserError as error:
+        return str(error)
     if change is not None:
-        raise UserError(f"the base model changed since checkpoint {step_dir} was saved: "
-                        f"{change}. Resume with the base its adapters were trained on")
+        return (f"the base model changed since checkpoint {step_dir} was saved: {change}. "
+                "Resume with the base its adapters were trained on")
+    return None
 
 
 def base_changes(recorded: dict[str, Any], directory: Path | None = None) -> str | None:

@@ -338,7 +338,7 @@ class CheckpointManager:
         manifest = read_manifest(step_dir)
         assert manifest is not None  # verified above
 
-        check_base(step_dir, model, hf_model_of(model))  # adapters only: the same base?
+        check_base(step_dir, model, hf_model_of(model), self.gangs.root)  # adapters only: the same base?
         state = model_optim_state(model, optimizer)
         metadata = SafeFileSystemReader(step_dir / MODEL_OPTIM).read_metadata()
         check_model_fits(metadata, state["model"], step_dir)  # the same verdict on every rank
