@@ -3,7 +3,7 @@ cosine decay, the LM recipe's), trainer, gangs, lora (adapters, off by default).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
@@ -62,6 +62,10 @@ class LoraSection(_Section):
     """Dropout on the adapters' input (peft's lora_dropout); 0 under tensor parallelism."""
     target_modules: list[str] = ["q_proj", "v_proj"]
     """Linear layers to adapt, by name or name suffix (peft's rule), e.g. [q_proj, v_proj]."""
+    base_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The frozen base's parameters: bf16 halves their memory (the merged export adds the
+    adapters to the base files' own weights); the adapters, their gradients and AdamW's
+    moments stay float32."""
 
     def settings(self) -> LoraSettings | None:
         if self.r is None:

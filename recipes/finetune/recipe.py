@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from torch import nn
 
@@ -49,8 +50,12 @@ def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
     kind = config.trainer.data_parallel
     # Activation checkpointing goes on each block before the model is wrapped (DDP, FSDP2,
     # or FSDP2 for DDP x TP), in one process too.
-    model = load_pretrained(config.model.path, gangs, data_parallel=kind,
-                            lora=config.lora.settings(), seed=config.trainer.seed or 0,
+    lora = config.lora.settings()
+    # A frozen base may stay in bf16; what trains (the adapters, or the whole model) is fp32.
+    base_dtype = torch.bfloat16 if lora is not None and config.lora.base_dtype == "bf16" \
+        else None
+    model = load_pretrained(config.model.path, gangs, data_parallel=kind, dtype=base_dtype,
+                            lora=lora, seed=config.trainer.seed or 0,
                             activation_checkpointing=config.model.activation_checkpointing)
     hf_model = hf_model_of(model)
     assert hf_model is not None  # load_pretrained builds a transformers model
