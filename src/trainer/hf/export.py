@@ -64,6 +64,10 @@ def export_pretrained(
     dtype: convert the floating-point weights (e.g. `torch.bfloat16` for half the size of
         float32 master weights) and say so in `config.json`; default: as trained.
 
+    A checkpoint of LoRA adapters gives the merged model: the base read from the files the
+    checkpoint references (checked unchanged), each adapted weight `W + alpha/r * B @ A`
+    (`trainer.hf.adapters`).
+
     A `UserError` when the checkpoint is incomplete, holds no HF config (the model was not
     a transformers model), or its weights do not fit the model its config describes.
     """
