@@ -1,23 +1,17 @@
 """The `recipes.finetune` config: sections model, data, optimizer, lr_scheduler (warm-up and
-cosine decay, the LM recipe's), trainer, gangs, lora (adapters, off by default)."""
+cosine decay, `trainer.lr_schedules`), trainer, gangs, lora (adapters, off by default)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import Field, PositiveInt
 
-from layers.lora import LoraSettings
-from recipes.lm.config import LRSchedulerSection
+from trainer.config.sections import LoraSection, LRSchedulerSection, Section
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
-from trainer.errors import UserError
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-
-class ModelSection(_Section):
+class ModelSection(Section):
     path: str | None = None
     """A local Hugging Face model directory: config.json, model.safetensors (or shards with
     an index) and the tokenizer files. Required."""
@@ -26,7 +20,7 @@ class ModelSection(_Section):
     third more compute."""
 
 
-class DataSection(_Section):
+class DataSection(Section):
     files: list[str] = []
     """Text files (each file one document) and JSONL files (`.jsonl`: one JSON object a
     line, its `text_field` one document). Required."""
@@ -50,33 +44,7 @@ class OptimizerSection(AdamWConfig):
     weight_decay: float = Field(default=0.0, ge=0)
 
 
-class LoraSection(_Section):
-    """LoRA adapters on the frozen pretrained model (`layers.lora`, peft's meaning and
-    defaults): on when `r` is set, e.g. `--set lora.r=16`."""
-
-    r: PositiveInt | None = None
-    """Rank of each adapter; null: full fine-tuning (no adapters)."""
-    alpha: float = Field(default=8.0, gt=0)
-    """The update is scaled by alpha / r (peft's lora_alpha)."""
-    dropout: float = Field(default=0.0, ge=0, lt=1)
-    """Dropout on the adapters' input (peft's lora_dropout); 0 under tensor parallelism."""
-    target_modules: list[str] = ["q_proj", "v_proj"]
-    """Linear layers to adapt, by name or name suffix (peft's rule), e.g. [q_proj, v_proj]."""
-    base_dtype: Literal["fp32", "bf16"] = "fp32"
-    """The frozen base's parameters: bf16 halves their memory (the merged export adds the
-    adapters to the base files' own weights); the adapters, their gradients and AdamW's
-    moments stay float32."""
-
-    def settings(self) -> LoraSettings | None:
-        if self.r is None:
-            return None
-        try:
-            return LoraSettings(self.r, self.alpha, self.dropout, tuple(self.target_modules))
-        except ValueError as error:
-            raise UserError(f"config {error}") from None
-
-
-class GangsSection(_Section):
+class GangsSection(Section):
     tp_size: PositiveInt = 1
     """Tensor parallelism over this many ranks, from the model's own plan (base_model_tp_plan:
     LLaMA, Qwen, Mistral, ... declare one; GPT-2 does not)."""
@@ -86,7 +54,7 @@ class GangsSection(_Section):
     timeout_s: PositiveInt = 600
 
 
-class FinetuneConfig(_Section):
+class FinetuneConfig(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     optimizer: OptimizerSection = OptimizerSection()
@@ -107,9 +75,9 @@ class FinetuneConfig(_Section):
 
 
 # Settings a resumed run may not change: the model and what a data position means.
-RESUME_GUARD = ("model.path", "lora.r", "lora.alpha", "lora.target_modules", "data.files", "data.text_field", "data.seq_len",
+RESUME_GUARD = ("model.path", "data.files", "data.text_field", "data.seq_len",
                 "data.batch_size", "data.valid_fraction", "data.split_seed",
-                "data.shuffle_seed")
+                "data.shuffle_seed", *LoraSection.RESUME_GUARD)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {

@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import param_groups
-from gangs.parallel.materialize import seeded_init
 from layers.lora import LoraSettings, init_adapter, lora_settings_of
+from parallel import param_groups
+from parallel.materialize import seeded_init
 from trainer.errors import UserError
 from trainer.hf import load_pretrained
 from trainer.observe.recorders import JsonlRecorder, read_jsonl

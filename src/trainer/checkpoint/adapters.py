@@ -28,6 +28,7 @@ from gangs import Gang
 from layers.lora import LoraSettings, lora_settings_of
 from trainer.checkpoint.digest import ALGORITHM, file_entry
 from trainer.errors import UserError
+from trainer.run_dir import HF_FILES
 
 __all__ = ["ADAPTER_CONFIG", "BASE_REFERENCE", "adapter_config", "base_changes",
            "base_reference", "check_base", "write_adapter_files"]
@@ -108,7 +109,7 @@ def check_base(step_dir: Path, model: nn.Module, hf_model: nn.Module | None,
 
 
 def _base_mismatch(step_dir: Path, model: nn.Module, hf_model: nn.Module | None) -> str | None:
-    recorded_file = step_dir / "hf" / BASE_REFERENCE
+    recorded_file = step_dir / HF_FILES / BASE_REFERENCE
     if lora_settings_of(model) is None:
         if recorded_file.is_file():
             return (f"checkpoint {step_dir} holds LoRA adapters only, and the model has no "

@@ -23,19 +23,17 @@ import torch
 
 from layers.lora import is_adapter, merged_weight
 from trainer.checkpoint.adapters import ADAPTER_CONFIG, BASE_REFERENCE, base_changes
-from trainer.checkpoint.export import find_step_dir
+from trainer.checkpoint.loading import find_step_dir
 from trainer.checkpoint.manifest import fsync_dir
-from trainer.checkpoint.model_files import HF_FILES
 from trainer.checkpoint.streaming import ModelTensors, TensorInfo, write_safetensors
 from trainer.errors import UserError
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import WeightFiles
+from trainer.run_dir import HF_FILES
 
-__all__ = ["ADAPTER_DIR", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "export_adapter", "is_lora_checkpoint",
+__all__ = ["ADAPTER_WEIGHTS", "PEFT_PREFIX", "export_adapter", "is_lora_checkpoint",
            "merged_tensors", "replace_dir"]
 
-ADAPTER_DIR = "adapter"
-"""Where, beside the run's `hf/`, the end of a run writes the best checkpoint's adapters."""
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 """What peft puts before a model's own parameter names in `adapter_model.safetensors`."""

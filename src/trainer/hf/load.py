@@ -1,7 +1,9 @@
 """`load_pretrained`: a local Hugging Face checkpoint, built on meta, parallelised, then
-filled with each rank reading only its own slices of the weight files.
+filled with each rank reading only its own slices of the weight files, by the build plan
+every model goes through (`parallel.plan.build_model`):
 
     config ──> model on the meta device (no memory, no initialisation)
+           ──> LoRA adapters, the base frozen (`lora=`)
            ──> tensor parallel over gangs.tp, from the model's own plan (tp > 1)
            ──> FSDP2 / HSDP per block over gangs.dp (data_parallel="fsdp")
            ──> to_empty: this rank's shards allocated, uninitialised
@@ -17,8 +19,8 @@ HSDP and DP x TP start from the weights `from_pretrained` gives.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,16 +29,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
-from gangs.parallel import data_parallel as wrap_data_parallel
-from gangs.parallel.materialize import local_slices, materialize, seeded_init
 from layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
+from parallel import plan
+from parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
 from trainer.hf.safetensors_files import WeightFiles
 from trainer.hf.tensor_parallel import apply_tp_plan
 
 __all__ = ["build_on_meta", "load_pretrained", "tensor_aliases"]
-
-log = logging.getLogger("gangtrain")
 
 # The flag transformers' own initialisers (`transformers.initialization`) check before
 # writing a tensor: a tensor that carries it was loaded and is left alone.
@@ -80,10 +80,11 @@ def load_pretrained(
         or None (no data-parallel wrapper; the caller wraps).
     dtype: of the parameters (the weights are converted as read); default float32, the
         master-weight dtype for training. Compute in bf16 with `amp`/`param_dtype`.
-    kwargs: options of `gangs.parallel.data_parallel` (e.g. `activation_checkpointing=True`,
+    kwargs: options of `parallel.data_parallel` (e.g. `activation_checkpointing=True`,
         `param_dtype=torch.bfloat16` for FSDP2; `find_unused_parameters` for DDP).
-    lora: LoRA adapters on the frozen base (`layers.lora`), added on meta before TP (split
-        like their layer) and FSDP2; they train in float32 whatever `dtype` the base has.
+    lora: LoRA adapters on the frozen base (`layers.lora`): the plan's model transform,
+        on meta before TP (which splits them like their layer) and FSDP2; they train in
+        float32 whatever `dtype` the base has.
     seed: of the adapters' initialisation (peft's: `lora_A` Kaiming-uniform, `lora_B`
         zero), drawn per name: the same on every rank and layout.
 
@@ -96,33 +97,49 @@ def load_pretrained(
     if data_parallel is None and kwargs:
         raise UserError(f"load_pretrained options {sorted(kwargs)} configure data_parallel, "
                         "which is None")
-    if data_parallel == "ddp" and gangs.tp.size > 1:
-        # As the LM recipe: DDP cannot wrap DTensor parameters; FSDP2 that keeps them
-        # gathered from forward to backward is the closest to it.
-        log.info("DP x TP: DDP cannot wrap DTensor parameters, using FSDP2 over dp "
-                 "without resharding after forward")
-        data_parallel, kwargs = "fsdp", {"reshard_after_forward": False, **kwargs}
-    path = Path(path)
-    model = build_on_meta(path, dtype)
-    files = WeightFiles(path)
-    targets = tensor_aliases(model)
-    _check_keys_and_shapes(model, targets, files)
-    if lora is not None:
-        try:
-            apply_lora(model, lora)
-        except ValueError as error:
-            raise UserError(str(error)) from None
+    pretrained = _Pretrained(Path(path), dtype, seed)
+    transforms = [] if lora is None else [partial(_with_adapters, settings=lora)]
+    return plan.build_model(pretrained.on_meta, gangs, tensor_parallel=_tensor_parallel,
+                            data_parallel=data_parallel, materialize=pretrained.materialize,
+                            transforms=transforms, **kwargs)
 
-    if gangs.tp.size > 1:
-        if gangs.mesh is None:
-            raise UserError("tensor parallelism needs the gangs' device mesh (setup_gangs)")
-        apply_tp_plan(model, gangs.mesh["tp"])
-    if data_parallel == "fsdp":
-        model = wrap_data_parallel(model, gangs, "fsdp", **kwargs)
-    _fill(model, targets, files, gangs.device, seed)  # to_empty keeps each tied Parameter one object
-    if data_parallel == "ddp":
-        model = wrap_data_parallel(model, gangs, "ddp", **kwargs)
-    return model
+
+def _with_adapters(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    try:
+        return apply_lora(model, settings)
+    except ValueError as error:  # a target the model does not have, or not a linear layer
+        raise UserError(str(error)) from None
+
+
+class _Pretrained:
+    """The two ends of the build plan that read the directory: the model on meta, checked
+    against the weight files, and later this rank's slices of those files."""
+
+    def __init__(self, path: Path, dtype: torch.dtype | None, seed: int) -> None:
+        self.path, self.dtype, self.seed = path, dtype, seed
+        self.files: WeightFiles | None = None
+        self.targets: dict[str, list[str]] = {}
+
+    def on_meta(self) -> nn.Module:
+        model = build_on_meta(self.path, self.dtype)
+        self.files = WeightFiles(self.path)
+        self.targets = tensor_aliases(model)
+        _check_keys_and_shapes(model, self.targets, self.files)
+        return model
+
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
+        assert self.files is not None, "on_meta first"
+        # to_empty keeps each tied Parameter one object
+        _fill(model, self.targets, self.files, device, self.seed)
+
+
+def _tensor_parallel(model: nn.Module, gangs: Gangs) -> None:
+    """The model's own TP plan over `gangs.tp`, when there is more than one TP rank."""
+    if gangs.tp.size == 1:
+        return
+    if gangs.mesh is None:
+        raise UserError("tensor parallelism needs the gangs' device mesh (setup_gangs)")
+    apply_tp_plan(model, gangs.mesh["tp"])
 
 
 def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -176,9 +193,9 @@ def _check_keys_and_shapes(
 def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
           device: torch.device, seed: int) -> None:
     """Allocate this rank's storage and copy its slice of every tensor from the files
-    (`gangs.parallel.materialize(sliced=True)`, which keeps tied weights tied), adapters
-    from their seeded initialisation; then let the model's own initialisation compute what
-    the files do not hold."""
+    (`parallel.materialize(sliced=True)`, which keeps tied weights tied), adapters from
+    their seeded initialisation; then let the model's own initialisation compute what the
+    files do not hold."""
     keys = {name: _file_key(names, files) for name, names in targets.items()}
     non_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
     adapter_init = seeded_init(seed, init_adapter)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from gangs import Gang, describe
 from trainer.checkpoint import CheckpointError
 from trainer.errors import UserError
+from trainer.run_dir import RunDir
 
-FAILURES = "failures"
 AGREED = (UserError, CheckpointError)  # raised on every rank at the same point
 
 
@@ -29,7 +29,7 @@ class RankFailure(RuntimeError):
 
 def clear_failures(output_dir: Path) -> None:
     """Forget an earlier run's failures (rank 0, before the run's first collective)."""
-    shutil.rmtree(output_dir / FAILURES, ignore_errors=True)
+    shutil.rmtree(RunDir(output_dir).failures, ignore_errors=True)
 
 
 def share_failure(output_dir: Path, rank: int, world_size: int, step_nr: int,
@@ -42,7 +42,7 @@ def share_failure(output_dir: Path, rank: int, world_size: int, step_nr: int,
     are."""
     if world_size == 1 or isinstance(error, AGREED):
         return None
-    failures = output_dir / FAILURES
+    failures = RunDir(output_dir).failures
     peers = sorted(failures.glob("rank_*.txt")) if failures.is_dir() else []
     cause = next((p.read_text() for p in peers if p.name != f"rank_{rank}.txt"), None)
     if cause is None:
