@@ -108,7 +108,7 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
         adapters = f" ({trained:,} trained: LoRA adapters)" if trained < num_params else ""
         console.print(f"model: {config.model.path}, {num_params:,} parameters{adapters}")
     return _Setup(gangs, console, model, [CausalLMEvalUnit(model)], [valid_reader], reader,
-                  _flops_per_token(hf_config, num_params, d.seq_len))
+                  _flops_per_token(hf_config, num_params, trained, d.seq_len))
 
 
 def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
@@ -163,12 +163,13 @@ def _tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _flops_per_token(hf_config: Any, num_params: int, seq_len: int) -> float:
+def _flops_per_token(hf_config: Any, num_params: int, trained: int, seq_len: int) -> float:
     """Training FLOPs per token for the published MFU: 6 N + 12 L d T (the LM recipe's
-    convention, N counting every parameter here)."""
+    convention, N counting every parameter here). A frozen parameter costs 4 (forward, and
+    the gradient of its input in backward), not 6: it has no gradient of its own (LoRA)."""
     layers = getattr(hf_config, "num_hidden_layers", 0) or 0
     width = getattr(hf_config, "hidden_size", 0) or 0
-    return 6.0 * num_params + 12.0 * layers * width * seq_len
+    return 4.0 * num_params + 2.0 * trained + 12.0 * layers * width * seq_len
 
 
 def _summary(console: Console, result: TrainResult, config: FinetuneConfig,
