@@ -29,7 +29,7 @@ from trainer.observe.recorders import JsonlRecorder, read_jsonl
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
-STEPS = 40
+STEPS = 50
 LORA = LoraSettings(r=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
 
 
@@ -124,7 +124,7 @@ def test_only_adapters_train_from_peft_init(llama_dir, one_process):
     ("tp2", {"tp_size": 2, "data_parallel": None}),
 ])
 def test_layouts_match_one_process(llama_dir, one_process, tmp_path, kind, options):
-    """40 steps on 2 ranks: every train loss within 1e-5 relative of one process's, the
+    """50 steps on 2 ranks: every train loss within 1e-5 relative of one process's, the
     adapters the same on both ranks (bit for bit) and within float error of one process's
     (FSDP2 with each block recomputed in backward)."""
     _, reference, ref_adapters, ref_logits = one_process
@@ -136,7 +136,7 @@ def test_layouts_match_one_process(llama_dir, one_process, tmp_path, kind, optio
     adapter_gap = max(((results[0][1][k] - v).abs().max() / v.abs().max()).item()
                       for k, v in ref_adapters.items())
     print(f"{kind}: loss gap {gap:.1e}, adapter gap {adapter_gap:.1e} (of its largest value)")
-    # Measured: losses 1-3e-7 relative, adapters 2e-5 of their largest value (sums in
+    # Measured: losses 1.8-3.2e-7 relative, adapters 1.1-2.6e-5 of their largest value (sums in
     # another order; Adam's first steps turn near-zero gradients into whole steps).
     assert gap < 1e-5
     assert adapter_gap < 1e-4
