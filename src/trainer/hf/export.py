@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from layers.lora import is_adapter
 from trainer.checkpoint.adapters import ADAPTER_CONFIG, BASE_REFERENCE
 from trainer.checkpoint.export import export_best
 from trainer.checkpoint.loading import best_step_dir, find_step_dir
@@ -36,12 +37,17 @@ from trainer.checkpoint.manifest import fsync_dir
 from trainer.checkpoint.model_files import HF_FILES
 from trainer.checkpoint.streaming import ModelTensors, TensorInfo, plan_shards, write_safetensors
 from trainer.errors import UserError
-from trainer.hf.adapters import export_adapter, is_lora_checkpoint, merged_tensors
+from trainer.hf.adapters import (
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    is_lora_checkpoint,
+    merged_tensors,
+)
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
 from trainer.run_dir import ADAPTER_DIR, BEST_MODEL
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_best_model", "export_pretrained"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_adapter", "export_best_model", "export_pretrained"]
 
 log = logging.getLogger("gangtrain")
 
@@ -98,24 +104,37 @@ def export_pretrained(
     def load(name: str) -> torch.Tensor:
         return read(name).to(wanted[name])
 
-    output_dir = Path(output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    def write(tmp: Path) -> None:
         # Config, generation config, tokenizer files; not a LoRA checkpoint's adapter files:
         # from_pretrained would take the directory for an adapter and load its base.
-        shutil.copytree(hf_files, tmp, ignore=shutil.ignore_patterns(ADAPTER_CONFIG,
-                                                                     BASE_REFERENCE))
+        shutil.copytree(hf_files, tmp, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(ADAPTER_CONFIG, BASE_REFERENCE))
         if dtype is not None:
             _set_config_dtype(tmp / "config.json", dtype)
         _write_weights(tmp, infos, load, max_shard_size)
-        fsync_dir(tmp)
-    except BaseException:  # nothing half written is left behind, output_dir untouched
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _replace_dir(tmp, output_dir)
-    return output_dir
+
+    return _write_dir(Path(output_dir), write)
+
+
+def export_adapter(checkpoint: Path | str, output_dir: Path | str) -> Path:
+    """Write the LoRA adapters of `checkpoint` (a step directory, or a checkpoints
+    directory: its best, else newest) in peft's format to `output_dir`, atomically:
+    `adapter_config.json` and `adapter_model.safetensors`, which
+    `peft.PeftModel.from_pretrained(base, output_dir)` loads. Returns `output_dir`."""
+    step_dir = find_step_dir(Path(checkpoint), best=True)
+    if not is_lora_checkpoint(step_dir):
+        raise UserError(f"checkpoint {step_dir} holds no LoRA adapters "
+                        f"({HF_FILES}/{ADAPTER_CONFIG} is missing)")
+    tensors = ModelTensors(step_dir)
+    infos = [TensorInfo(PEFT_PREFIX + info.name, info.dtype, info.shape)
+             for info in tensors.infos.values() if is_adapter(info.name)]
+
+    def write(tmp: Path) -> None:
+        shutil.copyfile(step_dir / HF_FILES / ADAPTER_CONFIG, tmp / ADAPTER_CONFIG)
+        write_safetensors(tmp / ADAPTER_WEIGHTS, infos,
+                          lambda name: tensors.load(name.removeprefix(PEFT_PREFIX)))
+
+    return _write_dir(Path(output_dir), write)
 
 
 def export_best_model(checkpoint_dir: Path, hf_output_dir: Path) -> Path | None:
@@ -189,12 +208,24 @@ def _set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Put the complete directory `tmp` at `target`: `target` is never half written (an old
-    one is moved aside first, then deleted)."""
+def _write_dir(target: Path, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` into a new directory beside `target`, then put it at `target`: `target`
+    is never half written (an old one is moved aside first, then deleted), and nothing half
+    written is left behind when `write` fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = target.with_name(f".{target.name}.old-{os.getpid()}")
     if target.exists():
         os.replace(target, old)
     os.replace(tmp, target)
     fsync_dir(target.parent)
     shutil.rmtree(old, ignore_errors=True)
+    return target
