@@ -31,6 +31,7 @@ from trainer.cli import run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import load_pretrained
+from trainer.hf.hf_config import read_hf_config
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
@@ -160,6 +161,7 @@ def _check_model_path(path: str | None) -> None:
         reason = "has no config.json" if Path(path).is_dir() else "does not exist"
         raise UserError(f"config 'model.path': '{path}' {reason}: it must be a local Hugging "
                         "Face model directory (config.json, safetensors, tokenizer files)")
+    read_hf_config(Path(path))  # a damaged config.json named before the tokenizer reads it
 
 
 def _tokenizer(path: str) -> Any:
