@@ -146,7 +146,7 @@ class Trainer(Generic[BatchT]):
         self.state = TrainState()
         self.data = DataPosition(data_reader, s.max_num_data_epochs, self.gangs.dp)
         self.metrics = MetricBag(self.device)
-        self.steps = StepLog(s.max_consecutive_non_finite, self.gangs.dp)
+        self.steps = StepLog(s.max_consecutive_non_finite, self.gangs.dp, type(unit).__name__)
         self.rng = RngState(s.seed, self.gangs, self.state)
         self.scaler = LossScaler(
             self.gangs.root, self.device, *s.fp16_loss_scale,
@@ -280,23 +280,26 @@ class Trainer(Generic[BatchT]):
     def _train_step(self, batches: list[BatchT]) -> None:
         step_nr = self.state.step_nr
         self.unit.set_step_nr(step_nr)
-        loss, local_count, normalised = self._forward_backward(batches)
+        loss, local_count, normalised, tensor_counts = self._forward_backward(batches)
         if self._has_expert_params:
             reduce_expert_gradients(self.unit.model, self.gangs)
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
         measure_norm = step_nr % self.settings.publish_metrics_every_n_steps == 0
         outcome = self.optimizer_step(loss, count, normalised, step_nr, measure_norm)
-        self.steps.log(step_nr, loss, local_count, outcome, judge_loss=self.scaler is None)
+        self.steps.log(step_nr, loss, local_count, outcome, judge_loss=self.scaler is None,
+                       tensor_counts=tensor_counts)
         self.optimizer_step.clear_gradients()
 
     def _forward_backward(self, batches: list[BatchT]
-                          ) -> tuple[torch.Tensor, torch.Tensor | int, bool]:
+                          ) -> tuple[torch.Tensor, torch.Tensor | int, bool, list[torch.Tensor]]:
         """Forward and backward of each micro-batch on its summed loss: (the step's loss sum,
-        detached; its local target count; whether backward took the mean already). DDP and
-        HSDP reduce across DP on the last micro-batch only (see `accumulation`)."""
+        detached; its local target count; whether backward took the mean already; the
+        unit's counts that are tensors, judged by `StepLog.check` at the next sync point).
+        DDP and HSDP reduce across DP on the last micro-batch only (see `accumulation`)."""
         loss_sum: torch.Tensor | None = None
         local_count: torch.Tensor | int = 0
         normalised = False
+        tensor_counts: list[torch.Tensor] = []
         for i, batch in enumerate(batches):
             with self._micro_batch_sync.sync(last=i == len(batches) - 1):
                 with self._autocast:
@@ -312,8 +315,10 @@ class Trainer(Generic[BatchT]):
             loss = loss.detach()
             loss_sum = loss if loss_sum is None else loss_sum + loss
             local_count = local_count + num_targets
+            if isinstance(num_targets, torch.Tensor):
+                tensor_counts.append(num_targets.detach())
         assert loss_sum is not None
-        return loss_sum, local_count, normalised
+        return loss_sum, local_count, normalised, tensor_counts
 
     # -- where all ranks meet ------------------------------------------------------------
     def _post_step(self, stop: StopSignal) -> str | None:
@@ -359,7 +364,7 @@ class Trainer(Generic[BatchT]):
         step_nr = self.state.step_nr
         self.state.validated_step = step_nr
         with self.system.left_out():  # throughput is of training time
-            values = self.validator.run()
+            values = self.validator.run(step_nr)
         for section, section_values in by_unit(values).items():
             self.recorder.record(section, step_nr, section_values)
         self.callbacks.on_validation_end(self, values)
