@@ -5,7 +5,8 @@ Precedence, lowest first: the config type's defaults, a base file (a run's own
 order, each override in order. Mappings are merged key by key; any other value (lists included)
 replaces the one below it. Setting a key to null and then to a mapping replaces a mapping
 instead of merging into it. An override ``a.b.c=value`` parses its value as YAML; an integer
-key indexes an existing list.
+key indexes an existing list. YAML is read by `trainer.config.yaml_reader`: a key twice in
+one mapping is an error, and ``1e-3`` is a number.
 
 Every mistake (unknown preset, unreadable or malformed file, malformed override, invalid
 value) raises `UserError` with a printable message.
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from trainer.config.errors import format_validation_error
 from trainer.config.import_path import ImportGate, gated_imports
+from trainer.config.yaml_reader import load_yaml
 from trainer.errors import UserError
 
 __all__ = ["PRESET_DOC_KEY", "load_config", "parse_override"]
@@ -116,7 +118,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not raw.strip():
         return keys, ""
     try:
-        value = yaml.safe_load(raw)
+        value = load_yaml(raw)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or str(err)
         raise ValueError(
@@ -202,7 +204,7 @@ def _list_index(node: list[Any], key: str, text: str, path: list[str]) -> int:
 def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as file:
-            data = yaml.safe_load(file)
+            data = load_yaml(file)
     except FileNotFoundError:
         raise UserError(f"config file '{path}' not found") from None
     except OSError as err:
