@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -189,3 +190,25 @@ def test_a_tied_config_whose_files_hold_equal_copies_stays_tied(tmp_path):
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     with torch.no_grad():
         torch.testing.assert_close(loaded(INPUT_IDS).logits, expected, rtol=0, atol=1e-6)
+
+
+# --- an interrupted export leaves nothing for good ------------------------------------------
+
+
+def test_the_next_export_removes_what_interrupted_exports_left(llama_shards, tmp_path):
+    from pretrained_dirs import train_pretrained
+
+    from trainer.hf import export_pretrained
+
+    out = tmp_path / "run"
+    train_pretrained(llama_shards, out, data_parallel=None, max_num_steps=2)
+    target = tmp_path / "export"
+    gone = 2**22 + 12345  # above the default pid_max: no live process has it
+    for leftover in (f".export.tmp-{gone}", f".export.old-{gone}"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "model.safetensors").write_bytes(b"x" * 1000)
+    running = tmp_path / f".export.tmp-{os.getppid()}"  # an export still running: kept
+    running.mkdir()
+    export_pretrained(out / "checkpoints", target)
+    assert sorted(p.name for p in tmp_path.glob(".export*")) == [running.name]
+    assert (target / "config.json").is_file()

@@ -15,7 +15,8 @@ own (`get_state_dict` strips DDP/FSDP/compile prefixes at save time); tied alias
 written once, under the name `save_pretrained` keeps (GPT-2: `transformer.wte.weight`,
 not `lm_head.weight`), and the keys are checked against the model the config describes
 before anything is written. The directory appears whole or not at all: it is written
-under a temporary name beside `output_dir` and renamed.
+under a temporary name beside `output_dir` and renamed; the copies an interrupted export
+left there (killed mid-write) are removed by the next export to the same place.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from trainer.errors import UserError
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_best_model", "export_pretrained"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_best_model", "export_pretrained",
+           "remove_interrupted_exports"]
 
 log = logging.getLogger("gangtrain")
 
@@ -85,8 +87,8 @@ def export_pretrained(
 
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_interrupted_exports(output_dir)
     tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
         shutil.copytree(hf_files, tmp)  # config, generation config, tokenizer files
         if dtype is not None:
@@ -98,6 +100,31 @@ def export_pretrained(
         raise
     _replace_dir(tmp, output_dir)
     return output_dir
+
+
+def remove_interrupted_exports(output_dir: Path) -> list[Path]:
+    """Delete what an interrupted export to `output_dir` left beside it (a whole model's
+    copy each: `.NAME.tmp-PID`, `.NAME.old-PID`) when process PID is gone (or is this
+    one); an export still running elsewhere on this machine keeps its own. The paths
+    removed."""
+    removed = []
+    for pattern in (f".{output_dir.name}.tmp-*", f".{output_dir.name}.old-*"):
+        for path in output_dir.parent.glob(pattern):
+            pid = path.name.rpartition("-")[2]
+            if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def export_best_model(checkpoint_dir: Path, hf_output_dir: Path) -> Path | None:
