@@ -8,7 +8,6 @@ or any checkpoint is lost.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,9 @@ from torch.optim import Optimizer
 
 from gangs import Gang, any_rank
 from gangs.parallel import is_data_parallel
-from trainer.errors import NonFiniteLossError, UserError
+from trainer.errors import NonFiniteLossError
 from trainer.settings import TrainerSettings
+from trainer.step.target_counts import bad_target_count
 from trainer.validator import Validator
 
 
@@ -75,7 +75,7 @@ def check_unit_output(unit: Any, loss: Any, num_targets: Any, step_nr: int) -> T
     """The unit returned `(a scalar loss tensor, an int or scalar tensor count or None)`;
     the count to use (None, a mean, counts 1). Cheap: no host read. An int count below 0 is
     refused here; a tensor count's value is judged where the step's values reach the host
-    (`StepLog.check`, with `check_target_counts`)."""
+    (`StepLog.check`, with `trainer.step.target_counts`)."""
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         name = type(unit).__name__
         what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
@@ -99,24 +99,6 @@ def check_unit_output(unit: Any, loss: Any, num_targets: Any, step_nr: int) -> T
     if isinstance(num_targets, int) and num_targets < 0:
         raise bad_target_count(type(unit).__name__, num_targets, step_nr)
     return num_targets
-
-
-def bad_target_count(unit_name: str, value: float, step_nr: int) -> UserError:
-    """The error for a count that is negative or not a whole number: dividing by it would
-    train on another gradient (a negative total is clamped, so the loss sum itself)."""
-    shown = int(value) if float(value).is_integer() else value
-    return UserError(
-        f"step {step_nr}: {unit_name} returned num_targets {shown}; num_targets is the number "
-        "of targets the loss sums over: a whole number >= 0 (None when the loss is a mean)"
-    )
-
-
-def check_target_counts(unit_name: str, step_nr: int, counts: list[float]) -> None:
-    """Refuse a step whose micro-batch counts (read on the host) are negative, fractional or
-    not finite."""
-    for value in counts:
-        if not (math.isfinite(value) and value >= 0 and float(value).is_integer()):
-            raise bad_target_count(unit_name, value, step_nr)
 
 
 def check_finite_state(optimizer: Optimizer, root: Gang, step_nr: int,

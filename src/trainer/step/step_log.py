@@ -36,8 +36,8 @@ from torch import Tensor
 
 from gangs import Gang, any_rank_each
 from trainer.errors import NonFiniteLossError, UserError
-from trainer.run_checks import check_target_counts
 from trainer.step.optimizer_step import StepOutcome
+from trainer.step.target_counts import check_target_counts, is_target_count
 from units import MetricBag
 
 log = logging.getLogger("gangtrain")
@@ -115,7 +115,7 @@ class StepLog:
             entry.judge_loss and not (math.isfinite(loss) and math.isfinite(norm))
             for entry, loss, norm in zip(steps, losses, norms)
         ]
-        bad_counts = [not all(_whole(value) for value in values) for values in each]
+        bad_counts = [not all(is_target_count(value) for value in values) for values in each]
         # One collective for both: DDP spreads one rank's NaN gradients, and a count one
         # rank refuses stops every rank at the same step.
         agreed = any_rank_each(self.dp, judged + bad_counts)
@@ -179,10 +179,6 @@ class StepLog:
         self._run_start = state["run_start"]
         self._losses, self._counts = list(state["losses"]), list(state["counts"])
         self._unread, self._grad_norm = [], None
-
-
-def _whole(value: float) -> bool:
-    return math.isfinite(value) and value >= 0 and float(value).is_integer()
 
 
 def check_error(unit_name: str, step_nr: int) -> UserError:
