@@ -29,6 +29,7 @@ import torch.distributed as dist
 from gangs import Gang, GangError, describe
 from trainer.checkpoint import CheckpointError
 from trainer.errors import UserError
+from trainer.lifecycle.local_workers import lost_local_workers
 
 FAILURES = "failures"
 AGREED = (UserError, CheckpointError)  # raised on every rank at the same point
@@ -133,49 +134,11 @@ def _records(failures: Path, pattern: str, rank: int) -> list[str]:
 def _who_stopped(rank: int) -> str:
     """Which peer stopped, when this node can tell: the torchrun workers beside this one
     (children of the same agent) whose process is gone or stopped; else "a peer"."""
-    lost = _lost_local_peers(rank)
+    lost = lost_local_workers(rank)
     if lost:
         return "; ".join(f"rank {peer} {how}" for peer, how in sorted(lost.items()))
     return ("a peer stopped responding (no worker on this node is gone or stopped: one on "
             "another node, or one slower than the collective timeout)")
-
-
-def _lost_local_peers(rank: int) -> dict[int, str]:
-    """{rank: what happened} of the workers of this node's torchrun agent, read from /proc:
-    a local rank with no live process (killed, e.g. by the OOM killer) or a stopped one.
-    Empty outside torchrun or without /proc."""
-    env = os.environ
-    run_id = env.get("TORCHELASTIC_RUN_ID")
-    try:
-        local_rank, local_size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
-    except (KeyError, ValueError):
-        return {}
-    if run_id is None or not Path("/proc/self").exists():
-        return {}
-    first = rank - local_rank  # torchrun numbers a node's workers contiguously
-    expected = set(range(first, first + local_size)) - {rank}
-    states: dict[int, str] = {}
-    agent = os.getppid()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) != agent or int(stat.parent.name) == os.getpid():
-                continue
-            environ = dict(item.split("=", 1) for item in
-                           (stat.parent / "environ").read_text(errors="replace").split("\0")
-                           if "=" in item)
-        except (OSError, ValueError, IndexError):
-            continue
-        if environ.get("TORCHELASTIC_RUN_ID") == run_id and "RANK" in environ:
-            states[int(environ["RANK"])] = fields[0]
-    lost = {}
-    for peer in sorted(expected):
-        state = states.get(peer)
-        if state is None or state in ("Z", "X"):
-            lost[peer] = "died: its process is gone (killed, e.g. by the OOM killer?)"
-        elif state in ("T", "t"):
-            lost[peer] = "is stopped (SIGSTOP or a debugger): it stopped responding"
-    return lost
 
 
 def raise_if_a_peer_failed(output_dir: Path, root: Gang, step_nr: int,
