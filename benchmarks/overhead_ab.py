@@ -28,9 +28,8 @@ from typing import Any
 import torch
 
 from benchmarks import overhead as bench
-from trainer import trainer as trainer_module
 from trainer.observe.system_metrics import SystemMetrics
-from trainer.step import gradients, step_log
+from trainer.step import forward_backward, gradients, step_log
 from trainer.step.optimizer_step import StepOutcome
 from trainer.step.step_call import StepCall
 from trainer.trainer import Trainer
@@ -75,11 +74,11 @@ EXPERIMENTS: dict[str, tuple[Any, str, Callable[..., Any], str]] = {
     "same": (Trainer, "_post_step", Trainer._post_step, "nothing: the noise floor"),
     "publish": (Trainer, "_post_step", lambda self, stop: None,
                 "minus the cost of publishing every 10 steps"),
-    "record_norm": (gradients, "gradient_norm_parts", lambda params: [],
+    "record_norm": (gradients, "gradient_norm_parts", lambda params, *split: [],
                     "minus the gradient norm measured for the record on publish steps"),
     "system_metrics": (SystemMetrics, "publish", lambda self, *args: {},
                        "minus the system metrics of a publish"),
-    "unit_checks": (trainer_module, "check_unit_output", lambda unit, loss, count, step: count,
+    "unit_checks": (forward_backward, "check_unit_output", lambda unit, loss, count, step: count,
                     "minus the check of the unit's output"),
     "minimal_step": (Trainer, "_train_step", _minimal_step,
                      "minus the step's bookkeeping over a hand-written step"),

@@ -34,7 +34,7 @@ def test_readme_and_docs_python_blocks_run(tmp_path, monkeypatch):
 def names_the_docs_import():
     """(module, name) for every `from pkg... import a, b` of our packages in the docs."""
     found = set()
-    pattern = r"from ((?:trainer|units|gangs|recipes)[\w.]*) import (?:\(([\w, \n]+)\)|([\w, ]+))"
+    pattern = r"from ((?:trainer|units|gangs|data|recipes)[\w.]*) import (?:\(([\w, \n]+)\)|([\w, ]+))"
     for page in PAGES:
         for module, wrapped, names in re.findall(pattern, page.read_text()):
             names = wrapped or names

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gangs", "units", "trainer", "recipes")
+PACKAGES = ("gangs", "layers", "parallel", "data", "units", "trainer", "recipes")
 
 
 def module_files() -> dict[str, Path]:
@@ -105,10 +105,15 @@ PART_IMPORTS = {
     "loop": {"errors", "checkpoint", "lifecycle", "state", "step", "observe"},
     "config": {"errors", "checkpoint", "lifecycle", "state", "step", "observe", "loop"},
 }
+# The run directory's names (trainer/run_dir.py) are a part below all others: every part may
+# spell a path through them, and they import nothing of ours.
+PART_IMPORTS = {"run_dir": set()} | {part: deps | {"run_dir"} for part, deps in PART_IMPORTS.items()}
 PART_IMPORTS["face"] = set(PART_IMPORTS)
 # What the other packages may import: arrows point down to gangs.
-PACKAGE_IMPORTS = {"gangs": set(), "units": {"gangs"}, "trainer": {"units", "gangs"},
-                   "recipes": {"trainer", "units", "gangs"}}
+PACKAGE_IMPORTS = {"gangs": set(), "layers": {"gangs"}, "parallel": {"gangs", "layers"},
+                   "data": {"gangs"}, "units": {"gangs", "layers"},
+                   "trainer": {"units", "gangs", "parallel", "layers", "data"},
+                   "recipes": {"trainer", "units", "gangs", "parallel", "layers", "data"}}
 
 
 def part_of(module: str) -> str:
@@ -116,7 +121,7 @@ def part_of(module: str) -> str:
     parts = module.split(".")
     if module in ("trainer", "trainer.cli"):
         return "face"
-    if parts[1] in PART_IMPORTS and len(parts) > 2 or parts[1] in ("checkpoint", "errors"):
+    if parts[1] in PART_IMPORTS and len(parts) > 2 or parts[1] in ("checkpoint", "errors", "run_dir"):
         return parts[1]
     return "loop"
 
@@ -131,12 +136,20 @@ def test_imports_point_downwards_between_the_parts_of_trainer():
                 if dep_package not in PACKAGE_IMPORTS[package]:
                     upward.append(f"{module} -> {dep}")
                 continue
-            if package != "trainer" or dep == "trainer.errors":
+            # errors and the switch of torch shortcuts import nothing of ours: any part may.
+            if package != "trainer" or dep in ("trainer.errors", "trainer.torch_shortcuts"):
                 continue
             mine, theirs = part_of(module), part_of(dep)
             if theirs != mine and theirs not in PART_IMPORTS[mine]:
                 upward.append(f"{module} ({mine}) -> {dep} ({theirs})")
     assert upward == [], "\n".join(sorted(upward))
+
+
+def test_recipes_never_import_each_other():
+    crossing = [f"{module} -> {dep}" for module, deps in import_graph().items()
+                if module.startswith("recipes.") for dep in deps
+                if dep.startswith("recipes.") and dep.split(".")[1] != module.split(".")[1]]
+    assert crossing == [], "\n".join(sorted(crossing))
 
 
 def test_each_part_of_trainer_says_what_lives_there_and_what_it_may_import():
@@ -161,7 +174,28 @@ def test_help_trainer_explains_every_argument():
     # One definition: the config has every setting, with the same default.
     for name, field in TrainerSettings.model_fields.items():
         assert TrainerConfig.model_fields[name].default == field.default, name
-        assert field.description, name
+        assert field.description and field.description in text, name  # explained in help()
+
+
+def test_the_trainer_signature_spells_out_every_setting_as_defined():
+    """`Trainer.__init__` writes each setting as a keyword for editors and type checkers; the
+    definition is `TrainerSettings`: the same names, in its order, types and defaults."""
+    import inspect
+
+    from trainer import Trainer
+    from trainer.settings import TrainerSettings
+
+    params = inspect.signature(Trainer, eval_str=True).parameters
+    fields = TrainerSettings.model_fields
+    keywords = [name for name, p in params.items() if name in fields]
+    assert keywords == list(fields)
+    for name, field in fields.items():
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert params[name].default == field.default, name
+        assert params[name].annotation == field.annotation, name
+    # Nothing else but the Trainer's objects and the catch of a misspelt setting.
+    others = [name for name in params if name not in fields]
+    assert others[-1] == "unknown" and params["unknown"].kind is inspect.Parameter.VAR_KEYWORD
 
 
 def test_the_trainer_page_lists_every_setting():

@@ -4,24 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import Field, PositiveInt
 
 from trainer.config.early_stopper import EarlyStopperConfig
+from trainer.config.sections import Section
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-
-class ModelSection(_Section):
+class ModelSection(Section):
     hidden_dim: PositiveInt = 128
     num_layers: PositiveInt = 2
     """Hidden layers (Linear + GELU), then a Linear to the class logits."""
     dropout: float = Field(default=0.0, ge=0, lt=1)
 
 
-class DataSection(_Section):
+class DataSection(Section):
     num_classes: int = Field(default=3, ge=2)
     dim: int = Field(default=2, ge=2)
     """Input dimension: the 2-D spirals rotated into `dim` dimensions by a fixed random map."""
@@ -45,11 +42,11 @@ class OptimizerSection(AdamWConfig):
     lr: float = Field(default=1e-2, gt=0)
 
 
-class GangsSection(_Section):
+class GangsSection(Section):
     timeout_s: PositiveInt = 600
 
 
-class ClassifyConfig(_Section):
+class ClassifyConfig(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     optimizer: OptimizerSection = OptimizerSection()

@@ -10,7 +10,7 @@ best reachable accuracy is about ``1 - label_noise``: validation accuracy platea
 
 ``ShardedBatchReader`` is the training reader. ``batch_size`` is the *global* batch: every
 data-parallel rank computes the same shuffled order of samples and takes its own contiguous
-slice of each global batch (as ``recipes.lm.data.ByteWindowReader`` does), so its O(1) state
+slice of each global batch (as `data.packing.WindowReader` does), so its O(1) state
 ``{"epoch", "batch_index"}`` resumes exactly, on any DP size.
 """
 
@@ -21,8 +21,8 @@ import math
 import torch
 from torch import Tensor
 
+from data.global_batches import GlobalBatchReader
 from trainer.errors import UserError
-from trainer.state.global_batches import GlobalBatchReader
 
 __all__ = ["Batch", "ShardedBatchReader", "eval_batches", "make_spirals", "split"]
 
@@ -90,7 +90,7 @@ def split(data: Batch, num_valid: int) -> tuple[Batch, Batch]:
 
 class ShardedBatchReader(GlobalBatchReader[Batch]):
     """Training reader: shuffled global batches of samples, sliced per DP rank (see
-    `trainer.state.global_batches` for the order, epochs and resumable state)."""
+    `data.global_batches` for the order, epochs and resumable state)."""
 
     def __init__(
         self,

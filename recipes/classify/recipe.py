@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +11,12 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from gangs import Gangs, setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel
+from gangs import Gangs
+from parallel import data_parallel
 from recipes.classify.config import ClassifyConfig
 from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
+from trainer.cli import recipe_gangs
 from trainer.config.early_stopper import build_early_stopper
-from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
@@ -58,12 +57,7 @@ class _Setup:
 
 def _setup(config: ClassifyConfig) -> _Setup:
     configure_logging()  # on rank 0 only: every line once
-    root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
-    try:
-        gangs = setup_gangs(root)
-    except ValueError as ex:
-        raise UserError(f"config 'gangs': {ex}") from None
-    console = Console(stderr=False, soft_wrap=True) if root.rank == 0 else None
+    gangs, console = recipe_gangs(config.gangs.timeout_s)
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
 
     # Data: the same samples on every rank; each DP rank takes its slice of every batch.

@@ -1,21 +1,17 @@
 """The `recipes.finetune` config: sections model, data, optimizer, lr_scheduler (warm-up and
-cosine decay, the LM recipe's), trainer, gangs."""
+cosine decay, `trainer.lr_schedules`), trainer, gangs."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import Field, PositiveInt
 
-from recipes.lm.config import LRSchedulerSection
+from trainer.config.sections import LRSchedulerSection, Section
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-
-class ModelSection(_Section):
+class ModelSection(Section):
     path: str | None = None
     """A local Hugging Face model directory: config.json, model.safetensors (or shards with
     an index) and the tokenizer files. Required."""
@@ -24,7 +20,7 @@ class ModelSection(_Section):
     third more compute."""
 
 
-class DataSection(_Section):
+class DataSection(Section):
     files: list[str] = []
     """Text files (each file one document) and JSONL files (`.jsonl`: one JSON object a
     line, its `text_field` one document). Required."""
@@ -48,7 +44,7 @@ class OptimizerSection(AdamWConfig):
     weight_decay: float = Field(default=0.0, ge=0)
 
 
-class GangsSection(_Section):
+class GangsSection(Section):
     tp_size: PositiveInt = 1
     """Tensor parallelism over this many ranks, from the model's own plan (base_model_tp_plan:
     LLaMA, Qwen, Mistral, ... declare one; GPT-2 does not)."""
@@ -58,7 +54,7 @@ class GangsSection(_Section):
     timeout_s: PositiveInt = 600
 
 
-class FinetuneConfig(_Section):
+class FinetuneConfig(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     optimizer: OptimizerSection = OptimizerSection()

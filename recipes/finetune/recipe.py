@@ -8,38 +8,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from torch import nn
 
-from gangs import Gangs, setup_gangs, setup_root_gang
+from data import WindowReader, pack_windows, read_documents, split_windows, tokenize_documents
+from gangs import Gangs
+from parallel import check_hsdp
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
-from recipes.finetune.data import (
-    WindowReader,
-    eval_batches,
-    pack_windows,
-    read_documents,
-    split_windows,
-    tokenize_documents,
-)
-from recipes.lm.schedule import warmup_cosine
-from trainer.checkpoint.model_files import hf_model_of
-from trainer.cli import run_recipe
+from recipes.finetune.data import eval_batches
+from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
-from trainer.hf import load_pretrained
+from trainer.hf import hf_model_of, load_pretrained
 from trainer.hf.hf_config import read_hf_config
+from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
+from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
-__all__ = ["HF_EXPORT_DIR", "cli", "eval_main", "load_model", "main"]
-
-HF_EXPORT_DIR = "hf"
-"""Where, under the output directory, the Trainer exports the best checkpoint of a HF model."""
+__all__ = ["cli", "eval_main", "load_model", "main"]
 
 
 def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
@@ -82,16 +73,15 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
     configure_logging()  # on rank 0 only: every line once
     # The user's mistakes first, before any process group or model.
     _check_model_path(config.model.path)
-    if config.gangs.dp_shard_size is not None and config.trainer.data_parallel != "fsdp":
-        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs trainer.data_parallel=fsdp")
+    try:
+        check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
+    except ValueError:
+        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
+                        "trainer.data_parallel=fsdp") from None
     d = config.data
     documents = read_documents(d.files, d.text_field)
-    root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
-    try:
-        gangs = setup_gangs(root, config.gangs.tp_size, 1, config.gangs.dp_shard_size)
-    except ValueError as ex:
-        raise UserError(f"config 'gangs': {ex}") from None
-    console = Console(stderr=False, soft_wrap=True) if root.rank == 0 else None
+    gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size, 1,
+                                  config.gangs.dp_shard_size)
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
 
     # Data: every rank tokenises the same documents into the same windows and split.
@@ -131,7 +121,7 @@ def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
     )
     result = trainer.run()
     if s.console:
-        _summary(s.console, result, config, output_dir / HF_EXPORT_DIR)
+        _summary(s.console, result, config, RunDir(output_dir).hf)
     s.gangs.close()
     return 0
 

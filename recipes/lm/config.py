@@ -5,16 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
+from trainer.config.sections import GangsSection, LRSchedulerSection, Section
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-
-class ModelSection(_Section):
+class ModelSection(Section):
     dim: PositiveInt = 192
     num_layers: PositiveInt = 4
     num_heads: PositiveInt = 6
@@ -39,7 +36,7 @@ class ModelSection(_Section):
         return self
 
 
-class DataSection(_Section):
+class DataSection(Section):
     root: str | None = None
     """Directory of .py files; null = the running interpreter's standard library."""
     seq_len: PositiveInt = 256
@@ -59,26 +56,7 @@ class OptimizerSection(AdamWConfig):
     weight_decay: float = Field(default=0.1, ge=0)
 
 
-class LRSchedulerSection(_Section):
-    warmup_steps: int = Field(default=100, ge=0)
-    final_lr_scale: float = Field(default=0.1, ge=0, le=1)
-    """Cosine decay from lr to lr * final_lr_scale at num_steps, then constant."""
-    num_steps: PositiveInt | None = None
-    """Length of the schedule in steps. null: the first run's trainer.max_num_steps, kept
-    in the checkpoint, so extending a run (a larger max_num_steps on resume) leaves the
-    learning rates of the steps already taken as they were."""
-
-
-class GangsSection(_Section):
-    tp_size: PositiveInt = 1
-    ep_size: PositiveInt = 1
-    dp_shard_size: PositiveInt | None = None
-    """HSDP: FSDP2 shards over groups of this many DP ranks (one node) and replicates across
-    them; needs trainer.data_parallel=fsdp. null: shard over every DP rank."""
-    timeout_s: PositiveInt = 600
-
-
-class LMConfig(_Section):
+class LMConfig(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     optimizer: OptimizerSection = OptimizerSection()

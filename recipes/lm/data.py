@@ -8,10 +8,11 @@ A sample is a non-overlapping window of ``seq_len + 1`` bytes: sample ``i`` is
 ``data[i*seq_len : i*seq_len + seq_len + 1]``, its input the first ``seq_len`` bytes and its
 target the last ``seq_len`` (the input shifted by one).
 
-``ByteWindowReader`` is the training reader. ``batch_size`` is the *global* micro-batch:
-every data-parallel rank computes the same shuffled order of windows and takes its own
-contiguous slice of each global batch, so a run over 1, 2 or 4 processes sees exactly the
-same global batches, and its O(1) state (epoch, batch index) can be resumed on any DP size.
+``ByteWindowReader`` is the training reader (windows and batches: `data.packing`).
+``batch_size`` is the *global* micro-batch: every data-parallel rank computes the same
+shuffled order of windows and takes its own contiguous slice of each global batch, so a run
+over 1, 2 or 4 processes sees exactly the same global batches, and its O(1) state (epoch,
+batch index) can be resumed on any DP size.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from data.packing import Batch, WindowReader, pack_windows, to_batch
 from trainer.errors import UserError
-from trainer.state.global_batches import GlobalBatchReader
 
 __all__ = [
     "EXCLUDED_DIR_NAMES",
@@ -35,9 +36,7 @@ __all__ = [
     "find_source_files",
     "gzip_bits_per_byte",
     "load_bytes",
-    "pack_windows",
     "split_files",
-    "to_batch",
 ]
 
 SEPARATOR = b"\x00"
@@ -49,8 +48,6 @@ SEPARATOR = b"\x00"
 EXCLUDED_DIR_NAMES = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 )
-
-Batch = dict[str, torch.Tensor]
 
 
 def find_source_files(root: Path | str | None = None) -> list[Path]:
@@ -123,33 +120,9 @@ def load_bytes(files: Sequence[Path], max_bytes: int | None = None) -> torch.Ten
     return torch.frombuffer(stream, dtype=torch.uint8)
 
 
-def pack_windows(data: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """View ``data`` (a 1-D stream of bytes or token ids) as ``[num_windows, seq_len + 1]``
-    windows that share their boundary element (no copy)."""
-    if data.dim() != 1:
-        raise ValueError(f"data must be a 1-D tensor, got shape {tuple(data.shape)}")
-    if seq_len < 1:
-        raise UserError(f"seq_len must be positive, got {seq_len}")
-    num_windows = max(0, (data.numel() - 1) // seq_len)
-    if num_windows == 0:
-        return data.new_empty((0, seq_len + 1))
-    # Consecutive windows share one byte: the last target of window i is the first input of
-    # window i+1, so every byte but the first is a target exactly once.
-    return data[: num_windows * seq_len + 1].unfold(0, seq_len + 1, seq_len)
-
-
-def to_batch(windows: torch.Tensor) -> Batch:
-    """Inputs and next-token targets of ``windows`` as a `Batch`."""
-    tokens = windows.long()
-    return {
-        "input_ids": tokens[:, :-1].contiguous(),
-        "target_ids": tokens[:, 1:].contiguous(),
-    }
-
-
-class ByteWindowReader(GlobalBatchReader[Batch]):
-    """Training reader: shuffled global batches of packed windows, sliced per DP rank (see
-    `trainer.state.global_batches` for the order, epochs and resumable state)."""
+class ByteWindowReader(WindowReader):
+    """Training reader: shuffled global batches of the packed windows of ``data``, sliced per
+    DP rank (`data.packing.WindowReader`)."""
 
     def __init__(
         self,
@@ -161,21 +134,18 @@ class ByteWindowReader(GlobalBatchReader[Batch]):
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
-        self._windows = pack_windows(data, seq_len)
+        windows = pack_windows(data, seq_len)
         self.seq_len = seq_len
-        if self._windows.shape[0] < batch_size:
+        if windows.shape[0] < batch_size:
             raise UserError(
-                f"data of {data.numel()} bytes holds {self._windows.shape[0]} windows of "
+                f"data of {data.numel()} bytes holds {windows.shape[0]} windows of "
                 f"seq_len {seq_len}, fewer than one global batch of {batch_size}"
             )
-        super().__init__(self._windows.shape[0], batch_size, dp_rank, dp_size, seed, shuffle)
+        super().__init__(windows, batch_size, dp_rank, dp_size, seed, shuffle)
 
     @property
     def num_windows(self) -> int:
         return self.num_samples
-
-    def make_batch(self, indices: torch.Tensor) -> Batch:
-        return to_batch(self._windows[indices])
 
 
 def eval_batches(

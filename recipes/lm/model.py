@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gangs import Gang
-from gangs.parallel.expert import GroupedExperts, MoEFeedForward
+from layers.moe import GroupedExperts, MoEFeedForward
 
 __all__ = [
     "GPT",
@@ -164,7 +164,7 @@ class GPT(nn.Module):
                        generator: torch.Generator | None = None) -> None:
         """Fill `tensor`, the FULL value of the parameter or buffer `name`, by the model's
         initialisation rule (the distributions of `init_weights` and of the MoE layers),
-        drawing from `generator`: a `gangs.parallel.materialize.InitRule`, so a model built on
+        drawing from `generator`: a `parallel.materialize.InitRule`, so a model built on
         the meta device starts from the same bits on every parallel layout."""
         module_name, _, leaf = name.rpartition(".")
         module = self.get_submodule(module_name)

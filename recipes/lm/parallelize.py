@@ -9,15 +9,12 @@ their gradients, which keeps the math exact, the (tied) embedding/output untouch
 logits full, so the unit's loss needs no `loss_parallel`. MoE feed-forwards are replicated
 over TP too (their experts are split over EP instead).
 
-Data parallelism: "ddp" or "fsdp" (FSDP2). DDP cannot wrap DTensor parameters (its
-parameter broadcast mixes them with plain tensors), so a 2-D DP x TP layout always uses
-FSDP2 over `mesh["dp"]`; asked for "ddp", it keeps parameters gathered between forward and
-backward (`reshard_after_forward=False`, ZeRO-2 like), the closest to DDP.
+Data parallelism: "ddp" or "fsdp" (FSDP2), by the rules of the build plan
+(`parallel.plan`: under TP, "ddp" is FSDP2 without resharding after forward).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Literal
 
 from torch import nn
@@ -29,14 +26,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from gangs import Gangs
-from gangs.parallel import data_parallel as wrap_data_parallel
-from gangs.parallel import fully_shard_model
-from gangs.parallel.expert import moe_layers
+from layers.moe import moe_layers
+from parallel import plan
 from recipes.lm.model import GPT, FeedForward, GPTConfig
 
-__all__ = ["check_layout", "parallelize_gpt", "tensor_parallel_plan"]
-
-log = logging.getLogger("gangtrain")
+__all__ = ["check_layout", "gpt_tensor_parallel", "parallelize_gpt", "tensor_parallel_plan"]
 
 
 def check_layout(config: GPTConfig, tp_size: int = 1, ep_size: int = 1) -> None:
@@ -75,18 +69,11 @@ def tensor_parallel_plan(model: GPT) -> dict[str, ParallelStyle]:
     return plan
 
 
-def parallelize_gpt(
-    model: GPT, gangs: Gangs, data_parallel: Literal["ddp", "fsdp"] = "ddp"
-) -> nn.Module:
-    """Apply the whole layout to `model` and return the module to train. Checks every size
-    before touching the model.
-
-    Build `model` with `GPT(config, ep_gang=gangs.ep)` (its experts are split at construction)
-    and the optimizer afterwards from `gangs.parallel.param_groups(model)`: TP and EP leave
-    some parameters plain and make others DTensors, which one fused/foreach group refuses.
-    """
-    if data_parallel not in ("ddp", "fsdp"):
-        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+def gpt_tensor_parallel(model: nn.Module, gangs: Gangs) -> None:
+    """The GPT's step of the build plan (`parallel.plan.TensorParallel`): check every size
+    before touching the model, then apply `tensor_parallel_plan` over `mesh["tp"]`. Experts
+    were split over EP when the model was built (`GPT(config, ep_gang=gangs.ep)`)."""
+    assert isinstance(model, GPT)
     check_layout(model.config, gangs.tp.size, gangs.ep.size)
     for name, moe in moe_layers(model):
         if moe.ep_size != gangs.ep.size:
@@ -94,15 +81,24 @@ def parallelize_gpt(
                 f"{name} splits its experts over ep_size {moe.ep_size} but the gangs have "
                 f"ep_size {gangs.ep.size}: build the model with GPT(config, ep_gang=gangs.ep)"
             )
-
     if gangs.tp.size > 1:
         assert gangs.mesh is not None
         parallelize_module(model, gangs.mesh["tp"], tensor_parallel_plan(model))
-    if gangs.dp.size == 1:
-        return model
-    if gangs.tp.size > 1:
-        if data_parallel == "ddp":
-            log.info("DP x TP: DDP cannot wrap DTensor parameters, using FSDP2 over dp "
-                     "without resharding after forward")
-        return fully_shard_model(model, gangs, reshard_after_forward=data_parallel == "fsdp")
-    return wrap_data_parallel(model, gangs, data_parallel)
+
+
+def parallelize_gpt(
+    model: GPT, gangs: Gangs, data_parallel: Literal["ddp", "fsdp"] = "ddp"
+) -> nn.Module:
+    """Apply the whole layout to `model`, already real (built on a device), and return the
+    module to train, by the build plan's rules (`parallel.plan.parallelize`). Checks every
+    size before touching the model.
+
+    Build `model` with `GPT(config, ep_gang=gangs.ep)` (its experts are split at construction)
+    and the optimizer afterwards from `parallel.param_groups(model)`: TP and EP leave
+    some parameters plain and make others DTensors, which one fused/foreach group refuses.
+    """
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+    # One DP rank (TP alone): nothing to wrap.
+    return plan.parallelize(model, gangs, tensor_parallel=gpt_tensor_parallel,
+                            data_parallel=data_parallel if gangs.dp.size > 1 else None)

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from gangs import Gangs, setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel as wrap_data_parallel
-from gangs.parallel.materialize import materialize, seeded_init
+from gangs import Gangs
+from parallel import check_hsdp, plan
+from parallel.materialize import materialize, seeded_init
 from recipes.lm.config import LMConfig
 from recipes.lm.data import (
     ByteWindowReader,
@@ -23,10 +23,12 @@ from recipes.lm.data import (
     split_files,
 )
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
-from recipes.lm.schedule import warmup_cosine
+from trainer.cli import recipe_gangs
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
+from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
+from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
 
@@ -45,18 +47,15 @@ class _Setup:
 
 
 def _setup(config: LMConfig, train: bool) -> _Setup:
-    from datetime import timedelta
-
     configure_logging()  # on rank 0 only: every line once
-    if config.gangs.dp_shard_size is not None and config.trainer.data_parallel != "fsdp":
-        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs trainer.data_parallel=fsdp")
-    root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
     try:
-        gangs = setup_gangs(root, config.gangs.tp_size, config.gangs.ep_size,
-                            config.gangs.dp_shard_size)
-    except ValueError as ex:
-        raise UserError(f"config 'gangs': {ex}") from None
-    console = Console(stderr=False) if root.rank == 0 else None
+        check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
+    except ValueError:
+        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
+                        "trainer.data_parallel=fsdp") from None
+    gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size,
+                                  config.gangs.ep_size, config.gangs.dp_shard_size,
+                                  soft_wrap=False)
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
 
     # Data: one global order of windows, each DP rank takes its slice of every batch.
@@ -133,27 +132,22 @@ def eval_main(config: LMConfig, output_dir: Path, checkpoint: str) -> int:
 
 def build_model(gpt_config: GPTConfig, gangs: Gangs, data_parallel: str = "ddp",
                 seed: int = 0) -> torch.nn.Module:
-    """The recipe's GPT, parallelised over `gangs` and ready to train: built on the meta
-    device, parallelised, then materialised with each parameter drawn whole on the host from
-    a generator seeded by (seed, its name) and sliced to this rank's shard
-    (`gangs.parallel.materialize`): the same initial bits on every layout, and no rank ever
-    holds more than its shards plus one full parameter. DDP, which keeps and broadcasts a
-    whole replica, wraps the model after it is materialised."""
-    with torch.device("meta"):  # no memory, no init cost
-        model = GPT(gpt_config, ep_gang=gangs.ep if gangs.ep.size > 1 else None)
-    init = seeded_init(seed, model.init_parameter)
-    whole_replicas = data_parallel == "ddp" and gangs.tp.size == 1
-    if whole_replicas:
-        materialize(model, gangs.device, init)
-    if gangs.tp.size > 1 or gangs.ep.size > 1 or gpt_config.num_experts:
-        from recipes.lm.parallelize import parallelize_gpt
+    """The recipe's GPT, parallelised over `gangs` and ready to train, by the build plan
+    every model goes through (`parallel.plan.build_model`): built on the meta device,
+    parallelised, then materialised with each parameter drawn whole on the host from a
+    generator seeded by (seed, its name) and sliced to this rank's shard
+    (`parallel.materialize`): the same initial bits on every layout, and no rank ever
+    holds more than its shards plus one full parameter."""
+    from recipes.lm.parallelize import gpt_tensor_parallel
 
-        model = parallelize_gpt(model, gangs, data_parallel=data_parallel)
-    else:
-        model = wrap_data_parallel(model, gangs, data_parallel)
-    if not whole_replicas:
-        materialize(model, gangs.device, init)
-    return model
+    def init(model: torch.nn.Module, device: torch.device) -> None:
+        materialize(model, device, seeded_init(seed, model.init_parameter))
+
+    return plan.build_model(
+        lambda: GPT(gpt_config, ep_gang=gangs.ep if gangs.ep.size > 1 else None), gangs,
+        tensor_parallel=gpt_tensor_parallel, materialize=init,
+        # One DP rank (one process, or TP alone): nothing to wrap.
+        data_parallel=data_parallel if gangs.dp.size > 1 else None)
 
 
 def _summary(console: Console, result, output_dir: Path, gzip_bpb: float) -> None:
@@ -164,4 +158,4 @@ def _summary(console: Console, result, output_dir: Path, gzip_bpb: float) -> Non
                       f"{result.best_step} ({verdict} gzip -9: {gzip_bpb:.4f})")
     if result.best_checkpoint is not None:
         console.print(f"best checkpoint: {result.best_checkpoint}")
-    console.print(f"curves: tensorboard --logdir {output_dir / 'tb'}")
+    console.print(f"curves: tensorboard --logdir {RunDir(output_dir).tensorboard}")

@@ -1,4 +1,6 @@
-"""Process gangs: the root, data-, tensor- and expert-parallel groups of a job."""
+"""Process gangs: the root, data-, tensor- and expert-parallel groups of a job, all read off
+one table of named mesh axes (`gangs.setup.mesh_views`), and the decisions every rank shares.
+Imports torch only: model layers live in `layers`, wrappers and the build plan in `parallel`."""
 
 from gangs.decisions import any_rank, any_rank_each, describe, first_error, on_rank0
 from gangs.fake import FakeGang

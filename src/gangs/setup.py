@@ -1,4 +1,5 @@
-"""`Gangs` and `setup_gangs`: every process group and the `DeviceMesh`, built in one place.
+"""`Gangs` and `setup_gangs`: every process group and the `DeviceMesh`, built in one place
+from one table of named axes (`mesh_views`).
 
 Layout of a world of `dp * tp` ranks (TP ranks contiguous, like torchtitan):
 
@@ -95,6 +96,27 @@ def check_sizes(
     return dp_size
 
 
+def mesh_views(
+    dp_size: int, tp_size: int = 1, ep_size: int = 1, dp_shard_size: int | None = None
+) -> dict[str, dict[str, int]]:
+    """The layout in one place: the world's rank grid `[dp, tp]` (TP innermost) and the named
+    views of it that split the DP axis, each `{axis: size}`, outermost axis first.
+
+    "world" `[dp, tp]`; "hsdp" `[dp_replicate, dp_shard, tp]` when FSDP2 shards over fewer
+    than all DP ranks; "experts" `[expert_dp, ep, tp]` when experts are split (EP carved out
+    of DP). Every gang is one axis of one view; a real job builds a `DeviceMesh` per view,
+    one process reads its ranks off the same views. Room for what comes: a `pp` axis goes
+    outermost and a `cp` axis between the DP axes and `tp`, in every view.
+    """
+    views = {"world": {"dp": dp_size, "tp": tp_size}}
+    if dp_shard_size is not None and dp_shard_size < dp_size:
+        views["hsdp"] = {"dp_replicate": dp_size // dp_shard_size, "dp_shard": dp_shard_size,
+                         "tp": tp_size}
+    if ep_size > 1:
+        views["experts"] = {"expert_dp": dp_size // ep_size, "ep": ep_size, "tp": tp_size}
+    return views
+
+
 def setup_gangs(
     root: Gang, tp_size: int = 1, ep_size: int = 1, dp_shard_size: int | None = None
 ) -> Gangs:
@@ -104,58 +126,43 @@ def setup_gangs(
     across the groups; None (or the whole DP size) shards over every DP rank.
     """
     dp_size = check_sizes(root.size, tp_size, ep_size, dp_shard_size)
-    hsdp = dp_shard_size is not None and dp_shard_size < dp_size
+    views = mesh_views(dp_size, tp_size, ep_size, dp_shard_size)
     if isinstance(root, FakeGang):
-        return _fake_gangs(root, dp_size, tp_size, ep_size, dp_shard_size if hsdp else None)
+        return _fake_gangs(root, views)
 
-    device_type = root.device.type
     world = torch.arange(root.size)
-    # The flat [dp, tp] mesh gives the dp gang; under HSDP the parameters live on the 3-D
-    # mesh (FSDP2 and TP must share one root mesh), whose "tp" gang is the same ranks.
-    flat = DeviceMesh(device_type, world.view(dp_size, tp_size), mesh_dim_names=("dp", "tp"))
-    dp = ProcessGroupGang(flat.get_group("dp"), root.device)
-    tp = ProcessGroupGang(flat.get_group("tp"), root.device)
-    mesh, dp_shard, dp_replicate = flat, None, None
-    if hsdp:
-        assert dp_shard_size is not None
-        mesh = DeviceMesh(
-            device_type,
-            world.view(dp_size // dp_shard_size, dp_shard_size, tp_size),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
-        )
-        tp = ProcessGroupGang(mesh.get_group("tp"), root.device)
-        dp_shard = ProcessGroupGang(mesh.get_group("dp_shard"), root.device)
-        dp_replicate = ProcessGroupGang(mesh.get_group("dp_replicate"), root.device)
-    hsdp_gangs = {"dp_shard": dp_shard, "dp_replicate": dp_replicate}
-    if ep_size == 1:
-        return Gangs(root, dp, tp, ep=FakeGang(device=root.device), expert_dp=dp, mesh=mesh,
-                     **hsdp_gangs)
+    meshes = {view: DeviceMesh(root.device.type, world.view(*axes.values()),
+                               mesh_dim_names=tuple(axes))
+              for view, axes in views.items()}
 
-    ep_mesh = DeviceMesh(
-        device_type,
-        world.view(dp_size // ep_size, ep_size, tp_size),
-        mesh_dim_names=("expert_dp", "ep", "tp"),
-    )
-    ep = ProcessGroupGang(ep_mesh.get_group("ep"), root.device)
-    expert_dp = ProcessGroupGang(ep_mesh.get_group("expert_dp"), root.device)
-    return Gangs(root, dp, tp, ep, expert_dp, mesh=mesh, ep_mesh=ep_mesh, **hsdp_gangs)
+    def gang(view: str, axis: str) -> ProcessGroupGang:
+        return ProcessGroupGang(meshes[view].get_group(axis), root.device)
+
+    # The parameters live on one root mesh (FSDP2 and TP must share it): the HSDP view when
+    # there is one, whose "tp" gang is the same ranks as the world's.
+    params = "hsdp" if "hsdp" in views else "world"
+    hsdp = {"dp_shard": gang("hsdp", "dp_shard"),
+            "dp_replicate": gang("hsdp", "dp_replicate")} if "hsdp" in views else {}
+    dp = gang("world", "dp")
+    experts = {"ep": gang("experts", "ep"), "expert_dp": gang("experts", "expert_dp"),
+               "ep_mesh": meshes["experts"]} if "experts" in views else {
+                   "ep": FakeGang(device=root.device), "expert_dp": dp}
+    return Gangs(root, dp, gang(params, "tp"), mesh=meshes[params], **experts, **hsdp)
 
 
-def _fake_gangs(
-    root: FakeGang, dp_size: int, tp_size: int, ep_size: int, dp_shard_size: int | None
-) -> Gangs:
-    r, dev = root.rank, root.device
-    d, t = divmod(r, tp_size)
-    hsdp = {}
-    if dp_shard_size is not None:
-        i, j = divmod(d, dp_shard_size)
-        hsdp = {"dp_shard": FakeGang(j, dp_shard_size, dev),
-                "dp_replicate": FakeGang(i, dp_size // dp_shard_size, dev)}
-    return Gangs(
-        root=root,
-        dp=FakeGang(d, dp_size, dev),
-        tp=FakeGang(t, tp_size, dev),
-        ep=FakeGang(d % ep_size, ep_size, dev),
-        expert_dp=FakeGang(d // ep_size, dp_size // ep_size, dev),
-        **hsdp,
-    )
+def _fake_gangs(root: FakeGang, views: dict[str, dict[str, int]]) -> Gangs:
+    """One process of a larger layout (tests): its rank on each axis, read off the same
+    views as a real job's meshes."""
+
+    def gang(view: str, axis: str) -> FakeGang:
+        axes = views[view]
+        coordinates = torch.unravel_index(torch.tensor(root.rank), tuple(axes.values()))
+        return FakeGang(int(coordinates[list(axes).index(axis)]), axes[axis], root.device)
+
+    hsdp = {"dp_shard": gang("hsdp", "dp_shard"),
+            "dp_replicate": gang("hsdp", "dp_replicate")} if "hsdp" in views else {}
+    experts = "experts" if "experts" in views else None
+    dp = gang("world", "dp")
+    return Gangs(root=root, dp=dp, tp=gang("world", "tp"),
+                 ep=gang(experts, "ep") if experts else FakeGang(0, 1, root.device),
+                 expert_dp=gang(experts, "expert_dp") if experts else dp, **hsdp)

@@ -1,12 +1,13 @@
 """The model-agnostic training loop and its services."""
 
+from data.global_batches import GlobalBatchReader
 from trainer.config.callbacks import CallbackConfig
 from trainer.config.trainer_config import TrainerConfig
 from trainer.errors import NonFiniteLossError, UserError
 from trainer.evaluate import evaluate
+from trainer.lr_schedules import WarmupCosine
 from trainer.observe.callbacks import Callback, CallbackError
 from trainer.result import TrainResult
-from trainer.state.global_batches import GlobalBatchReader
 from trainer.trainer import Trainer
 
 __all__ = [
@@ -19,5 +20,6 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "UserError",
+    "WarmupCosine",
     "evaluate",
 ]

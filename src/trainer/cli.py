@@ -37,10 +37,14 @@ import os
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
+from rich.console import Console
+
+from gangs import Gangs, setup_gangs, setup_root_gang
 
 # load_config, parse_override and format_validation_error are re-exported: recipes, tests and
 # benchmarks import them from here.
@@ -49,16 +53,18 @@ from trainer.checkpoint.run_config import config_text, record_history
 from trainer.config.errors import format_validation_error
 from trainer.config.loading import PRESET_DOC_KEY, load_config, parse_override
 from trainer.errors import UserError
-from trainer.evaluate import CHECKPOINT_DIR, find_checkpoint, parse_checkpoint_choice
+from trainer.evaluate import find_checkpoint, parse_checkpoint_choice
 from trainer.lifecycle.output_dir import clear_previous_run, used_by_another_run
 from trainer.lifecycle.resume_guard import check_resume_config
 from trainer.lifecycle.run_lock import RunLock
+from trainer.run_dir import RunDir
 
 __all__ = [
     "dump_config",
     "format_validation_error",
     "load_config",
     "parse_override",
+    "recipe_gangs",
     "run_recipe",
 ]
 
@@ -142,7 +148,7 @@ def run_recipe(
     if args.eval_only:
         assert eval_main is not None  # checked above
         try:
-            find_checkpoint(output_dir / CHECKPOINT_DIR, checkpoint)  # fail before building
+            find_checkpoint(RunDir(output_dir).checkpoints, checkpoint)  # fail before building
             code = eval_main(config, output_dir, checkpoint)
         except UserError as err:
             return _fail(str(err))
@@ -197,7 +203,7 @@ def _run_config(args: argparse.Namespace) -> Path | None:
     evaluates the run there (not when it starts over); None otherwise."""
     if args.output_dir is None or (not args.eval_only and (not args.resume or args.overwrite)):
         return None
-    path = Path(args.output_dir) / "config.yaml"
+    path = RunDir(args.output_dir).config_file
     return path if path.is_file() else None
 
 
@@ -340,7 +346,22 @@ def _write_config(config: BaseModel, output_dir: Path) -> None:
         return
     # Written under a temporary name and renamed, so config.yaml is never half written.
     text = dump_config(config)
-    tmp = output_dir / f".config.yaml.{os.getpid()}.tmp"
+    config_file = RunDir(output_dir).config_file
+    tmp = config_file.with_name(f".{config_file.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, output_dir / "config.yaml")
+    os.replace(tmp, config_file)
     record_history(output_dir, text)  # every config the directory went through
+
+
+def recipe_gangs(timeout_s: int, tp_size: int = 1, ep_size: int = 1,
+                 dp_shard_size: int | None = None, soft_wrap: bool = True
+                 ) -> tuple[Gangs, Console | None]:
+    """A recipe's gangs over the root gang (torchrun's world, `timeout_s` for collectives),
+    and its console on rank 0 only (None elsewhere). Sizes that do not fit the world are the
+    user's mistake: a `UserError` naming the config's `gangs` section."""
+    root = setup_root_gang(timeout=timedelta(seconds=timeout_s))
+    try:
+        gangs = setup_gangs(root, tp_size, ep_size, dp_shard_size)
+    except ValueError as ex:
+        raise UserError(f"config 'gangs': {ex}") from None
+    return gangs, Console(stderr=False, soft_wrap=soft_wrap) if root.rank == 0 else None

@@ -19,36 +19,27 @@ Call it on every rank (it is collective), with the models built and wrapped as f
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from rich.console import Console
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from gangs import FakeGang, Gangs
-from trainer.checkpoint import rank_by_score, verify
-from trainer.checkpoint.directory import CheckpointDir, scores_of
-from trainer.checkpoint.manifest import (
-    MODEL_OPTIM,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    check_model_fits,
-)
+from trainer.checkpoint.directory import CheckpointDir
+from trainer.checkpoint.loading import load_dcp, require_verified
 from trainer.checkpoint.state import model_optim_state
 from trainer.default_gangs import default_gangs
 from trainer.errors import UserError
 from trainer.observe.console_log import show_on_console
 from trainer.observe.recorders import ConsoleRecorder, JsonlRecorder
+from trainer.run_dir import RunDir, parse_step_dir, step_dir_name
 from trainer.validator import Validator
 from units import EvalUnit
 
 __all__ = [
-    "CHECKPOINT_DIR",
     "EVAL_SECTION",
     "evaluate",
     "find_checkpoint",
@@ -57,13 +48,8 @@ __all__ = [
 
 log = logging.getLogger("gangtrain")
 
-CHECKPOINT_DIR = "checkpoints"
-"""The checkpoints' folder under a run's output directory."""
-
 EVAL_SECTION = "eval"
 """The metrics section (``metrics/eval.jsonl``) evaluate-only runs append to."""
-
-_STEP_RE = re.compile(r"^(?:step_)?(\d+)$")
 
 
 def parse_checkpoint_choice(choice: str | int) -> str | int:
@@ -76,10 +62,10 @@ def parse_checkpoint_choice(choice: str | int) -> str | int:
     text = str(choice).strip()
     if text in ("best", "last"):
         return text
-    match = _STEP_RE.match(text)
-    if match is None:
+    step_nr = int(text) if text.isascii() and text.isdigit() else parse_step_dir(text)
+    if step_nr is None:
         raise ValueError(f"checkpoint must be 'best', 'last' or 'step_N', got {choice!r}")
-    return int(match.group(1))
+    return step_nr
 
 
 def find_checkpoint(checkpoint_dir: Path, choice: str | int = "best") -> tuple[int, str]:
@@ -92,23 +78,22 @@ def find_checkpoint(checkpoint_dir: Path, choice: str | int = "best") -> tuple[i
     listing = _listing(manifests)
     if not manifests:
         incomplete = sorted(disk.step_dirs())
-        extra = (f" (incomplete: {', '.join(f'step_{s}' for s in incomplete)})"
+        extra = (f" (incomplete: {', '.join(step_dir_name(s) for s in incomplete)})"
                  if incomplete else "")
         raise UserError(f"no checkpoint to evaluate in {checkpoint_dir}: it holds no "
                         f"complete step_N directory{extra}; train first")
     if isinstance(wanted, int):
         if wanted not in manifests:
-            raise UserError(f"checkpoint step_{wanted} not found in {checkpoint_dir}; "
-                            f"complete checkpoints: {listing}")
-        return wanted, f"step_{wanted}"
+            raise UserError(f"checkpoint {step_dir_name(wanted)} not found in "
+                            f"{checkpoint_dir}; complete checkpoints: {listing}")
+        return wanted, step_dir_name(wanted)
     newest = max(manifests)
     if wanted == "best":
-        lower_better = bool(manifests[newest].get("lower_better", True))
-        ranked = rank_by_score(manifests, scores_of(manifests), lower_better)
-        if ranked:
-            return ranked[0], "best"
-        log.info("no checkpoint in %s has a score: evaluating the newest, step_%d",
-                 checkpoint_dir, newest)
+        best = disk.best_step()
+        if best is not None:
+            return best, "best"
+        log.info("no checkpoint in %s has a score: evaluating the newest, %s",
+                 checkpoint_dir, step_dir_name(newest))
     return newest, "last"
 
 
@@ -136,7 +121,8 @@ def evaluate(
         raise UserError(str(err)) from None
     if not validator:
         raise UserError("evaluate needs at least one valid unit and its data reader")
-    checkpoint_dir = output_dir / CHECKPOINT_DIR
+    checkpoints = CheckpointDir(RunDir(output_dir).checkpoints)
+    checkpoint_dir = checkpoints.path
     root = gangs.root
 
     # Rank 0 chooses and verifies; every rank then loads the same step (or raises the same).
@@ -144,10 +130,7 @@ def evaluate(
     if root.rank == 0:
         try:
             step_nr, how = find_checkpoint(checkpoint_dir, checkpoint)
-            problem = verify(checkpoint_dir / f"step_{step_nr}", step_nr)
-            if problem is not None:
-                raise UserError(f"checkpoint {checkpoint_dir / f'step_{step_nr}'} cannot be "
-                                f"loaded: {problem}")
+            require_verified(checkpoints.step_dir(step_nr), step_nr)
             answer = [(step_nr, how, None)]
         except UserError as err:
             answer = [(None, None, str(err))]
@@ -155,14 +138,14 @@ def evaluate(
     step_nr, how, error = answer[0]
     if error is not None:
         raise UserError(error)
-    step_dir = checkpoint_dir / f"step_{step_nr}"
+    step_dir = checkpoints.step_dir(step_nr)
 
     for model in _distinct_models(valid_units):
         _load_model(step_dir, model, gangs)
     values = validator.run()
 
     if root.rank == 0:
-        recorded = CheckpointDir(checkpoint_dir).manifests().get(step_nr, {}).get("score")
+        recorded = checkpoints.manifests().get(step_nr, {}).get("score")
         note = f"; recorded score {recorded!r}" if recorded is not None else ""
         printer = ConsoleRecorder(None, console=console, show_progress=False)
         printer.console.print(f"evaluating checkpoint {step_dir} ({how}{note})",
@@ -183,7 +166,7 @@ def _listing(manifests: dict[int, dict[str, Any]]) -> str:
     parts = []
     for step_nr in sorted(manifests):
         score = manifests[step_nr].get("score")
-        parts.append(f"step_{step_nr}" + (f" (score {score:.6g})" if score is not None else ""))
+        parts.append(step_dir_name(step_nr) + (f" (score {score:.6g})" if score is not None else ""))
     return ", ".join(parts)
 
 
@@ -199,19 +182,6 @@ def _load_model(step_dir: Path, model: nn.Module, gangs: Gangs) -> None:
     """The model weights of a verified ``step_dir`` into ``model`` (wrapped or sharded as
     for training: DCP reshards), reading nothing else and writing nothing."""
     state = model_optim_state(model, None)
-    reader = SafeFileSystemReader(step_dir / MODEL_OPTIM)
-    check_model_fits(reader.read_metadata(), state["model"], step_dir)
     no_dist = isinstance(gangs.root, FakeGang) or gangs.root.size == 1
-    try:
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(step_dir / MODEL_OPTIM),
-            planner=SafeLoadPlanner(),
-            process_group=None if no_dist else gangs.root.as_process_group(),
-            no_dist=no_dist,
-        )
-        set_model_state_dict(model, state["model"])
-    except (Exception, CheckpointException) as err:  # the latter is a BaseException
-        text = str(err).strip().splitlines()
-        raise UserError(f"checkpoint {step_dir} does not fit the model: "
-                        f"{text[0] if text else type(err).__name__}") from err
+    load_dcp(step_dir, state, process_group=None if no_dist else gangs.root.as_process_group(),
+             no_dist=no_dist, then=lambda: set_model_state_dict(model, state["model"]))

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import CheckpointManager, rank_by_score
+from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.retention import best_of
 from trainer.state.train_state import TrainState
 
 
@@ -30,13 +31,12 @@ class TrainResult:
                lower_better: bool) -> TrainResult:
         """The result of a run that stopped for `reason` in `state`."""
         scores: dict[int, Any] = dict(state.score_history)
-        ranked = rank_by_score(scores, scores, lower_better)
-        best_step = ranked[0] if ranked else None
+        best_step = best_of(scores, lower_better)
 
         def path(step_nr: int | None) -> Path | None:
             if checkpoints is None or step_nr is None:
                 return None
-            return checkpoints.dir / f"step_{step_nr}"
+            return checkpoints.step_dir(step_nr)
 
         return cls(
             num_steps=state.step_nr,

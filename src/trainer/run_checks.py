@@ -1,9 +1,9 @@
 """Checks of what the Trainer is handed and of what it is about to save.
 
 Settings alone are checked by `TrainerSettings`; these need the run's objects: the valid
-units, the early stopper, the model, the unit's outputs, the optimizer's state. Each
-mistake gets one message that names the thing (and the step), raised before any training
-or any checkpoint is lost.
+units, the early stopper, the model, the optimizer's state (the unit's outputs are checked
+in `step.forward_backward`). Each mistake gets one message that names the thing (and the
+step), raised before any training or any checkpoint is lost.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gangs import Gang, any_rank
-from gangs.parallel import is_data_parallel
+from parallel import is_data_parallel
 from trainer.errors import NonFiniteLossError
 from trainer.settings import TrainerSettings
-from trainer.step.target_counts import bad_target_count
 from trainer.validator import Validator
 
 
@@ -51,7 +50,7 @@ def check_run(settings: TrainerSettings, validator: Validator, early_stopper: An
     if dp_size > 1 and not is_data_parallel(model):
         raise ValueError(
             f"the unit's model is not wrapped for data parallelism over {dp_size} ranks: "
-            "call `model = gangs.parallel.data_parallel(model, gangs)` before building the "
+            "call `model = parallel.data_parallel(model, gangs)` before building the "
             "optimizer and give the unit that model (under torchrun, "
             "`gangs = setup_gangs(setup_root_gang())`, and pass `gangs=gangs`)"
         )
@@ -69,36 +68,6 @@ def check_readers_repeat(validator: Validator) -> None:
                 "every later one would see no batch; give a re-iterable reader (a list, a "
                 "DataLoader, or an object whose __iter__ starts a new pass)"
             )
-
-
-def check_unit_output(unit: Any, loss: Any, num_targets: Any, step_nr: int) -> Tensor | int:
-    """The unit returned `(a scalar loss tensor, an int or scalar tensor count or None)`;
-    the count to use (None, a mean, counts 1). Cheap: no host read. An int count below 0 is
-    refused here; a tensor count's value is judged where the step's values reach the host
-    (`StepLog.check`, with `trainer.step.target_counts`)."""
-    if not isinstance(loss, Tensor) or loss.dim() != 0:
-        name = type(unit).__name__
-        what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
-                else f"a {type(loss).__name__} ({loss!r})")
-        raise TypeError(
-            f"step {step_nr}: {name} returned {what} as its loss; a TrainUnit returns "
-            "(loss, num_targets) with the loss a scalar tensor summed over the targets"
-        )
-    if num_targets is None:
-        return 1
-    if isinstance(num_targets, bool) or not isinstance(num_targets, (int, Tensor)) or (
-            isinstance(num_targets, Tensor) and num_targets.numel() != 1):
-        name = type(unit).__name__
-        what = (f"a tensor of shape {tuple(num_targets.shape)}"
-                if isinstance(num_targets, Tensor)
-                else f"a {type(num_targets).__name__} ({num_targets!r})")
-        raise TypeError(
-            f"step {step_nr}: {name} returned {what} as num_targets; expected an int, a "
-            "one-element tensor, or None when the loss is already a mean"
-        )
-    if isinstance(num_targets, int) and num_targets < 0:
-        raise bad_target_count(type(unit).__name__, num_targets, step_nr)
-    return num_targets
 
 
 def check_finite_state(optimizer: Optimizer, root: Gang, step_nr: int,

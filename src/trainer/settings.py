@@ -1,7 +1,8 @@
 """`TrainerSettings`: every setting of the Trainer, defined once.
 
-Name, type, default, validation and a one-line description live here, and nowhere else:
-`Trainer(**settings)` validates its keywords with this model, `TrainerConfig` (YAML, recipes)
+Name, type, default, validation and a one-line description live here: `Trainer` spells out
+each as a keyword argument with the same default (for editors and type checkers; a test
+holds the two equal) and validates them with this model, `TrainerConfig` (YAML, recipes)
 extends it, and `help(Trainer)` lists these descriptions. Every mistake is caught at
 construction, before any step runs, with a message that names the setting (TNT PR #826
 crashed at run time instead).
@@ -10,7 +11,6 @@ crashed at run time instead).
 from __future__ import annotations
 
 import difflib
-import inspect
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -148,18 +148,6 @@ def describe_errors(err: ValidationError) -> str:
         else:
             lines.append(message)
     return "; ".join(lines)
-
-
-def signature_with_settings(function: Any, model: type[BaseModel] = TrainerSettings
-                            ) -> inspect.Signature:
-    """`function`'s signature with its `**settings` spelled out as keyword arguments, so
-    that `help()` and editors show every setting with its default."""
-    signature = inspect.signature(function)
-    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
-                                 annotation=field.annotation)
-               for name, field in model.model_fields.items()]
-    return signature.replace(parameters=params)
 
 
 def settings_doc(model: type[BaseModel] = TrainerSettings) -> str:

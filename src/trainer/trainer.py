@@ -1,8 +1,8 @@
 """The `Trainer`: a model-agnostic loop that drives a `TrainUnit`.
 
 Read it top to bottom: `run` resumes and loops; one step (`_train_step`) draws its
-micro-batches, runs forward and backward on each, and hands the gradients to the one
-optimizer-step path (normalise, unscale, clip, step or skip); every few steps all ranks meet
+micro-batches, runs forward and backward over them (`forward_backward`, a component a
+pipeline schedule can replace), and hands the gradients to the one optimizer-step path (normalise, unscale, clip, step or skip); every few steps all ranks meet
 at a sync point (`_post_step`) to publish metrics, validate, checkpoint and agree to stop.
 
 The Trainer owns the run's state, kept by components that each save their own
@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic
+from typing import Any, Generic, Never
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs, any_rank, first_error, on_rank0
-from gangs.parallel import reduce_expert_gradients
+from parallel import reduce_expert_gradients
 from trainer.checkpoint import CheckpointManager
 from trainer.checkpoint.run_config import warn_if_changed
 from trainer.default_gangs import default_gangs
@@ -39,19 +39,21 @@ from trainer.lifecycle.run_lock import RunLock, hold_run_lock
 from trainer.lifecycle.stop_signal import StopSignal
 from trainer.observe.callbacks import Callback, CallbackList
 from trainer.observe.console_log import show_on_console
-from trainer.observe.profiler import StepProfiler
+from trainer.observe.profiler import ProfilerConfig, StepProfiler
 from trainer.observe.recorders import MetricRecorder, training_recorder
 from trainer.observe.system_metrics import SystemMetrics, flops_per_target_of
 from trainer.result import TrainResult
-from trainer.run_checks import check_finite_state, check_run, check_unit_output
+from trainer.run_checks import check_finite_state, check_run
+from trainer.run_dir import RunDir
 from trainer.same_start import check_same_start
 from trainer.score_direction import score_direction
-from trainer.settings import settings_doc, signature_with_settings, validate_settings
+from trainer.settings import Precision, TrainerSettings, settings_doc, validate_settings
 from trainer.state.data_position import DataPosition
 from trainer.state.seeding import RngState
 from trainer.state.train_state import TrainState
 from trainer.step import gradients
 from trainer.step.accumulation import MicroBatchSync
+from trainer.step.forward_backward import ForwardBackward, MicroBatchLoop
 from trainer.step.loss_scaler import LossScaler
 from trainer.step.optimizer_step import OptimizerStep
 from trainer.step.step_log import StepLog
@@ -116,9 +118,39 @@ class Trainer(Generic[BatchT]):
         resume: bool = True,
         overwrite: bool = False,
         run_config: Mapping[str, Any] | None = None,
-        **settings: Any,
+        # The settings: each is a `TrainerSettings` field, with its default (for editors and
+        # type checkers; tests/test_structure.py checks that they match).
+        max_num_steps: int | None = None,
+        max_num_data_epochs: int | None = None,
+        num_accumulate: int = 1,
+        fsdp_reduce_every_micro_batch: bool = True,
+        validate_every_n_steps: int | None = None,
+        validate_at_start: bool = False,
+        validate_at_end: bool = True,
+        score_metric: str | None = None,
+        lower_better: bool | None = None,
+        checkpoint_every_n_steps: int | None = None,
+        keep_last_n_checkpoints: int | None = None,
+        keep_best_n_checkpoints: int | None = None,
+        async_checkpoint: bool = False,
+        max_gradient_norm: float | None = None,
+        amp: bool = True,
+        dtype: Precision = "fp32",
+        fp16_loss_scale: tuple[float, float] = (2.0**15, 1e-4),
+        fp16_loss_scale_window: int | None = None,
+        max_consecutive_non_finite: int = 0,
+        anomaly_detection: bool = False,
+        compile_model: bool = False,
+        seed: int | None = 2,
+        profiler: ProfilerConfig | None = None,
+        publish_metrics_every_n_steps: int = 10,
+        progress: bool = True,
+        wandb_project: str | None = None,
+        **unknown: Never,  # a misspelt setting: refused, naming the closest one
     ) -> None:
-        self.settings = s = validate_settings(settings)
+        arguments = locals()  # the first statement: the arguments alone
+        given = {name: arguments[name] for name in TrainerSettings.model_fields}
+        self.settings = s = validate_settings({**given, **unknown})
         self.unit = unit
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -159,7 +191,7 @@ class Trainer(Generic[BatchT]):
             skip_non_finite=s.max_consecutive_non_finite > 0,
         )
         self.checkpoints = CheckpointManager(
-            self.output_dir / "checkpoints", self.gangs,
+            RunDir(self.output_dir).checkpoints, self.gangs,
             keep_last_n=s.keep_last_n_checkpoints, keep_best_n=s.keep_best_n_checkpoints,
             lower_better=self.lower_better, async_save=s.async_checkpoint, config=self.run_config,
             on_commit=lambda step_nr, path: self.callbacks.on_checkpoint_saved(self, step_nr,
@@ -172,14 +204,15 @@ class Trainer(Generic[BatchT]):
                                     flops_per_target_of(unit))
         self._profiler: StepProfiler | None = None  # built in run(), from the resumed step
 
-        # The forward's precision; validation runs without autocast.
-        self._autocast = (torch.autocast(self.device.type, dtype=_AUTOCAST[s.dtype])
-                          if s.amp and s.dtype in _AUTOCAST else contextlib.nullcontext())
-        # One process, no loss scale: a one-micro-batch step knows its target count before
-        # backward, which then starts from 1/count: the mean, at no extra op.
-        self._may_seed_mean = self.gangs.dp.size == 1 and self.scaler is None
-        self._micro_batch_sync = MicroBatchSync(
-            unit.model, fsdp_reduce_every_micro_batch=s.fsdp_reduce_every_micro_batch)
+        # Forward and backward over a step's micro-batches, each in turn (a pipeline schedule
+        # would replace it); the forward's precision (validation runs without autocast).
+        autocast = (torch.autocast(self.device.type, dtype=_AUTOCAST[s.dtype])
+                    if s.amp and s.dtype in _AUTOCAST else contextlib.nullcontext())
+        self.forward_backward: ForwardBackward[BatchT] = MicroBatchLoop(
+            unit, self.metrics, autocast,
+            MicroBatchSync(unit.model,
+                           fsdp_reduce_every_micro_batch=s.fsdp_reduce_every_micro_batch),
+            self.scaler, may_seed_mean=self.gangs.dp.size == 1)
         # Expert-parallel MoE weights are not reduced by DDP/FSDP2 over dp: the trainer
         # reduces them over the gang of their replicas after backward.
         self._has_expert_params = any(getattr(p, "is_expert_param", False)
@@ -278,9 +311,12 @@ class Trainer(Generic[BatchT]):
 
     # -- one step ------------------------------------------------------------------------
     def _train_step(self, batches: list[BatchT]) -> None:
+        """Forward and backward over the drawn micro-batches (`forward_backward`: each in
+        turn, DDP/HSDP reducing over DP on the last), then normalise, unscale, clip and step
+        or skip (`optimizer_step`); the step's values are logged, read at the next sync."""
         step_nr = self.state.step_nr
         self.unit.set_step_nr(step_nr)
-        loss, local_count, normalised, tensor_counts = self._forward_backward(batches)
+        loss, local_count, normalised, tensor_counts = self.forward_backward(batches, step_nr)
         if self._has_expert_params:
             reduce_expert_gradients(self.unit.model, self.gangs)
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
@@ -289,36 +325,6 @@ class Trainer(Generic[BatchT]):
         self.steps.log(step_nr, loss, local_count, outcome, judge_loss=self.scaler is None,
                        tensor_counts=tensor_counts)
         self.optimizer_step.clear_gradients()
-
-    def _forward_backward(self, batches: list[BatchT]
-                          ) -> tuple[torch.Tensor, torch.Tensor | int, bool, list[torch.Tensor]]:
-        """Forward and backward of each micro-batch on its summed loss: (the step's loss sum,
-        detached; its local target count; whether backward took the mean already; the
-        unit's counts that are tensors, judged by `StepLog.check` at the next sync point).
-        DDP and HSDP reduce across DP on the last micro-batch only (see `accumulation`)."""
-        loss_sum: torch.Tensor | None = None
-        local_count: torch.Tensor | int = 0
-        normalised = False
-        tensor_counts: list[torch.Tensor] = []
-        for i, batch in enumerate(batches):
-            with self._micro_batch_sync.sync(last=i == len(batches) - 1):
-                with self._autocast:
-                    loss, num_targets = self.unit(batch, self.metrics)
-                num_targets = check_unit_output(self.unit, loss, num_targets, self.state.step_nr)
-                if self.scaler is not None:
-                    self.scaler.scale_loss(loss).backward()
-                elif self._may_seed_mean and len(batches) == 1 and isinstance(num_targets, int):
-                    loss.backward(gradients.mean_seed(num_targets, loss))
-                    normalised = True
-                else:
-                    loss.backward()
-            loss = loss.detach()
-            loss_sum = loss if loss_sum is None else loss_sum + loss
-            local_count = local_count + num_targets
-            if isinstance(num_targets, torch.Tensor):
-                tensor_counts.append(num_targets.detach())
-        assert loss_sum is not None
-        return loss_sum, local_count, normalised, tensor_counts
 
     # -- where all ranks meet ------------------------------------------------------------
     def _post_step(self, stop: StopSignal) -> str | None:
@@ -401,7 +407,7 @@ class Trainer(Generic[BatchT]):
         self.checkpoints.save(step_nr, self.unit.model, self.optimizer, self._states(),
                               self.state.score_at(step_nr), blocking=blocking)
         self.state.last_saved_step = step_nr
-        self.steps.last_good_checkpoint = self.checkpoints.dir / f"step_{step_nr}"
+        self.steps.last_good_checkpoint = self.checkpoints.step_dir(step_nr)
 
     def _resume(self) -> None:
         """Continue from the newest complete checkpoint, if any; recorders forget the steps
@@ -421,7 +427,7 @@ class Trainer(Generic[BatchT]):
                 self.early_stopper(history_step, score)
         self.checkpoints.remember_scores(dict(self.state.score_history))
         self.state.last_saved_step = step_nr
-        path = self.checkpoints.dir / f"step_{step_nr}"
+        path = self.checkpoints.step_dir(step_nr)
         self.steps.last_good_checkpoint = path
         self.recorder.rewind(step_nr)
         log.warning("resumed from %s (step %d)", path, step_nr)
@@ -444,11 +450,10 @@ class Trainer(Generic[BatchT]):
             self.checkpoints.wait()
             if self.gangs.root.rank == 0 and self.checkpoints.best_step is not None:
                 # A HF model's best becomes OUTPUT_DIR/hf/; any other's best_model.safetensors.
-                export_best_model(self.checkpoints.dir, self.output_dir / "hf")
+                export_best_model(self.checkpoints.dir, RunDir(self.output_dir).hf)
 
 
 Trainer.__doc__ = (Trainer.__doc__ or "") + "\n" + settings_doc() + "\n"
-Trainer.__init__.__signature__ = signature_with_settings(Trainer.__init__)  # type: ignore[attr-defined]
 
 
 def _due(step_nr: int, every: int | None) -> bool:

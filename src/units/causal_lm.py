@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gangs.parallel.expert import moe_layers
+from layers.moe import moe_layers
 from units.metrics import MetricBag
 from units.unit import EvalUnit, TrainUnit
 

@@ -27,6 +27,16 @@ def _save(path):
     return path / "step_7"
 
 
+def test_a_save_leaves_torch_saves_crc_switch_alone(tmp_path, monkeypatch):
+    """The switch is process-wide: turned off, a torch.save on another thread meanwhile would
+    write zero CRCs into its file."""
+    def refuse(_):
+        raise AssertionError("a save turned torch.save's zip CRC off or on")
+
+    monkeypatch.setattr(torch.serialization, "set_crc32_options", refuse)
+    _save(tmp_path)
+
+
 def test_checksums_written_while_saving_match_the_files(tmp_path, monkeypatch):
     hashed_at_commit = []
     file_entry = writer.file_entry

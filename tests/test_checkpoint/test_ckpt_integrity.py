@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gangs import FakeGang, setup_gangs
-from trainer.checkpoint import CheckpointError, CheckpointManager, manager, verify
+from trainer.checkpoint import CheckpointError, CheckpointManager, verify, writer
 from trainer.checkpoint.manifest import file_entry
 from trainer.errors import UserError
 
@@ -98,7 +98,7 @@ def test_failed_write_leaves_no_directory(tmp_path, monkeypatch):
     def broken_save(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(manager.dcp, "save", broken_save)
+    monkeypatch.setattr(writer.dcp, "save", broken_save)  # the save's one call of DCP
     with pytest.raises(CheckpointError, match="saving step 2 failed.*disk full"):
         mgr.save(2, model, None, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step_1"]

@@ -197,7 +197,7 @@ def test_a_damaged_checkpoint_or_another_model_is_refused(run, tmp_path):
 
 def _train_then_evaluate_on_two_ranks(out: Path):
     from gangs import setup_gangs, setup_root_gang
-    from gangs.parallel import data_parallel
+    from parallel import data_parallel
 
     gangs = setup_gangs(setup_root_gang())
     rank = gangs.dp.rank

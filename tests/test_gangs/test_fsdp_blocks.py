@@ -9,9 +9,9 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from gangs import FakeGang, setup_gangs
-from gangs.parallel import data_parallel, fully_shard_model
-from gangs.parallel.blocks import find_blocks
-from gangs.parallel.fsdp import mixed_precision_policy
+from parallel import data_parallel, fully_shard_model
+from parallel.blocks import find_blocks
+from parallel.fsdp import mixed_precision_policy
 from recipes.lm.model import GPT, GPTConfig, TransformerBlock
 
 

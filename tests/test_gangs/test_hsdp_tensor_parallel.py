@@ -11,7 +11,7 @@ from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import param_groups
+from parallel import param_groups
 from recipes.lm.model import GPT, GPTConfig
 from recipes.lm.parallelize import parallelize_gpt
 from trainer.trainer import Trainer

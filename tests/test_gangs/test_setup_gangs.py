@@ -70,3 +70,16 @@ def test_fake_layout_matches_real_rule():
 def test_single_process_is_fake():
     gangs = setup_gangs(setup_root_gang(device="cpu"))
     assert isinstance(gangs.root, FakeGang) and gangs.dp.size == 1 and gangs.mesh is None
+
+
+def test_one_table_of_named_axes_gives_every_layout():
+    from gangs.setup import mesh_views
+
+    assert mesh_views(4, 2, ep_size=2, dp_shard_size=2) == {
+        "world": {"dp": 4, "tp": 2},
+        "hsdp": {"dp_replicate": 2, "dp_shard": 2, "tp": 2},
+        "experts": {"expert_dp": 2, "ep": 2, "tp": 2},
+    }
+    # rank 5 of dp 4 x tp 2: dp index 2 -> replica group 1, shard rank 0 (as the real mesh).
+    gangs = setup_gangs(FakeGang(rank=5, size=8), tp_size=2, dp_shard_size=2)
+    assert (gangs.dp_replicate.rank, gangs.dp_shard.rank, gangs.tp.rank) == (1, 0, 1)

@@ -12,9 +12,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from data.global_batches import GlobalBatchReader
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel
-from trainer.state.global_batches import GlobalBatchReader
+from parallel import data_parallel
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 

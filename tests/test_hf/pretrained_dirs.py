@@ -11,7 +11,7 @@ import torch
 from hf_models import SEQ_LEN, TRAIN, VALID, VOCAB, SampleReader
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import param_groups
+from parallel import param_groups
 from trainer.hf import load_pretrained
 from trainer.observe.recorders import JsonlRecorder, read_jsonl
 from trainer.trainer import Trainer

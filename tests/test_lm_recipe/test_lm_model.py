@@ -75,7 +75,7 @@ def test_default_size_and_flops() -> None:
 
 
 def test_moe_model_builds_expert_layers() -> None:
-    from gangs.parallel import MoEFeedForward
+    from layers import MoEFeedForward
 
     model = GPT(GPTConfig(**{**SMALL.__dict__, "num_experts": 4}))
     moe = [m for m in model.modules() if isinstance(m, MoEFeedForward)]

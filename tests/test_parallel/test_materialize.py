@@ -1,4 +1,4 @@
-"""Build on meta, parallelise, materialise (`gangs.parallel.materialize`): the LM recipe's
+"""Build on meta, parallelise, materialise (`parallel.materialize`): the LM recipe's
 initial parameters are bitwise those of one process on every layout, drawn by the model's
 own rule, with ties, parameter markers and buffers intact."""
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel.materialize import local_slices, materialize, seeded_init
+from parallel.materialize import local_slices, materialize, seeded_init
 from recipes.lm.model import GPT, GPTConfig
 from recipes.lm.parallelize import parallelize_gpt
 from recipes.lm.recipe import build_model

@@ -9,8 +9,8 @@ from ranks import run_ranks
 from torch import nn
 
 from gangs import FakeGang, setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel, is_data_parallel, param_groups
-from gangs.parallel.expert import MoEFeedForward
+from layers.moe import MoEFeedForward
+from parallel import data_parallel, is_data_parallel, param_groups
 from recipes.lm.model import GPT, GPTConfig
 from recipes.lm.parallelize import check_layout, parallelize_gpt
 

@@ -15,8 +15,9 @@ from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
 from gangs import ReduceOperation, setup_gangs, setup_root_gang
-from gangs.parallel import param_groups, reduce_expert_gradients
-from gangs.parallel.expert import MoEFeedForward, ddp_ignored_names, moe_aux_loss, moe_layers
+from layers.moe import MoEFeedForward, moe_aux_loss, moe_layers
+from parallel import param_groups, reduce_expert_gradients
+from parallel.expert import ddp_ignored_names
 from recipes.lm.model import GPT, GPTConfig
 from recipes.lm.parallelize import parallelize_gpt
 from trainer.step.gradients import global_target_count, scale_gradients

@@ -9,8 +9,8 @@ import math
 import torch
 from recipe_runs import describe, run_all, run_module
 
-from recipes.lm.schedule import WarmupCosine
 from trainer.checkpoint import read_model_state
+from trainer.lr_schedules import WarmupCosine
 from trainer.observe.recorders import read_jsonl
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from trainer.state.global_batches import GlobalBatchReader
+from data.global_batches import GlobalBatchReader
 from units import MetricBag, TrainUnit
 
 

@@ -15,7 +15,7 @@ from ranks import run_ranks
 from toy import TokenUnit, collate, make_model, make_samples, reference_run
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel
+from parallel import data_parallel
 from trainer.observe.recorders import MetricRecorder
 from trainer.trainer import Trainer
 
@@ -214,3 +214,22 @@ def test_mean_seeds_stay_exact_and_bounded_when_counts_never_repeat():
         assert seed.item() == torch.tensor(1.0 / count, dtype=torch.float32).item(), count
         assert len(gradients._SEEDS) <= 1024  # noqa: SLF001 (the cache is the behaviour)
     assert gradients.mean_seed(0, like).item() == 1.0  # no targets: divides by 1
+
+
+def test_plain_gradients_split_over_a_gang_add_up_their_squares():
+    """Plain tensor gradients are replicas unless the norm is told the gangs they are split
+    over (pipeline stages, each holding its layers): then each rank's share counts."""
+    from gangs import FakeGang
+    from trainer.step.gradients import gradient_norm, gradient_norm_parts
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([3.0, 4.0])
+    assert gradient_norm([param], None).item() == 5.0  # a replica: global already
+    two_stages = FakeGang(size=2)  # each of 2 ranks holds a share like this one
+    split = gradient_norm([param], None, split_over=[two_stages])
+    assert split.item() == pytest.approx(5.0 * 2**0.5)
+    parts = gradient_norm_parts([param], split_over=[two_stages])
+    assert sum(p.item() ** 2 for p in parts) == pytest.approx(50.0)
+    clipped = gradient_norm([param], 1.0, split_over=[two_stages])
+    assert clipped.item() == pytest.approx(5.0 * 2**0.5)
+    assert param.grad.norm().item() == pytest.approx(1.0 / 2**0.5, rel=1e-5)

@@ -11,7 +11,7 @@ from ranks import run_ranks
 from toy import TokenUnit, make_model, make_samples
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel
+from parallel import data_parallel
 from recipes.lm.model import GPTConfig
 from recipes.lm.recipe import build_model
 from trainer.errors import UserError

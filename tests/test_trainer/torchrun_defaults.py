@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from toy import PAD, TokenUnit, collate, make_model, make_samples
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel
+from parallel import data_parallel
 from trainer import Trainer
 from trainer.evaluate import evaluate
 from units import EvalUnit, MetricBag

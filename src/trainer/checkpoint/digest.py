@@ -10,7 +10,9 @@ because it runs at ~11 GB/s here (sha256: 1.8 GB/s, slower than the disk writes)
 Saving hashes the bytes on their way to the file (`DigestingFileSystemWriter`), so nothing
 is read back. The C function of `google_crc32c` is called through ctypes on the buffer
 itself: its Python binding accepts only `bytes` (a copy of every tensor), and the ctypes
-call releases the GIL, so a background save's hashing does not hold up training.
+call releases the GIL, so a background save's hashing does not hold up training. Where that
+library is not found, or with the shortcuts off (`trainer.torch_shortcuts`), the binding
+hashes a copy: the same sums.
 Manifests of format 1 list sha256 digests; `matches` still checks those.
 """
 
@@ -29,6 +31,8 @@ import google_crc32c
 import numpy as np
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from trainer import torch_shortcuts
 
 ALGORITHM = "crc32c"
 DESCRIPTION = (
@@ -56,7 +60,7 @@ _EXTEND = _c_extend()
 def extend(crc: int, data: Any) -> int:
     """The CRC-32C of the bytes hashed into `crc` followed by `data` (any buffer)."""
     view = memoryview(data).cast("B")
-    if _EXTEND is None or view.nbytes < 4096:
+    if _EXTEND is None or view.nbytes < 4096 or not torch_shortcuts.enabled():
         return google_crc32c.extend(crc, bytes(view))
     array = np.frombuffer(view, dtype=np.uint8)  # no copy, read-only buffers included
     return _EXTEND(crc, array.ctypes.data, view.nbytes)

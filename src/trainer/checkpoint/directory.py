@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.disk_space import free_space_problem
 from trainer.checkpoint.manifest import fsync_dir, read_manifest, verify
+from trainer.checkpoint.retention import best_of
+from trainer.run_dir import parse_step_dir, step_dir_name
 
 log = logging.getLogger(__name__)
 
-_STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_step_"
 _TRASH_PREFIX = ".trash_step_"
 
@@ -43,7 +44,7 @@ class CheckpointDir:
         self._deleting: threading.Thread | None = None
 
     def step_dir(self, step_nr: int) -> Path:
-        return self.path / f"step_{step_nr}"
+        return self.path / step_dir_name(step_nr)
 
     def tmp_dir(self, step_nr: int) -> Path:
         return self.path / f"{_TMP_PREFIX}{step_nr}"
@@ -63,9 +64,9 @@ class CheckpointDir:
         if not self.path.is_dir():
             return []
         return [
-            int(m.group(1))
+            step_nr
             for p in self.path.iterdir()
-            if p.is_dir() and (m := _STEP_RE.match(p.name))
+            if p.is_dir() and (step_nr := parse_step_dir(p.name)) is not None
         ]
 
     def manifests(self) -> dict[int, dict[str, Any]]:
@@ -89,6 +90,32 @@ class CheckpointDir:
         if reason is None:
             self._verified[step_nr] = fingerprint
         return reason
+
+    # --- choosing: the one place that picks the newest or the best checkpoint --------------
+
+    def newest_verified(self) -> tuple[int | None, dict[int, str]]:
+        """The newest step whose directory verifies (None when none does), and why each newer
+        one did not (`{step: reason}`)."""
+        skipped = {}
+        for step_nr in sorted(self.step_dirs(), reverse=True):
+            reason = self.verify(step_nr)
+            if reason is None:
+                return step_nr, skipped
+            skipped[step_nr] = reason
+        return None, skipped
+
+    def best_step(self, lower_better: bool | None = None,
+                  scores: Mapping[int, float] | None = None) -> int | None:
+        """The best-scored complete checkpoint, judged on the manifests' scores and `scores`
+        (scores of saves not committed yet, or of steps deleted since); None when that best
+        step has no checkpoint here, so "best" never names a lesser one. The direction is
+        `lower_better`, else the one the newest manifest records."""
+        manifests = self.manifests()
+        if lower_better is None:
+            newest = manifests[max(manifests)] if manifests else {}
+            lower_better = bool(newest.get("lower_better", True))
+        best = best_of({**(scores or {}), **scores_of(manifests)}, lower_better)
+        return best if best in manifests else None
 
     # --- changing (rank 0) ----------------------------------------------------------------
 
@@ -144,7 +171,7 @@ class CheckpointDir:
                 path.unlink(missing_ok=True)
                 continue
             tmp = self.path / f".{name}.tmp"
-            tmp.write_text(f"step_{step_nr}\n")
+            tmp.write_text(step_dir_name(step_nr) + "\n")
             os.replace(tmp, path)
 
 

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -50,11 +49,9 @@ from gangs import FakeGang, Gangs, first_error, on_rank0
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.disk_space import DiskFullError, needed_bytes
 from trainer.checkpoint.failures import describe, rank_cause
+from trainer.checkpoint.loading import load_dcp
 from trainer.checkpoint.manifest import (
     MODEL_OPTIM,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    check_model_fits,
     fsync_dir,
     new_manifest,
     rank_file,
@@ -62,12 +59,13 @@ from trainer.checkpoint.manifest import (
     write_manifest,
 )
 from trainer.checkpoint.model_files import write_model_files
-from trainer.checkpoint.retention import rank_by_score, steps_to_keep
-from trainer.checkpoint.run_config import CONFIG_FILE, config_text, sha256_of
+from trainer.checkpoint.retention import steps_to_keep
+from trainer.checkpoint.run_config import config_text, sha256_of
 from trainer.checkpoint.staging import HostStaging
 from trainer.checkpoint.state import check_plain, model_optim_state
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.errors import UserError
+from trainer.run_dir import CONFIG_FILE
 
 log = logging.getLogger("gangtrain")
 
@@ -298,15 +296,10 @@ class CheckpointManager:
         self.wait()
         answer: list[Any] = [None]
         if self._rank == 0:
-            found, bad = None, []
-            for step_nr in sorted(self._disk.step_dirs(), reverse=True):
-                reason = self._disk.verify(step_nr)
-                if reason is None:
-                    found = step_nr
-                    break
+            found, skipped = self._disk.newest_verified()
+            for step_nr, reason in skipped.items():
                 log.warning("skipping checkpoint %s: %s", self._disk.step_dir(step_nr), reason)
-                bad.append(step_nr)
-            answer = [(found, bad)]
+            answer = [(found, list(skipped))]
         self.gangs.root.broadcast_objects(answer)
         found, bad = answer[0]
         self._disk.bad.update(bad)
@@ -339,16 +332,8 @@ class CheckpointManager:
         assert manifest is not None  # verified above
 
         state = model_optim_state(model, optimizer)
-        metadata = SafeFileSystemReader(step_dir / MODEL_OPTIM).read_metadata()
-        check_model_fits(metadata, state["model"], step_dir)  # the same verdict on every rank
-        try:
-            dcp.load(
-                state,
-                storage_reader=SafeFileSystemReader(step_dir / MODEL_OPTIM),
-                planner=SafeLoadPlanner(),
-                process_group=self._pg,
-                no_dist=self._no_dist,
-            )
+
+        def set_state() -> None:
             if optimizer is None:
                 set_model_state_dict(model, state["model"])
             else:
@@ -356,10 +341,9 @@ class CheckpointManager:
                     model, optimizer,
                     model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                 )
-        except (Exception, CheckpointException) as ex:  # the latter is a BaseException
-            raise UserError(
-                f"checkpoint {step_dir} does not fit the model or optimizer: {describe(ex)}"
-            ) from ex
+
+        load_dcp(step_dir, state, process_group=self._pg, no_dist=self._no_dist,
+                 then=set_state, fits="the model or optimizer")
         rank_state = self._load_rank_state(step_dir, manifest)
         for name, component in (states or {}).items():
             if name in rank_state:
@@ -385,6 +369,10 @@ class CheckpointManager:
 
     # --- reading the directory (local) ---------------------------------------------------
 
+    def step_dir(self, step_nr: int) -> Path:
+        """Where step `step_nr`'s checkpoint is (or would be) committed."""
+        return self._disk.step_dir(step_nr)
+
     def manifest(self, step_nr: int) -> dict[str, Any]:
         """The manifest of step `step_nr` (not verified against the files)."""
         manifest = read_manifest(self._disk.step_dir(step_nr))
@@ -405,10 +393,7 @@ class CheckpointManager:
     def best_step(self) -> int | None:
         """The best-scoring step of the run, when its checkpoint is on disk: None when
         retention deleted it (keep_last alone), so `best` never names a lesser one."""
-        manifests = self._disk.manifests()
-        scores = {**self._scores, **scores_of(manifests)}
-        ranked = rank_by_score(scores, scores, self.lower_better)
-        return ranked[0] if ranked and ranked[0] in manifests else None
+        return self._disk.best_step(self.lower_better, self._scores)
 
     def remember_scores(self, scores: dict[int, float]) -> None:
         """Scores of steps validated before a resume (local): `best_step` judges them too."""

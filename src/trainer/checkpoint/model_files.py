@@ -19,10 +19,9 @@ from pathlib import Path
 
 from torch import nn
 
-__all__ = ["HF_FILES", "TOKENIZER_FILES", "hf_model_of", "write_model_files"]
+from trainer.run_dir import HF_FILES
 
-HF_FILES = "hf"
-"""The subdirectory of a step directory that holds a HF model's config and tokenizer."""
+__all__ = ["HF_FILES", "TOKENIZER_FILES", "hf_model_of", "write_model_files"]
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -31,6 +31,12 @@ def rank_by_score(
     return sorted(candidates, key=lambda s: (sign * scores[s], s))
 
 
+def best_of(scores: Mapping[int, float], lower_better: bool) -> int | None:
+    """The best-scored step of `scores` (`rank_by_score`'s first); None when none has a score."""
+    ranked = rank_by_score(scores, scores, lower_better)
+    return ranked[0] if ranked else None
+
+
 def steps_to_keep(
     steps: list[int],
     scores: Mapping[int, float],

@@ -23,10 +23,10 @@ from typing import Any
 
 import yaml
 
+from trainer.run_dir import CONFIG_FILE, RunDir
+
 log = logging.getLogger("gangtrain")
 
-CONFIG_FILE = "config.yaml"
-HISTORY_DIR = "config_history"
 
 # Keys whose change never changes what a step computes: how long to run, what is recorded,
 # how often and how many checkpoints are kept, how long a collective may wait. Any other
@@ -100,7 +100,7 @@ def warn_if_changed(step_dir: Path, config: Mapping[str, Any]) -> list[str]:
 def record_history(output_dir: Path, text: str) -> Path | None:
     """Append `text` to `output_dir/config_history/` as the next `NNN.yaml` unless it is
     the newest entry already; the path written, if any (one process)."""
-    history = output_dir / HISTORY_DIR
+    history = RunDir(output_dir).config_history
     entries = sorted(history.glob("[0-9][0-9][0-9].yaml"))
     if entries and entries[-1].read_text(encoding="utf-8") == text:
         return None

@@ -23,16 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from trainer.checkpoint.manifest import (
-    MODEL_OPTIM,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    saved_model_entries,
-    verify,
-)
+from trainer.checkpoint.loading import load_dcp, require_verified
+from trainer.checkpoint.manifest import MODEL_OPTIM, SafeFileSystemReader, saved_model_entries
 from trainer.errors import UserError
 
 __all__ = ["ModelTensors", "TensorInfo", "plan_shards", "write_safetensors"]
@@ -64,9 +58,7 @@ class ModelTensors:
 
     def __init__(self, step_dir: Path) -> None:
         self.step_dir = Path(step_dir)
-        reason = verify(self.step_dir)
-        if reason is not None:
-            raise UserError(f"checkpoint {self.step_dir} cannot be loaded: {reason}")
+        require_verified(self.step_dir)
         self._reader = _MetadataOnce(self.step_dir / MODEL_OPTIM)
         self.infos: dict[str, TensorInfo] = {
             name: TensorInfo(name, md.properties.dtype, tuple(md.size))
@@ -79,8 +71,8 @@ class ModelTensors:
         """The full value of model tensor `name`, on the host."""
         info = self.infos[name]
         value = torch.empty(info.shape, dtype=info.dtype)
-        dcp.load({"model": {name: value}}, storage_reader=self._reader,
-                 planner=SafeLoadPlanner(), no_dist=True)
+        load_dcp(self.step_dir, {"model": {name: value}}, reader=self._reader,
+                 whole_model=False)
         return value
 
 

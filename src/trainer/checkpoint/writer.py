@@ -16,14 +16,12 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -73,46 +71,16 @@ def write_shard(
     writer = DigestingFileSystemWriter(
         tmp_dir / MODEL_OPTIM, sync_files=True, thread_count=WRITER_THREADS
     )
-    with _zip_crc32.off():
-        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+    # torch.save (inside DCP) computes its zip CRC-32 of every record, which our crc32c makes
+    # redundant; it stays on: its switch is process-wide, and turning it off here would
+    # write zero CRCs into a torch.save running meanwhile on another thread.
+    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
     if rank_file_error is not None:
         raise rank_file_error
     # Each rank's checksums of what it wrote (rank 0's include DCP's .metadata).
     sums = {rank_file(rank): digest.entry(len(rank_bytes), digest.extend(0, rank_bytes))}
     sums.update({f"{MODEL_OPTIM}/{name}": e for name, e in writer.entries.items()})
     (tmp_dir / f".checksums_rank_{rank}.json").write_text(json.dumps(sums))
-
-
-class _ZipCrc32Switch:
-    """DCP stores each tensor with `torch.save`, whose zip container computes a CRC-32 of
-    every record: 0.7 s of a 1.5 s save of 600 MB here, holding the GIL. Our crc32c already
-    covers every byte and `torch.load` does not check that CRC, so it is off while saving
-    (`off()`, nestable across threads). The switch is process-wide: a `torch.save` in another
-    thread meanwhile writes zero CRCs too (`torch.load` reads such files; `unzip -t` would
-    complain)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._before = True
-
-    @contextmanager
-    def off(self) -> Iterator[None]:
-        with self._lock:
-            if self._users == 0:
-                self._before = torch.serialization.get_crc32_options()
-                torch.serialization.set_crc32_options(False)
-            self._users += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._users -= 1
-                if self._users == 0:
-                    torch.serialization.set_crc32_options(self._before)
-
-
-_zip_crc32 = _ZipCrc32Switch()
 
 
 def collect_checksums(tmp_dir: Path) -> dict[str, Any]:

@@ -3,26 +3,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
 
-from gangs import Gangs
-from gangs.parallel import param_groups
+from parallel import param_groups
 from trainer.config.callbacks import CallbackConfig, build_callbacks
 from trainer.config.early_stopper import EarlyStopperConfig, build_early_stopper
 from trainer.errors import UserError
-from trainer.observe.recorders import MetricRecorder
 from trainer.score_direction import score_direction
 from trainer.settings import TrainerSettings
 from trainer.trainer import Trainer
-from units import EvalUnit, TrainUnit
+from units import TrainUnit
 
 
 class AdamWConfig(BaseModel):
@@ -57,34 +53,20 @@ class TrainerConfig(TrainerSettings):
     data_parallel: Literal["ddp", "fsdp"] = Field("ddp", description=(
         "How the recipe wraps the model over the DP gang: DDP or FSDP2."))
 
-    def build(
-        self,
-        unit: TrainUnit[Any],
-        data_reader: Iterable[Any],
-        optimizer: Optimizer,
-        *,
-        output_dir: str | Path,
-        gangs: Gangs | None = None,
-        lr_scheduler: LRScheduler | None = None,
-        valid_units: Sequence[EvalUnit[Any]] = (),
-        valid_data_readers: Sequence[Iterable[Any]] = (),
-        resume: bool = True,
-        overwrite: bool = False,
-        recorders: Sequence[MetricRecorder] | None = None,
-        run_config: Mapping[str, Any] | None = None,
-    ) -> Trainer[Any]:
-        """The Trainer; a setting it refuses becomes a `UserError` naming `trainer.<field>`.
-        `run_config`: the recipe's whole config, kept with each checkpoint (see `Trainer`)."""
+    def build(self, unit: TrainUnit[Any], data_reader: Iterable[Any], optimizer: Optimizer,
+              **arguments: Any) -> Trainer[Any]:
+        """The Trainer with these settings, the early stopper and callbacks they name, and
+        `arguments`: the Trainer's other keyword arguments, passed as they are (`output_dir`,
+        `gangs`, `lr_scheduler`, `valid_units`, `run_config`: the recipe's whole config,
+        kept with each checkpoint ...; see `Trainer`). A setting it refuses becomes a
+        `UserError` naming `trainer.<field>`."""
         settings = {name: getattr(self, name) for name in TrainerSettings.model_fields}
         try:
             if self.early_stopper is not None:  # a user factory gets the direction too
-                settings["lower_better"] = score_direction(self.lower_better,
-                                                           self.score_metric, valid_units)
+                settings["lower_better"] = score_direction(
+                    self.lower_better, self.score_metric, arguments.get("valid_units", ()))
             return Trainer(
-                unit, data_reader, optimizer, output_dir=output_dir, gangs=gangs,
-                lr_scheduler=lr_scheduler, valid_units=valid_units,
-                valid_data_readers=valid_data_readers, resume=resume, overwrite=overwrite,
-                recorders=recorders, run_config=run_config,
+                unit, data_reader, optimizer, **arguments,
                 early_stopper=build_early_stopper(self.early_stopper, settings["lower_better"]),
                 callbacks=build_callbacks(self.callbacks),
                 **settings,

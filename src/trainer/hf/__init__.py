@@ -4,11 +4,14 @@
   tensor-parallel by the model's own plan, sharded over DP, each rank reading its slices.
 - `export_pretrained(checkpoint, output_dir)`: a gangtrain checkpoint of a HF model written
   back as a HF directory, one tensor at a time.
+- `hf_model_of(model)`: the transformers model that `model` is or wraps (through DDP, FSDP2,
+  `torch.compile`), else None.
 
 transformers is imported only when these are called.
 """
 
+from trainer.checkpoint.model_files import hf_model_of
 from trainer.hf.export import export_best_model, export_pretrained
 from trainer.hf.load import load_pretrained
 
-__all__ = ["export_best_model", "export_pretrained", "load_pretrained"]
+__all__ = ["export_best_model", "export_pretrained", "hf_model_of", "load_pretrained"]

@@ -30,13 +30,15 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint.export import best_step_dir, export_best, find_step_dir
+from trainer.checkpoint.export import export_best
+from trainer.checkpoint.loading import best_step_dir, find_step_dir
 from trainer.checkpoint.manifest import fsync_dir
 from trainer.checkpoint.model_files import HF_FILES
 from trainer.checkpoint.streaming import ModelTensors, TensorInfo, plan_shards, write_safetensors
 from trainer.errors import UserError
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
+from trainer.run_dir import BEST_MODEL
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_best_model", "export_pretrained",
            "remove_interrupted_exports"]
@@ -140,7 +142,7 @@ def export_best_model(checkpoint_dir: Path, hf_output_dir: Path) -> Path | None:
             return export_pretrained(best, hf_output_dir)
         except UserError as error:  # e.g. weights added to the model: keep them anyway
             log.warning("the best checkpoint is not exported as a HF directory (%s); "
-                        "writing %s/best_model.safetensors instead", error, checkpoint_dir)
+                        "writing %s instead", error, Path(checkpoint_dir) / BEST_MODEL)
     return export_best(checkpoint_dir)
 
 

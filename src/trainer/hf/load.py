@@ -1,5 +1,6 @@
 """`load_pretrained`: a local Hugging Face checkpoint, built on meta, parallelised, then
-filled with each rank reading only its own slices of the weight files.
+filled with each rank reading only its own slices of the weight files, by the build plan
+every model goes through (`parallel.plan.build_model`):
 
     config ──> model on the meta device (no memory, no initialisation)
            ──> tensor parallel over gangs.tp, from the model's own plan (tp > 1)
@@ -27,8 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
-from gangs.parallel import data_parallel as wrap_data_parallel
-from gangs.parallel.materialize import local_slices, materialize
+from parallel import plan
+from parallel.materialize import local_slices, materialize
 from trainer.errors import UserError
 from trainer.hf.hf_config import read_hf_config
 from trainer.hf.safetensors_files import WeightFiles
@@ -80,7 +81,7 @@ def load_pretrained(
         or None (no data-parallel wrapper; the caller wraps).
     dtype: of the parameters (the weights are converted as read); default float32, the
         master-weight dtype for training. Compute in bf16 with `amp`/`param_dtype`.
-    kwargs: options of `gangs.parallel.data_parallel` (e.g. `activation_checkpointing=True`,
+    kwargs: options of `parallel.data_parallel` (e.g. `activation_checkpointing=True`,
         `param_dtype=torch.bfloat16` for FSDP2; `find_unused_parameters` for DDP).
 
     Tied weights stay tied (GPT-2's `lm_head.weight` is `transformer.wte.weight`) when the
@@ -96,31 +97,44 @@ def load_pretrained(
     if data_parallel is None and kwargs:
         raise UserError(f"load_pretrained options {sorted(kwargs)} configure data_parallel, "
                         "which is None")
-    if data_parallel == "ddp" and gangs.tp.size > 1:
-        # As the LM recipe: DDP cannot wrap DTensor parameters; FSDP2 that keeps them
-        # gathered from forward to backward is the closest to it.
-        log.info("DP x TP: DDP cannot wrap DTensor parameters, using FSDP2 over dp "
-                 "without resharding after forward")
-        data_parallel, kwargs = "fsdp", {"reshard_after_forward": False, **kwargs}
-    path = Path(path)
-    model = build_on_meta(path, dtype)
-    files = WeightFiles(path)
-    targets = tensor_aliases(model)
-    if _saved_apart(targets, files):
-        model = _untied(path, dtype, files)
-        targets = tensor_aliases(model)
-    _check_keys_and_shapes(model, targets, files)
+    pretrained = _Pretrained(Path(path), dtype)
+    return plan.build_model(pretrained.on_meta, gangs, tensor_parallel=_tensor_parallel,
+                            data_parallel=data_parallel, materialize=pretrained.materialize,
+                            **kwargs)
 
-    if gangs.tp.size > 1:
-        if gangs.mesh is None:
-            raise UserError("tensor parallelism needs the gangs' device mesh (setup_gangs)")
-        apply_tp_plan(model, gangs.mesh["tp"])
-    if data_parallel == "fsdp":
-        model = wrap_data_parallel(model, gangs, "fsdp", **kwargs)
-    _fill(model, targets, files, gangs.device)  # to_empty keeps each tied Parameter one object
-    if data_parallel == "ddp":
-        model = wrap_data_parallel(model, gangs, "ddp", **kwargs)
-    return model
+
+class _Pretrained:
+    """The two ends of the build plan that read the directory: the model on meta, checked
+    against the weight files, and later this rank's slices of those files."""
+
+    def __init__(self, path: Path, dtype: torch.dtype | None) -> None:
+        self.path, self.dtype = path, dtype
+        self.files: WeightFiles | None = None
+        self.targets: dict[str, list[str]] = {}
+
+    def on_meta(self) -> nn.Module:
+        model = build_on_meta(self.path, self.dtype)
+        self.files = WeightFiles(self.path)
+        self.targets = tensor_aliases(model)
+        if _saved_apart(self.targets, self.files):
+            model = _untied(self.path, self.dtype, self.files)
+            self.targets = tensor_aliases(model)
+        _check_keys_and_shapes(model, self.targets, self.files)
+        return model
+
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
+        assert self.files is not None, "on_meta first"
+        # to_empty keeps each tied Parameter one object
+        _fill(model, self.targets, self.files, device)
+
+
+def _tensor_parallel(model: nn.Module, gangs: Gangs) -> None:
+    """The model's own TP plan over `gangs.tp`, when there is more than one TP rank."""
+    if gangs.tp.size == 1:
+        return
+    if gangs.mesh is None:
+        raise UserError("tensor parallelism needs the gangs' device mesh (setup_gangs)")
+    apply_tp_plan(model, gangs.mesh["tp"])
 
 
 def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -201,7 +215,7 @@ def _check_keys_and_shapes(
 def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
           device: torch.device) -> None:
     """Allocate this rank's storage and copy its slice of every tensor from the files
-    (`gangs.parallel.materialize(sliced=True)`, which keeps tied weights tied); then let the
+    (`parallel.materialize(sliced=True)`, which keeps tied weights tied); then let the
     model's own initialisation compute what the files do not hold."""
     keys = {name: _file_key(names, files) for name, names in targets.items()}
     non_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())

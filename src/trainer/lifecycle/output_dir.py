@@ -16,16 +16,20 @@ from gangs import Gang, first_error
 from trainer.errors import UserError
 from trainer.lifecycle.rank_failure import clear_failures
 from trainer.lifecycle.run_lock import RunLock
-
-RUN_DIRS = ("checkpoints", "metrics", "tb", "wandb", "config_history")
+from trainer.run_dir import RunDir, parse_step_dir
 
 
 def previous_run(output_dir: Path) -> list[str]:
     """What another run left in `output_dir`: its checkpoints and metric files."""
-    found = sorted(p.name for p in (output_dir / "checkpoints").glob("step_*"))
-    found += [f"metrics/{p.name}" for p in sorted((output_dir / "metrics").glob("*.jsonl"))]
-    found += [f"tb/{p.name}" for p in sorted((output_dir / "tb").glob("events.out.*"))]
+    run = RunDir(output_dir)
+    found = sorted(p.name for p in run.checkpoints.glob("*") if parse_step_dir(p.name) is not None)
+    found += [_relative(p, run) for p in sorted(run.metrics.glob("*.jsonl"))]
+    found += [_relative(p, run) for p in sorted(run.tensorboard.glob("events.out.*"))]
     return found
+
+
+def _relative(path: Path, run: RunDir) -> str:
+    return path.relative_to(run.path).as_posix()
 
 
 def used_by_another_run(output_dir: Path) -> str | None:
@@ -44,8 +48,8 @@ def used_by_another_run(output_dir: Path) -> str | None:
 def clear_previous_run(output_dir: Path) -> None:
     """Delete another run's checkpoints, metrics, TensorBoard and W&B files and its config
     history (one process)."""
-    for name in RUN_DIRS:
-        shutil.rmtree(output_dir / name, ignore_errors=True)
+    for path in RunDir(output_dir).of_a_run():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def prepare_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, root: Gang,

@@ -30,8 +30,8 @@ from gangs import Gang, GangError, describe
 from trainer.checkpoint import CheckpointError
 from trainer.errors import UserError
 from trainer.lifecycle.local_workers import lost_local_workers
+from trainer.run_dir import RunDir
 
-FAILURES = "failures"
 AGREED = (UserError, CheckpointError)  # raised on every rank at the same point
 PEER_GRACE_S = 3.0  # how long a rank that noticed a failure waits for the peer's own record
 
@@ -48,7 +48,7 @@ class RankFailure(RuntimeError):
 
 def clear_failures(output_dir: Path) -> None:
     """Forget an earlier run's failures (rank 0, before the run's first collective)."""
-    shutil.rmtree(output_dir / FAILURES, ignore_errors=True)
+    shutil.rmtree(RunDir(output_dir).failures, ignore_errors=True)
 
 
 def noticed_a_peer(error: BaseException) -> bool:
@@ -76,7 +76,7 @@ def share_failure(output_dir: Path, rank: int, world_size: int, step_nr: int,
     non-finite loss, a failed save agreed by all) pass as they are."""
     if world_size == 1 or isinstance(error, AGREED):
         return None
-    failures = output_dir / FAILURES
+    failures = RunDir(output_dir).failures
     noticed = noticed_a_peer(error)
     cause = _first_cause(failures, rank, wait_s=PEER_GRACE_S if noticed else 0.0)
     if cause is None:

@@ -16,6 +16,7 @@ import yaml
 
 from trainer.checkpoint.run_config import differences, under
 from trainer.errors import UserError
+from trainer.run_dir import RunDir, parse_step_dir
 
 
 def check_resume_config(
@@ -23,15 +24,16 @@ def check_resume_config(
 ) -> None:
     """Raise `UserError` listing the guarded differences between the config the checkpoints
     in `output_dir` were written with and `new_config` (both as plain dicts)."""
-    old_file = output_dir / "config.yaml"
-    has_checkpoints = any((output_dir / "checkpoints").glob("step_*"))
+    run = RunDir(output_dir)
+    old_file = run.config_file
+    has_checkpoints = any(parse_step_dir(p.name) is not None for p in run.checkpoints.glob("*"))
     if not guarded or not has_checkpoints or not old_file.exists():
         return
     old = yaml.safe_load(old_file.read_text()) or {}
     changes = differences(old, new_config, keep=lambda key: under(key, guarded))
     if changes:
         raise UserError(
-            f"cannot resume from '{output_dir / 'checkpoints'}': the config changed where "
+            f"cannot resume from '{run.checkpoints}': the config changed where "
             "the checkpoints cannot follow:\n  " + "\n  ".join(changes) +
             "\nundo the change, or start over with --no-resume or another OUTPUT_DIR"
         )

@@ -1,2 +1,3 @@
 """Watching a run: callbacks, recorders (console, JSONL, TensorBoard, W&B), profiler,
-system metrics. Imports only errors, lifecycle/, checkpoint/, state/, step/ and gangs."""
+system metrics. Imports only errors, run_dir, lifecycle/, checkpoint/, state/, step/ and
+gangs."""

@@ -26,11 +26,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch.profiler import ProfilerActivity, profile, schedule
 
-__all__ = ["PROFILE_DIR", "ProfilerConfig", "StepProfiler"]
+from trainer.run_dir import RunDir
+
+__all__ = ["ProfilerConfig", "StepProfiler"]
 
 log = logging.getLogger("gangtrain")
 
-PROFILE_DIR = "profile"
 """The traces' folder under the output directory."""
 
 
@@ -71,7 +72,7 @@ class StepProfiler:
         self.config = config
         self.rank = rank
         self.device = torch.device(device)
-        self.dir = Path(output_dir) / PROFILE_DIR
+        self.dir = RunDir(output_dir).profile
         self.enabled = config.ranks is None or rank in config.ranks
         self.trace_path: Path | None = None
         """The trace written by this rank, once it is."""

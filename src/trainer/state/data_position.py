@@ -7,7 +7,7 @@ agree on the end (one small all-reduce a step when DP > 1, over Gloo on the CPU,
 waits for the GPU): when any rank's data is over,
 every rank stops at the same step, so no rank waits in a collective the others never enter. The position is
 checkpointable: with a reader that has `state_dict()`/`load_state_dict()` (e.g.
-`StatefulDataLoader`, `trainer.state.global_batches.GlobalBatchReader`) a resumed run continues
+`StatefulDataLoader`, `data.global_batches.GlobalBatchReader`) a resumed run continues
 mid-epoch exactly, in O(1).
 
 A reader's state is taken to be this DP rank's own (a `StatefulDistributedSampler` counts
@@ -110,7 +110,7 @@ class DataPosition(Generic[BatchT]):
                 f"DP rank {self.dp.rank} of {self.dp.size} (its samples would be re-read or "
                 f"skipped). Resume with {saved_size} data-parallel ranks and the layout that "
                 f"saved it, use a reader whose "
-                "position counts global batches (trainer.state.global_batches.GlobalBatchReader, or "
+                "position counts global batches (data.global_batches.GlobalBatchReader, or "
                 "a reader with `position_is_global = True`), or start over (--no-resume)")
             return
         if moved and "reader" in state:

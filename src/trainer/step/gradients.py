@@ -11,6 +11,7 @@ from `1 / count` (`mean_seed`), as a hand-written loop's mean loss would: no ext
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gangs import Gang, ReduceOperation
+from trainer import torch_shortcuts
 from trainer.step.step_call import StepCall
 
 
@@ -44,26 +46,37 @@ def scale_gradients(grads: list[Tensor], dp_size: int, global_count: Tensor | in
     torch._foreach_mul_(grads, factor.to(grads[0].dtype))
 
 
-def gradient_norm(params: list[Tensor], max_norm: float | None) -> Tensor:
-    """Global L2 norm of the gradients (DTensor-aware), clipping to `max_norm` if given."""
+def gradient_norm(params: list[Tensor], max_norm: float | None,
+                  split_over: Sequence[Gang] = ()) -> Tensor:
+    """Global L2 norm of the gradients, clipping to `max_norm` if given. What each rank holds
+    is declared, not guessed: a DTensor gradient's norm is reduced over its mesh; a plain
+    tensor gradient is a replica on every rank, unless `split_over` names gangs over which
+    the plain gradients are split (e.g. pipeline stages, each holding its own layers): their
+    squared norms are then summed over each of those gangs (every rank enters)."""
     if not params:
         return torch.zeros(())
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(isinstance(g, DTensor) for g in grads):
+    if not split_over and not any(isinstance(g, DTensor) for g in grads):
         if max_norm is None:  # the norm alone: no clipping pass over every gradient
             # get_total_norm's grouping by device and dtype in Python costs as much again.
             return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # noqa: SLF001 (torch's foreach norm)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     # Tensor/FSDP2/expert parallelism mix plain tensors and DTensors of several meshes, which
     # one foreach op refuses: norm each kind apart (a DTensor's norm reduced over its mesh),
-    # then combine. Plain tensors are replicas: their norm is already global.
+    # then combine.
     groups: dict[object, list[Tensor]] = {}
+    if split_over:  # the plain tensors' collective runs even where a rank holds none
+        groups[None] = []
     for g in grads:
         groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    for mesh, group in groups.items():
+        norm = (torch.nn.utils.get_total_norm(group, foreach=True) if group
+                else torch.zeros((), device=params[0].device))
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if mesh is None and split_over:
+            norm = _norm_over(norm, split_over)
+        norms.append(norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm is not None:  # as torch.nn.utils.clip_grads_with_norm_, on the local shards
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
@@ -71,12 +84,21 @@ def gradient_norm(params: list[Tensor], max_norm: float | None) -> Tensor:
     return total
 
 
-def gradient_norm_parts(params: list[Tensor]) -> list[Tensor]:
+def _norm_over(norm: Tensor, gangs: Sequence[Gang]) -> Tensor:
+    """The L2 norm of parts whose norms are `norm` on each rank of every gang in `gangs`."""
+    squared = norm.square().reshape(1)
+    for gang in gangs:
+        gang.all_reduce(squared, ReduceOperation.SUM)
+    return squared[0].sqrt().to(norm.dtype)
+
+
+def gradient_norm_parts(params: list[Tensor], split_over: Sequence[Gang] = ()) -> list[Tensor]:
     """Tensors whose root sum of squares is the global L2 norm of the gradients: one op for
-    plain tensors (their combination is left to the host read that publishes it)."""
+    plain replicated tensors (their combination is left to the host read that publishes
+    it); see `gradient_norm` for `split_over`."""
     grads = [p.grad for p in params if p.grad is not None]
-    if any(isinstance(g, DTensor) for g in grads):
-        return [gradient_norm(params, None)]
+    if split_over or any(isinstance(g, DTensor) for g in grads):
+        return [gradient_norm(params, None, split_over)]
     return list(torch._foreach_norm(grads)) if grads else []  # noqa: SLF001 (torch's foreach norm)
 
 
@@ -88,8 +110,10 @@ def _local(grads: list[Tensor]) -> list[Tensor]:
 
 def supports_device_skip(optimizer: Optimizer) -> bool:
     """Fused optimizers (e.g. `AdamW(fused=True)`) can skip a step on the device, reading a
-    `found_inf` flag the way `torch.amp.GradScaler` hands it to them: no host sync."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+    `found_inf` flag the way `torch.amp.GradScaler` hands it to them: no host sync. (Not
+    public API: off with the shortcuts, see `trainer.torch_shortcuts`.)"""
+    return torch_shortcuts.enabled() and bool(
+        getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
         group.get("fused", False) for group in optimizer.param_groups
     )
 

@@ -15,8 +15,9 @@ the wrapper while the wrapper would only open that range:
 * `step` is not replaced on the optimizer object, but for the LR scheduler's wrapper, which
   only notes that the optimizer stepped: that note is taken here as it would take it.
 
-Otherwise, and with an optimizer or a torch whose `step` is not wrapped this way, the call is
-the plain `optimizer.step()`. The step itself (and its `no_grad`) is the same function.
+Otherwise, with an optimizer or a torch whose `step` is not wrapped this way, and with the
+shortcuts off (`trainer.torch_shortcuts`), the call is the plain `optimizer.step()`. The
+step itself (and its `no_grad`) is the same function.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ import torch.autograd.profiler as torch_profiler
 from torch.optim import Optimizer
 from torch.optim import optimizer as torch_optimizer
 
+from trainer import torch_shortcuts
+
 
 class StepCall:
     """`step_call()` steps `optimizer`: see the module docstring."""
 
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
-        self._inner = _inside_torch_wrapper(optimizer)
+        self._inner = _inside_torch_wrapper(optimizer) if torch_shortcuts.enabled() else None
 
     def __call__(self) -> None:
         optimizer = self.optimizer

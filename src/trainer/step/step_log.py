@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,11 +97,11 @@ class StepLog:
         self._run_start = 0
 
     def log(self, step_nr: int, loss: Tensor, count: Tensor | int, outcome: StepOutcome,
-            judge_loss: bool = True, tensor_counts: list[Tensor] | None = None) -> None:
+            judge_loss: bool = True, tensor_counts: Sequence[Tensor] = ()) -> None:
         """Log step `step_nr` (steps are logged in order): nothing is read now.
         `tensor_counts`: the unit's counts of the step that are tensors, judged at `check`."""
         self._unread.append(_Logged(step_nr, loss, count, outcome, judge_loss,
-                                    tensor_counts or []))
+                                    list(tensor_counts)))
 
     # -- sync points -----------------------------------------------------------------------
     def check(self) -> None:

@@ -12,6 +12,7 @@ from trainer.observe.recorders.console import ConsoleRecorder
 from trainer.observe.recorders.jsonl import JsonlRecorder
 from trainer.observe.recorders.tensorboard import TensorBoardRecorder
 from trainer.observe.recorders.wandb import WandbRecorder
+from trainer.run_dir import RunDir
 
 
 def default_recorders(
@@ -22,7 +23,7 @@ def default_recorders(
     a thread of its own) when a project is named."""
     recorders: list[MetricRecorder] = [
         JsonlRecorder(output_dir),
-        TensorBoardRecorder(output_dir / "tb"),
+        TensorBoardRecorder(RunDir(output_dir).tensorboard),
         ConsoleRecorder(total_steps, show_progress=progress),
     ]
     if wandb_project is not None:  # wandb.log costs too much to call on the training thread

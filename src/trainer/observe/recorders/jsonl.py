@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainer.observe.recorders.base import MetricRecorder
+from trainer.run_dir import RunDir
 
 _RESERVED_KEYS = ("step", "time")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -83,7 +84,7 @@ class JsonlRecorder(MetricRecorder):
     """
 
     def __init__(self, output_dir: Path) -> None:
-        self._metrics_dir = Path(output_dir) / "metrics"
+        self._metrics_dir = RunDir(output_dir).metrics
         self._metrics_dir.mkdir(parents=True, exist_ok=True)
         self._files: dict[str, IO[str]] = {}
 

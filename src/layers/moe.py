@@ -1,4 +1,4 @@
-"""Expert parallelism: a mixture-of-experts feed-forward whose experts are split over `gangs.ep`.
+"""A mixture-of-experts feed-forward whose experts are split over `gangs.ep` (expert parallelism).
 
 Each token is routed to `top_k` experts (linear router -> softmax -> top-k, gate weights
 renormalised to sum to 1). With an EP gang of size > 1, every rank holds
@@ -11,12 +11,11 @@ Expert weights are DTensors sharded over the EP gang (`Shard(0)` of the stacked
 global experts like any other sharded parameter.
 
 Gradients. Expert weights differ across EP ranks, so DDP and FSDP2 must not average them
-over the whole DP gang. They carry `param.is_expert_param = True`; `data_parallel` and
-`fully_shard_model` leave them alone and `reduce_expert_gradients` reduces them instead:
-thanks to the all_to_all, a local expert's gradient already sums the contributions of the
-tokens of every rank of its EP gang, so a SUM over `gangs.expert_dp` (the ranks holding the
-same experts) gives the gradient of the global loss, and dividing by `gangs.dp.size` makes
-it arrive AVERAGED over DP like every other gradient (what the trainer assumes).
+over the whole DP gang. They carry `param.is_expert_param = True`, which
+`parallel.expert` reads to leave them out of DDP and FSDP2 and reduce them itself.
+
+The token dispatch (the two `all_to_all`s) stays in the layer: it is part of the layer's
+forward, as a TP layer's collectives are part of its own.
 """
 
 from __future__ import annotations
@@ -30,16 +29,13 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from gangs.gang import Gang, ReduceOperation
-from gangs.setup import Gangs
+from gangs.gang import Gang
 
 __all__ = [
     "GroupedExperts",
     "MoEFeedForward",
-    "ddp_ignored_names",
     "moe_aux_loss",
     "moe_layers",
-    "reduce_expert_gradients",
 ]
 
 
@@ -202,33 +198,3 @@ def moe_aux_loss(model: nn.Module) -> Tensor | None:
     """The sum of the MoE layers' load-balancing losses of the last forward (None: no MoE)."""
     losses = [m.aux_loss for _, m in moe_layers(model) if m.aux_loss is not None]
     return torch.stack(losses).sum() if losses else None
-
-
-def ddp_ignored_names(model: nn.Module) -> list[str]:
-    """What DDP must leave alone: expert parameters (reduced by `reduce_expert_gradients`)
-    and the per-rank token counters (DDP would overwrite them with rank 0's)."""
-    names = [n for n, p in model.named_parameters() if getattr(p, "is_expert_param", False)]
-    names += [f"{n}.tokens_per_expert" if n else "tokens_per_expert" for n, _ in moe_layers(model)]
-    return names
-
-
-@torch.no_grad()
-def reduce_expert_gradients(model: nn.Module, gangs: Gangs) -> None:
-    """SUM expert gradients over `gangs.expert_dp`, then divide by `gangs.dp.size`.
-
-    Call once a step, after the last backward and before the trainer's normalisation.
-    """
-    params = [p for p in model.parameters() if getattr(p, "is_expert_param", False)]
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:  # every rank must enter the same collectives
-            p.grad = torch.zeros_like(p)
-    grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)]
-    if gangs.expert_dp.size > 1:
-        flat = torch.cat([g.flatten() for g in grads])  # one collective, not one per weight
-        gangs.expert_dp.all_reduce(flat, ReduceOperation.SUM)
-        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(reduced.view_as(g))
-    if gangs.dp.size > 1:
-        torch._foreach_div_(grads, gangs.dp.size)

@@ -1,5 +1,6 @@
-"""The LM recipe's learning-rate schedule: linear warm-up, then cosine decay over a length
-of its own.
+"""Learning-rate schedules the recipes share: `WarmupCosine`, linear warm-up, then cosine
+decay over a length of its own (`warmup_cosine` builds it from a config section,
+`trainer.config.sections.LRSchedulerSection`).
 
 The length (`lr_scheduler.num_steps`) is not `trainer.max_num_steps`: were it, extending a
 run (resuming with a larger `max_num_steps`) would change the learning rate of every step

@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from trainer.errors import UserError
+from gangs.errors import UserError
 
 BatchT = TypeVar("BatchT")
 

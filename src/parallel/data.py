@@ -1,4 +1,4 @@
-"""Data parallelism over `gangs.dp`: DDP, or FSDP2 (`fully_shard`, see `gangs.parallel.fsdp`).
+"""Data parallelism over `gangs.dp`: DDP, or FSDP2 (`fully_shard`, see `parallel.fsdp`).
 
 Wrap once, before the optimizer is built, and give the unit the returned model.
 """
@@ -10,9 +10,9 @@ from typing import Any, Literal
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gangs.parallel.blocks import checkpoint_blocks, find_blocks
-from gangs.parallel.expert import ddp_ignored_names
 from gangs.setup import Gangs
+from parallel.blocks import checkpoint_blocks, find_blocks
+from parallel.expert import ddp_ignored_names
 
 
 def data_parallel(
@@ -24,10 +24,10 @@ def data_parallel(
     "ddp": `DistributedDataParallel`; kwargs go to it (e.g. `find_unused_parameters=True`).
     A no-op in one process.
     "fsdp": FSDP2, or HSDP when the gangs have a `dp_shard_size`; kwargs go to
-    `gangs.parallel.fully_shard_model` (`blocks`, `param_dtype`, ...), which leaves the
+    `parallel.fully_shard_model` (`blocks`, `param_dtype`, ...), which leaves the
     model unsharded in one process.
     activation_checkpointing: recompute each block's activations in backward (the blocks
-    `gangs.parallel.blocks.find_blocks` finds), applied before wrapping, as each wrapper
+    `parallel.blocks.find_blocks` finds), applied before wrapping, as each wrapper
     needs; in one process too.
 
     A model already wrapped (DDP, or any FSDP2 module) is refused with a `ValueError`.
@@ -38,7 +38,7 @@ def data_parallel(
             "call data_parallel once, on the plain model"
         )
     if kind == "fsdp":
-        from gangs.parallel.fsdp import fully_shard_model
+        from parallel.fsdp import fully_shard_model
 
         return fully_shard_model(model, gangs,
                                  activation_checkpointing=activation_checkpointing, **kwargs)

@@ -1,5 +1,5 @@
 """FSDP2 (`fully_shard`) over the DP mesh of any model: one FSDP group per repeated block
-(found by `gangs.parallel.blocks.find_blocks`), then the root, which takes whatever is left:
+(found by `parallel.blocks.find_blocks`), then the root, which takes whatever is left:
 embeddings, final norm, output layer, and every tied weight (one group, so tying survives).
 
 The DP mesh is `gangs.dp_mesh`: `mesh["dp"]` (FSDP), or the 2-D
@@ -9,7 +9,7 @@ all DP ranks (its default divide factor is the DP size, shard x replicate), whic
 the trainer's normalisation assumes. Parameters already distributed over `mesh["tp"]`
 (tensor parallelism) become 2-D DTensors.
 
-Expert weights (`param.is_expert_param`, see `gangs.parallel.expert`) are left out: they differ
+Expert weights (`param.is_expert_param`, see `parallel.expert`) are left out: they differ
 per EP rank, so averaging them over the whole DP mesh would be wrong; they stay sharded over
 the EP gang only and `reduce_expert_gradients` reduces them, exactly as under DDP.
 """
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from gangs.parallel.blocks import BlockSpec, checkpoint_blocks, find_blocks
 from gangs.setup import Gangs
+from parallel.blocks import BlockSpec, checkpoint_blocks, find_blocks
 
 __all__ = ["fully_shard_model", "mixed_precision_policy"]
 
@@ -57,7 +57,7 @@ def fully_shard_model(
 
     blocks: the classes (or class names) of the blocks to shard one by one; by default a
         Hugging Face model's `_no_split_modules`, else the children of uniform
-        `nn.ModuleList`s (see `gangs.parallel.blocks`).
+        `nn.ModuleList`s (see `parallel.blocks`).
     param_dtype: e.g. `torch.bfloat16` on GPUs: compute in that dtype, reduce gradients in
         float32 (`mixed_precision_policy`). Or pass a full `mp_policy`, not both.
     activation_checkpointing: recompute each block's activations in backward (less memory,

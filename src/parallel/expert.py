@@ -1,0 +1,53 @@
+"""Expert parallelism's gradients: expert weights (`param.is_expert_param`, set by
+`layers.moe.GroupedExperts`) differ across EP ranks, so DDP and FSDP2 must not average them
+over the whole DP gang; `data_parallel` and `fully_shard_model` leave them alone and
+`reduce_expert_gradients` reduces them instead.
+
+Thanks to the layer's all_to_all, a local expert's gradient already sums the contributions
+of the tokens of every rank of its EP gang, so a SUM over `gangs.expert_dp` (the ranks
+holding the same experts) gives the gradient of the global loss, and dividing by
+`gangs.dp.size` makes it arrive AVERAGED over DP like every other gradient (what the
+trainer assumes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from gangs.gang import ReduceOperation
+from gangs.setup import Gangs
+from layers.moe import moe_layers
+
+__all__ = ["ddp_ignored_names", "reduce_expert_gradients"]
+
+
+def ddp_ignored_names(model: nn.Module) -> list[str]:
+    """What DDP must leave alone: expert parameters (reduced by `reduce_expert_gradients`)
+    and the per-rank token counters (DDP would overwrite them with rank 0's)."""
+    names = [n for n, p in model.named_parameters() if getattr(p, "is_expert_param", False)]
+    names += [f"{n}.tokens_per_expert" if n else "tokens_per_expert" for n, _ in moe_layers(model)]
+    return names
+
+
+@torch.no_grad()
+def reduce_expert_gradients(model: nn.Module, gangs: Gangs) -> None:
+    """SUM expert gradients over `gangs.expert_dp`, then divide by `gangs.dp.size`.
+
+    Call once a step, after the last backward and before the trainer's normalisation.
+    """
+    params = [p for p in model.parameters() if getattr(p, "is_expert_param", False)]
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:  # every rank must enter the same collectives
+            p.grad = torch.zeros_like(p)
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)]
+    if gangs.expert_dp.size > 1:
+        flat = torch.cat([g.flatten() for g in grads])  # one collective, not one per weight
+        gangs.expert_dp.all_reduce(flat, ReduceOperation.SUM)
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
+    if gangs.dp.size > 1:
+        torch._foreach_div_(grads, gangs.dp.size)

@@ -1,0 +1,125 @@
+"""The one build plan every model goes through (the LM recipe's GPT, `load_pretrained`'s
+Hugging Face models, the fine-tuning recipe), in this order:
+
+    make_on_meta()          the model on the meta device: no memory, no initialisation
+    transforms              model -> model, in order (adapters will go here)
+    tensor_parallel         the model's own TP plan over `gangs.mesh["tp"]`; experts are split
+                            over `gangs.ep` by the MoE layer itself when it is built
+    (pipeline split)        later: cut the model into stages here, before FSDP2
+    FSDP2 / HSDP            per block over `gangs.dp_mesh` (data_parallel="fsdp")
+    materialize             each rank allocates its shards and fills them (an init rule or
+                            the slices of a checkpoint, see `parallel.materialize`)
+    DDP                     over `gangs.dp` (data_parallel="ddp"): DDP broadcasts rank 0's
+                            weights when it wraps, so it needs real ones
+
+The rules between the steps live here and nowhere else:
+
+- DDP under TP is FSDP2 without resharding after forward: DDP cannot wrap DTensor parameters
+  (its broadcast mixes them with plain tensors), and FSDP2 keeping the parameters gathered
+  from forward to backward (ZeRO-2 like) is the closest to it.
+- HSDP (`dp_shard_size`) shards with FSDP2, so it needs data_parallel="fsdp"
+  (`check_hsdp`, which recipes call on their config before any process group exists).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from gangs.setup import Gangs
+from parallel.data import data_parallel as wrap_data_parallel
+
+__all__ = ["DataParallel", "Materialize", "TensorParallel", "Transform", "build_model",
+           "check_hsdp", "parallelize"]
+
+log = logging.getLogger("gangtrain")
+
+DataParallel = Literal["fsdp", "ddp"]
+Transform = Callable[[nn.Module], nn.Module]
+"""A change of the model on meta before it is split (e.g. wrapping layers with adapters)."""
+TensorParallel = Callable[[nn.Module, Gangs], None]
+"""Apply the model's own TP plan over `gangs` in place; called on every layout (tp = 1 too),
+so it may check that the model fits the gangs' sizes."""
+Materialize = Callable[[nn.Module, torch.device], None]
+"""Allocate this rank's storage of the split model and fill it, e.g.
+`lambda model, device: materialize(model, device, seeded_init(seed, rule))`."""
+
+
+def check_hsdp(data_parallel: DataParallel | None, dp_shard_size: int | None) -> None:
+    """A `ValueError` when HSDP (`dp_shard_size` given) is asked without FSDP2."""
+    if dp_shard_size is not None and data_parallel != "fsdp":
+        raise ValueError(f"dp_shard_size {dp_shard_size} (HSDP) shards the model with FSDP2: "
+                         f"it needs data_parallel 'fsdp', not {data_parallel!r}")
+
+
+def build_model(
+    make_on_meta: Callable[[], nn.Module],
+    gangs: Gangs,
+    *,
+    materialize: Materialize,
+    tensor_parallel: TensorParallel | None = None,
+    data_parallel: DataParallel | None = "fsdp",
+    transforms: Sequence[Transform] = (),
+    **options: Any,
+) -> nn.Module:
+    """The model `make_on_meta` builds, split over `gangs` and filled, ready for the
+    optimizer (build it afterwards from `parallel.param_groups(model)`); see the module
+    docstring for the steps.
+
+    data_parallel: "fsdp" (FSDP2, or HSDP when the gangs have a `dp_shard_size`), "ddp", or
+        None (no data-parallel wrapper: the caller wraps).
+    options: of `parallel.data_parallel` (`activation_checkpointing`, `param_dtype`,
+        `blocks`, ... for FSDP2; `find_unused_parameters` for DDP).
+    """
+    kind, options = _data_parallel_layout(data_parallel, gangs, options)
+    with torch.device("meta"):  # no memory, no init cost
+        model = make_on_meta()
+    for transform in transforms:
+        model = transform(model)
+    if tensor_parallel is not None:
+        tensor_parallel(model, gangs)
+    # A pipeline split (PP) goes here: after TP/EP, before FSDP2 shards each stage.
+    if kind == "fsdp":
+        model = wrap_data_parallel(model, gangs, "fsdp", **options)
+    materialize(model, gangs.device)
+    if kind == "ddp":
+        model = wrap_data_parallel(model, gangs, "ddp", **options)
+    return model
+
+
+def parallelize(
+    model: nn.Module,
+    gangs: Gangs,
+    *,
+    tensor_parallel: TensorParallel | None = None,
+    data_parallel: DataParallel | None = "fsdp",
+    **options: Any,
+) -> nn.Module:
+    """The middle of the plan for a model that is already real (built on a device and
+    initialised): TP, then FSDP2 or DDP, by the same rules as `build_model`."""
+    kind, options = _data_parallel_layout(data_parallel, gangs, options)
+    if tensor_parallel is not None:
+        tensor_parallel(model, gangs)
+    if kind is not None:
+        model = wrap_data_parallel(model, gangs, kind, **options)
+    return model
+
+
+def _data_parallel_layout(
+    data_parallel: DataParallel | None, gangs: Gangs, options: dict[str, Any]
+) -> tuple[DataParallel | None, dict[str, Any]]:
+    """The wrapper the plan really applies, and its options: DDP under TP becomes FSDP2
+    without resharding."""
+    if data_parallel not in ("fsdp", "ddp", None):
+        raise ValueError(f"data_parallel must be 'fsdp', 'ddp' or None, got {data_parallel!r}")
+    if data_parallel is None and options:
+        raise ValueError(f"options {sorted(options)} configure data_parallel, which is None")
+    if data_parallel == "ddp" and gangs.tp.size > 1:
+        log.info("DP x TP: DDP cannot wrap DTensor parameters, using FSDP2 over dp "
+                 "without resharding after forward")
+        return "fsdp", {"reshard_after_forward": False, **options}
+    return data_parallel, options

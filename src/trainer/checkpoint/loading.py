@@ -1,0 +1,110 @@
+"""Reading a checkpoint back: the one verified DCP load, and which step directory to read.
+
+`load_dcp` is the only caller of `dcp.load` in the package: the manager's resume, evaluate-
+only runs and the exports all read through it, so every read of a checkpoint gets the same
+safe reader (no pickle from `.metadata`), the same check that the model fits (one error
+naming the parameter, before DCP's own) and the same error (a `UserError` naming the
+directory). Verify the step directory first (`require_verified`, or the manager's collective
+verdict): the safe reader trusts the files the manifest vouched for.
+
+`resolve_step_dir`, `best_step_dir` and `find_step_dir` choose a step directory of a
+checkpoints directory by the rules of `CheckpointDir.newest_verified` / `best_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+from trainer.checkpoint.directory import CheckpointDir
+from trainer.checkpoint.failures import describe
+from trainer.checkpoint.manifest import (
+    MANIFEST,
+    MODEL_OPTIM,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_model_fits,
+    verify,
+)
+from trainer.errors import UserError
+
+__all__ = ["best_step_dir", "find_step_dir", "load_dcp", "require_verified", "resolve_step_dir"]
+
+
+def require_verified(step_dir: Path, step_nr: int | None = None) -> None:
+    """A `UserError` naming `step_dir` when it does not verify against its manifest (as
+    step `step_nr`, when given)."""
+    reason = verify(step_dir, step_nr)
+    if reason is not None:
+        raise UserError(f"checkpoint {step_dir} cannot be loaded: {reason}")
+
+
+def load_dcp(
+    step_dir: Path,
+    state: dict[str, Any],
+    *,
+    reader: SafeFileSystemReader | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = True,
+    whole_model: bool = True,
+    then: Callable[[], None] | None = None,
+    fits: str = "the model",
+) -> None:
+    """Fill DCP's state dict `state` (`{"model": ..., "optimizer": ...}`) in place from the
+    verified `step_dir`'s `model_optim/`, then call `then` (e.g. set the state into the
+    model). Collective unless `no_dist`. `reader`: one to reuse (default: a new safe reader).
+    `whole_model`: `state["model"]` is the model's whole state, checked against the
+    checkpoint's entries first; False when it holds entries taken from the checkpoint's own
+    metadata. Any failure of the load or of `then` raises a `UserError` saying that the
+    checkpoint does not fit `fits`."""
+    step_dir = Path(step_dir)
+    if reader is None:
+        reader = SafeFileSystemReader(step_dir / MODEL_OPTIM)
+    if whole_model:  # the same verdict on every rank, before any collective
+        check_model_fits(reader.read_metadata(), state["model"], step_dir)
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
+                 process_group=process_group, no_dist=no_dist)
+        if then is not None:
+            then()
+    except (Exception, CheckpointException) as ex:  # the latter is a BaseException
+        raise UserError(f"checkpoint {step_dir} does not fit {fits}: {describe(ex)}") from ex
+
+
+def resolve_step_dir(path: Path) -> Path:
+    """`path` itself when it is a step directory; else the newest step directory of the
+    checkpoints directory `path` that verifies. A `UserError` when there is none."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    disk = CheckpointDir(path)
+    step_nr, _ = disk.newest_verified()
+    if step_nr is None:
+        raise UserError(f"no complete checkpoint in {path}")
+    return disk.step_dir(step_nr)
+
+
+def best_step_dir(checkpoint_dir: Path, *, lower_better: bool | None = None) -> Path | None:
+    """The best-scored complete step directory of `checkpoint_dir`; None when no checkpoint
+    has a score. The direction is the one the manager recorded in the manifests
+    (`lower_better`), unless given; among tied scores the oldest is best."""
+    disk = CheckpointDir(Path(checkpoint_dir))
+    step_nr = disk.best_step(lower_better)
+    return disk.step_dir(step_nr) if step_nr is not None else None
+
+
+def find_step_dir(path: Path, *, best: bool = False) -> Path:
+    """`path` itself when it is a step directory; else, in the checkpoints directory
+    `path`, the best-scored checkpoint when `best`, or else the newest complete one. A
+    `UserError` when there is none."""
+    path = Path(path)
+    if best and not (path / MANIFEST).is_file():
+        found = best_step_dir(path)
+        if found is not None:
+            return found
+    return resolve_step_dir(path)
