@@ -79,8 +79,9 @@ class MicroBatchLoop(Generic[BatchT]):
             loss = loss.detach()
             loss_sum = loss if loss_sum is None else loss_sum + loss
             local_count = local_count + num_targets
-            if isinstance(num_targets, Tensor):
-                tensor_counts.append(num_targets.detach())
+            if isinstance(num_targets, Tensor):  # kept for StepLog.check: no op, no read
+                tensor_counts.append(num_targets.detach() if num_targets.requires_grad
+                                     else num_targets)
         assert loss_sum is not None
         return StepGradients(loss_sum, local_count, normalised, tuple(tensor_counts))
 
