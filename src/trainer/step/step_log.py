@@ -36,9 +36,9 @@ import torch
 from torch import Tensor
 
 from gangs import Gang, any_rank_each
-from trainer.errors import NonFiniteLossError, UserError
+from trainer.errors import NonFiniteLossError
 from trainer.step.optimizer_step import StepOutcome
-from trainer.step.target_counts import check_target_counts, is_target_count
+from trainer.step.target_counts import bad_count_elsewhere, check_target_counts, is_target_count
 from units import MetricBag
 
 log = logging.getLogger("gangtrain")
@@ -124,7 +124,7 @@ class StepLog:
         for entry, bad, values in zip(steps, bad_counts, each):
             if bad:  # never published, never saved: the run stops here, on every rank
                 check_target_counts(self.unit_name, entry.step_nr, values)
-                raise check_error(self.unit_name, entry.step_nr)
+                raise bad_count_elsewhere(self.unit_name, entry.step_nr)
         self._losses += losses
         self._counts += counts
         if publish_norm is not None:
@@ -180,12 +180,6 @@ class StepLog:
         self._run_start = state["run_start"]
         self._losses, self._counts = list(state["losses"]), list(state["counts"])
         self._unread, self._grad_norm = [], None
-
-
-def check_error(unit_name: str, step_nr: int) -> UserError:
-    """Another rank's unit returned a count this rank's did not: the same step stops here."""
-    return UserError(f"step {step_nr}: {unit_name} returned a num_targets on another rank "
-                     "that is negative or not a whole number (that rank's error names it)")
 
 
 def _read(steps: list[_Logged]) -> tuple[list[float], list[float], list[float], list[bool],

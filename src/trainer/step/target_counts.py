@@ -8,7 +8,7 @@ import math
 
 from trainer.errors import UserError
 
-__all__ = ["bad_target_count", "check_target_counts", "is_target_count"]
+__all__ = ["bad_count_elsewhere", "bad_target_count", "check_target_counts", "is_target_count"]
 
 
 def is_target_count(value: float) -> bool:
@@ -32,3 +32,10 @@ def check_target_counts(unit_name: str, step_nr: int, counts: list[float]) -> No
     for value in counts:
         if not is_target_count(value):
             raise bad_target_count(unit_name, value, step_nr)
+
+
+def bad_count_elsewhere(unit_name: str, step_nr: int) -> UserError:
+    """On a rank whose counts were fine: another rank's were not, and every rank stops at
+    the same step."""
+    return UserError(f"step {step_nr}: {unit_name} returned a num_targets on another rank "
+                     "that is negative or not a whole number (that rank's error names it)")
