@@ -23,6 +23,7 @@ from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import hf_model_of, load_pretrained
+from trainer.hf.hf_config import read_hf_config
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
@@ -153,6 +154,7 @@ def _check_model_path(path: str | None) -> None:
         reason = "has no config.json" if Path(path).is_dir() else "does not exist"
         raise UserError(f"config 'model.path': '{path}' {reason}: it must be a local Hugging "
                         "Face model directory (config.json, safetensors, tokenizer files)")
+    read_hf_config(Path(path))  # a damaged config.json named before the tokenizer reads it
 
 
 def _tokenizer(path: str) -> Any:

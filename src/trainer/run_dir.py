@@ -10,7 +10,10 @@
       tb/, wandb/              TensorBoard and W&B files
       hf/                      the best checkpoint as a HF model directory (HF models)
       adapter/                 its LoRA adapters in peft's format (a run with adapters)
+      .hf.tmp-PID, .hf.old-PID an export being written or replaced (an interrupted one's
+                               are removed by the next export once PID is gone)
       failures/rank_R.txt      why a rank failed
+      failures/noticed_by_rank_R.txt   a rank whose collective failed: which peer stopped
       profile/                 profiler traces
 
 Everything else builds paths from `RunDir` and `step_dir_name` / `parse_step_dir`, so a

@@ -15,7 +15,8 @@ own (`get_state_dict` strips DDP/FSDP/compile prefixes at save time); tied alias
 written once, under the name `save_pretrained` keeps (GPT-2: `transformer.wte.weight`,
 not `lm_head.weight`), and the keys are checked against the model the config describes
 before anything is written. The directory appears whole or not at all: it is written
-under a temporary name beside `output_dir` and renamed.
+under a temporary name beside `output_dir` and renamed; the copies an interrupted export
+left there (killed mid-write) are removed by the next export to the same place.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
 from trainer.run_dir import ADAPTER_DIR, BEST_MODEL
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_adapter", "export_best_model", "export_pretrained"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_adapter", "export_best_model", "export_pretrained",
+           "remove_interrupted_exports"]
 
 log = logging.getLogger("gangtrain")
 
@@ -137,6 +139,31 @@ def export_adapter(checkpoint: Path | str, output_dir: Path | str) -> Path:
     return _write_dir(Path(output_dir), write)
 
 
+def remove_interrupted_exports(output_dir: Path) -> list[Path]:
+    """Delete what an interrupted export to `output_dir` left beside it (a whole model's
+    copy each: `.NAME.tmp-PID`, `.NAME.old-PID`) when process PID is gone (or is this
+    one); an export still running elsewhere on this machine keeps its own. The paths
+    removed."""
+    removed = []
+    for pattern in (f".{output_dir.name}.tmp-*", f".{output_dir.name}.old-*"):
+        for path in output_dir.parent.glob(pattern):
+            pid = path.name.rpartition("-")[2]
+            if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def export_best_model(checkpoint_dir: Path, hf_output_dir: Path) -> Path | None:
     """The end-of-run export of the best checkpoint of `checkpoint_dir`: to the HF directory
     `hf_output_dir` for a HF model, else (or when its weights do not fit its config, with a
@@ -213,6 +240,7 @@ def _write_dir(target: Path, write: Callable[[Path], None]) -> Path:
     is never half written (an old one is moved aside first, then deleted), and nothing half
     written is left behind when `write` fails."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_interrupted_exports(target)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -19,6 +19,7 @@ HSDP and DP x TP start from the weights `from_pretrained` gives.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -33,25 +34,30 @@ from layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
 from parallel import plan
 from parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
+from trainer.hf.hf_config import read_hf_config
 from trainer.hf.safetensors_files import WeightFiles
 from trainer.hf.tensor_parallel import apply_tp_plan
 
 __all__ = ["build_on_meta", "load_pretrained", "tensor_aliases"]
+
+log = logging.getLogger("gangtrain")
 
 # The flag transformers' own initialisers (`transformers.initialization`) check before
 # writing a tensor: a tensor that carries it was loaded and is left alone.
 _HF_INITIALIZED = "_is_hf_initialized"
 
 
-def build_on_meta(path: Path | str, dtype: torch.dtype | None = None) -> nn.Module:
+def build_on_meta(path: Path | str, dtype: torch.dtype | None = None,
+                  untie_word_embeddings: bool = False) -> nn.Module:
     """The causal LM of the HF directory `path` (from its `config.json` alone) on the meta
-    device: no memory, no initialisation, no weights read."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    device: no memory, no initialisation, no weights read. `untie_word_embeddings` builds
+    it with `tie_word_embeddings` false whatever the file says (see `load_pretrained`)."""
+    from transformers import AutoModelForCausalLM
 
     path = Path(path).resolve()  # config.name_or_path: where checkpoints find the tokenizer
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path} has no config.json: not a Hugging Face model directory")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = read_hf_config(path)
+    if untie_word_embeddings:
+        config.tie_word_embeddings = False
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
@@ -88,9 +94,13 @@ def load_pretrained(
     seed: of the adapters' initialisation (peft's: `lora_A` Kaiming-uniform, `lora_B`
         zero), drawn per name: the same on every rank and layout.
 
-    Tied weights stay tied (GPT-2's `lm_head.weight` is `transformer.wte.weight`). A key the
-    model needs that the files lack, a key of the files the model lacks, or a shape that
-    differs is a `UserError` naming the key and the file.
+    Tied weights stay tied (GPT-2's `lm_head.weight` is `transformer.wte.weight`) when the
+    files hold them once or equal; a config that ties them while the files hold both with
+    different values is loaded untied with a warning, as `from_pretrained` does (and the
+    model's config then says `tie_word_embeddings: false`, so that its checkpoints and
+    exports say what the weights are). A key the model needs that the files lack, a key of
+    the files the model lacks, a shape that differs, or a file that cannot be read is a
+    `UserError` naming the key and the file.
     """
     if data_parallel not in ("fsdp", "ddp", None):
         raise UserError(f"data_parallel must be 'fsdp', 'ddp' or None, got {data_parallel!r}")
@@ -124,6 +134,9 @@ class _Pretrained:
         model = build_on_meta(self.path, self.dtype)
         self.files = WeightFiles(self.path)
         self.targets = tensor_aliases(model)
+        if _saved_apart(self.targets, self.files):
+            model = _untied(self.path, self.dtype, self.files)
+            self.targets = tensor_aliases(model)
         _check_keys_and_shapes(model, self.targets, self.files)
         return model
 
@@ -164,6 +177,33 @@ def _named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterator[
 def _file_key(names: list[str], files: WeightFiles) -> str | None:
     """The name under which the files hold a tensor known by `names` (tied aliases)."""
     return next((name for name in names if name in files.file_of), None)
+
+
+def _saved_apart(targets: dict[str, list[str]], files: WeightFiles) -> list[list[str]]:
+    """The tied names (one list per tensor) that the files hold more than once, with values
+    that differ: the config ties what the files keep apart."""
+    apart = []
+    for names in targets.values():
+        present = [name for name in names if name in files.file_of]
+        if any(not files.equal(present[0], other) for other in present[1:]):
+            apart.append(present)
+    return apart
+
+
+def _untied(path: Path, dtype: torch.dtype | None, files: WeightFiles) -> nn.Module:
+    """The model built untied, as `from_pretrained` loads a tied config whose files hold the
+    tied weights apart with different values (it warns and does not tie them: training a tied
+    model would be training another model than the one saved)."""
+    model = build_on_meta(path, dtype, untie_word_embeddings=True)
+    still = _saved_apart(tensor_aliases(model), files)
+    if still:  # tied by the model's code, not by tie_word_embeddings: nothing to follow
+        raise UserError(f"{files.source} holds {' and '.join(map(repr, still[0]))} with "
+                        f"different values, which {type(model).__name__} ties into one weight")
+    log.warning("%s ties the output embedding to the input embedding (tie_word_embeddings), "
+                "but %s holds both with different values: loading them untied, as "
+                "from_pretrained does; set \"tie_word_embeddings\": false in config.json to "
+                "silence this", path / "config.json", files.source)
+    return model
 
 
 def _check_keys_and_shapes(
