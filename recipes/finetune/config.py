@@ -1,5 +1,5 @@
 """The `recipes.finetune` config: sections model, data, optimizer, lr_scheduler (warm-up and
-cosine decay, `trainer.lr_schedules`), trainer, gangs."""
+cosine decay, `trainer.lr_schedules`), trainer, gangs, lora (adapters, off by default)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, PositiveInt
 
-from trainer.config.sections import LRSchedulerSection, Section
+from trainer.config.sections import LoraSection, LRSchedulerSection, Section
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 
 
@@ -71,12 +71,13 @@ class FinetuneConfig(Section):
         data_parallel="fsdp",
     )
     gangs: GangsSection = GangsSection()
+    lora: LoraSection = LoraSection()
 
 
 # Settings a resumed run may not change: the model and what a data position means.
 RESUME_GUARD = ("model.path", "data.files", "data.text_field", "data.seq_len",
                 "data.batch_size", "data.valid_fraction", "data.split_seed",
-                "data.shuffle_seed")
+                "data.shuffle_seed", *LoraSection.RESUME_GUARD)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {

@@ -23,6 +23,7 @@ from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import hf_model_of, load_pretrained
+from trainer.hf.hf_config import read_hf_config
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
@@ -40,7 +41,8 @@ def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
     # Activation checkpointing goes on each block before the model is wrapped (DDP, FSDP2,
     # or FSDP2 for DDP x TP), in one process too.
     model = load_pretrained(config.model.path, gangs, data_parallel=kind,
-                            activation_checkpointing=config.model.activation_checkpointing)
+                            activation_checkpointing=config.model.activation_checkpointing,
+                            **config.lora.load_options(config.trainer.seed))
     hf_model = hf_model_of(model)
     assert hf_model is not None  # load_pretrained builds a transformers model
     # No KV cache: training never reuses it, and a block recomputed in backward would append
@@ -102,10 +104,12 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
                         f"token {int(tokens.max())}, beyond the model's vocab_size "
                         f"{hf_config.vocab_size}: the tokenizer files belong to another model")
     num_params = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if console:
-        console.print(f"model: {config.model.path}, {num_params:,} parameters")
+        adapters = f" ({trained:,} trained: LoRA adapters)" if trained < num_params else ""
+        console.print(f"model: {config.model.path}, {num_params:,} parameters{adapters}")
     return _Setup(gangs, console, model, [CausalLMEvalUnit(model)], [valid_reader], reader,
-                  _flops_per_token(hf_config, num_params, d.seq_len))
+                  _flops_per_token(hf_config, num_params, trained, d.seq_len))
 
 
 def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
@@ -120,7 +124,7 @@ def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
     )
     result = trainer.run()
     if s.console:
-        _summary(s.console, result, config, RunDir(output_dir).hf)
+        _summary(s.console, result, config, RunDir(output_dir))
     s.gangs.close()
     return 0
 
@@ -150,6 +154,7 @@ def _check_model_path(path: str | None) -> None:
         reason = "has no config.json" if Path(path).is_dir() else "does not exist"
         raise UserError(f"config 'model.path': '{path}' {reason}: it must be a local Hugging "
                         "Face model directory (config.json, safetensors, tokenizer files)")
+    read_hf_config(Path(path))  # a damaged config.json named before the tokenizer reads it
 
 
 def _tokenizer(path: str) -> Any:
@@ -160,19 +165,23 @@ def _tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _flops_per_token(hf_config: Any, num_params: int, seq_len: int) -> float:
+def _flops_per_token(hf_config: Any, num_params: int, trained: int, seq_len: int) -> float:
     """Training FLOPs per token for the published MFU: 6 N + 12 L d T (the LM recipe's
-    convention, N counting every parameter here)."""
+    convention, N counting every parameter here). A frozen parameter costs 4 (forward, and
+    the gradient of its input in backward), not 6: it has no gradient of its own (LoRA)."""
     layers = getattr(hf_config, "num_hidden_layers", 0) or 0
     width = getattr(hf_config, "hidden_size", 0) or 0
-    return 6.0 * num_params + 12.0 * layers * width * seq_len
+    return 4.0 * num_params + 2.0 * trained + 12.0 * layers * width * seq_len
 
 
 def _summary(console: Console, result: TrainResult, config: FinetuneConfig,
-             exported: Path) -> None:
+             run_dir: RunDir) -> None:
     console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
     if result.best_score is not None:
         console.print(f"best {config.trainer.score_metric}: {result.best_score:.4f} at step "
                       f"{result.best_step}")
-    if result.best_checkpoint is not None and exported.is_dir():
-        console.print(f"exported {result.best_checkpoint} as a Hugging Face model: {exported}")
+    if result.best_checkpoint is not None and run_dir.hf.is_dir():
+        console.print(f"exported {result.best_checkpoint} as a Hugging Face model: "
+                      f"{run_dir.hf}")
+    if result.best_checkpoint is not None and run_dir.adapter.is_dir():
+        console.print(f"its LoRA adapters in peft's format: {run_dir.adapter}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from trainer.config.sections import GangsSection, LRSchedulerSection, Section
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
@@ -22,6 +22,18 @@ class ModelSection(Section):
     moe_aux_loss_weight: float = Field(default=0.01, ge=0)
     """Weight of the MoE load-balancing loss (per target)."""
     tie_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ModelSection:
+        """Shapes the model cannot be built with, refused with the config (a traceback from
+        deep inside the model otherwise)."""
+        if self.dim % self.num_heads != 0:
+            raise ValueError(f"model.dim {self.dim} is not divisible by model.num_heads "
+                             f"{self.num_heads}: each head gets dim / num_heads channels")
+        if self.num_experts > 0 and self.top_k > self.num_experts:
+            raise ValueError(f"model.top_k {self.top_k} is more than model.num_experts "
+                             f"{self.num_experts}")
+        return self
 
 
 class DataSection(Section):

@@ -2,7 +2,8 @@
 Hugging Face models, the fine-tuning recipe), in this order:
 
     make_on_meta()          the model on the meta device: no memory, no initialisation
-    transforms              model -> model, in order (adapters will go here)
+    transforms              model -> model, in order (LoRA adapters, `layers.lora`: the TP
+                            step splits them with the layer they adapt)
     tensor_parallel         the model's own TP plan over `gangs.mesh["tp"]`; experts are split
                             over `gangs.ep` by the MoE layer itself when it is built
     (pipeline split)        later: cut the model into stages here, before FSDP2
@@ -40,7 +41,7 @@ log = logging.getLogger("gangtrain")
 
 DataParallel = Literal["fsdp", "ddp"]
 Transform = Callable[[nn.Module], nn.Module]
-"""A change of the model on meta before it is split (e.g. wrapping layers with adapters)."""
+"""A change of the model on meta before it is split (e.g. `layers.lora.apply_lora`)."""
 TensorParallel = Callable[[nn.Module, Gangs], None]
 """Apply the model's own TP plan over `gangs` in place; called on every layout (tp = 1 too),
 so it may check that the model fits the gangs' sizes."""

@@ -20,11 +20,12 @@ def param_groups(
     Fused and foreach optimizers (e.g. `AdamW(fused=True)`) run one kernel over the tensors of
     a group, and the DTensor kernel refuses plain tensors ("got mixed torch.Tensor and
     DTensor"). DTensors of different meshes may share a group. Give the optimizer
-    `param_groups(model)` instead of `model.parameters()`; groups given as dicts (e.g. with
-    their own weight decay) are split the same way and keep their options.
+    `param_groups(model)` instead of `model.parameters()` (a model's frozen parameters are
+    left out); groups given as dicts (e.g. with their own weight decay) are split the same
+    way and keep their options.
     """
-    if isinstance(params, nn.Module):
-        params = params.parameters()
+    if isinstance(params, nn.Module):  # what trains: a frozen base (LoRA) needs no state
+        params = [p for p in params.parameters() if p.requires_grad]
     items = list(params)
     groups = items if items and isinstance(items[0], dict) else [{"params": items}]
     out = []

@@ -9,7 +9,7 @@ and is run as::
 
     python -m recipes.NAME OUTPUT_DIR [--preset NAME] [--config-file F.yaml ...]
         [--set a.b=value ...] [--resume/--no-resume] [--overwrite] [--dump-config]
-        [--list-presets] [--eval-only [--checkpoint best|last|step_N]]
+        [--list-presets] [--eval-only [--checkpoint best|last|step_N]] [--trust-run-config]
 
 ``--eval-only`` calls the recipe's ``eval_main(config, output_dir, checkpoint)`` instead of
 ``main`` (typically a call of `trainer.evaluate.evaluate` with the recipe's valid units), and
@@ -21,6 +21,10 @@ trained with ``--preset tiny`` is evaluated or extended without repeating it; th
 default preset is then not applied), the preset, each ``--config-file`` in order, each
 ``--set`` in order (see `trainer.config.loading` for the merge rules;
 `trainer.config.errors` formats validation errors).
+
+``OUTPUT_DIR/config.yaml`` is data: an import path (a callback, an early stopper) that only it
+names is refused (exit 2, naming the setting) and never imported, unless the command names the
+same path again (``--set``, ``--config-file``) or passes ``--trust-run-config``.
 
 User mistakes (bad keys, values, files, presets, arguments, and `UserError` raised by the
 recipe's main) print ``error: <message>`` on stderr, with no traceback, and exit with status 2.
@@ -67,6 +71,11 @@ __all__ = [
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
 _EXIT_USER_ERROR = 2
+
+# A run's config.yaml may have been written by anyone who can write the directory: the code it
+# names (callbacks, early stoppers) runs only when the person running the command names it too.
+_UNTRUSTED_REMEDY = ("name it with --set or --config-file, or pass --trust-run-config to run "
+                     "what the run's config.yaml names")
 
 
 def run_recipe(
@@ -125,6 +134,8 @@ def run_recipe(
             config_files=args.config_files,
             overrides=args.overrides,
             base_file=base_file,
+            trust_base_file=args.trust_run_config,
+            untrusted_remedy=_UNTRUSTED_REMEDY,
         )
     except UserError as err:
         return _fail(str(err))
@@ -270,6 +281,12 @@ def _make_parser(
         "--dump-config", action="store_true", help="print the merged config as YAML and exit"
     )
     parser.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    parser.add_argument(
+        "--trust-run-config", action="store_true",
+        help="import and run the code (callbacks, early stoppers) that OUTPUT_DIR/config.yaml "
+        "names by import path; without it only the import paths this command names (with "
+        "--set, --config-file or the preset) are imported",
+    )
     parser.add_argument(
         "--eval-only", action="store_true",
         help="do not train: validate a checkpoint of OUTPUT_DIR, print the metrics and append "

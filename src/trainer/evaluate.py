@@ -25,12 +25,13 @@ from typing import Any
 
 from rich.console import Console
 from torch import nn
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from gangs import FakeGang, Gangs
+from trainer.checkpoint.adapters import check_base
 from trainer.checkpoint.directory import CheckpointDir
 from trainer.checkpoint.loading import load_dcp, require_verified
-from trainer.checkpoint.state import model_optim_state
+from trainer.checkpoint.model_files import hf_model_of
+from trainer.checkpoint.state import model_optim_state, set_model_optim_state
 from trainer.default_gangs import default_gangs
 from trainer.errors import UserError
 from trainer.observe.console_log import show_on_console
@@ -181,7 +182,8 @@ def _distinct_models(units: Sequence[EvalUnit[Any]]) -> list[nn.Module]:
 def _load_model(step_dir: Path, model: nn.Module, gangs: Gangs) -> None:
     """The model weights of a verified ``step_dir`` into ``model`` (wrapped or sharded as
     for training: DCP reshards), reading nothing else and writing nothing."""
+    check_base(step_dir, model, hf_model_of(model), gangs.root)  # adapters: the same base?
     state = model_optim_state(model, None)
     no_dist = isinstance(gangs.root, FakeGang) or gangs.root.size == 1
     load_dcp(step_dir, state, process_group=None if no_dist else gangs.root.as_process_group(),
-             no_dist=no_dist, then=lambda: set_model_state_dict(model, state["model"]))
+             no_dist=no_dist, then=lambda: set_model_optim_state(model, None, state))

@@ -8,7 +8,6 @@ step), raised before any training or any checkpoint is lost.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,8 +85,12 @@ def check_finite_state(optimizer: Optimizer, root: Gang, step_nr: int,
     local = [t.detach() for t in local if t.numel() > 0]
     finite = True
     if local:
+        # One fused norm per tensor, read in one copy; a norm is inf for finite values near
+        # 1e19 too (its squares overflow fp32), so a tensor whose norm is not finite is
+        # judged by its own values.
         norms = torch._foreach_norm(local)  # noqa: SLF001 (torch's foreach norm)
-        finite = math.isfinite(torch.stack([n.float() for n in norms]).sum().item())
+        suspects = (~torch.isfinite(torch.stack([n.float() for n in norms]))).nonzero()
+        finite = all(bool(torch.isfinite(local[i]).all()) for i in suspects.flatten().tolist())
     if any_rank(root, not finite):
         good = (f"the last good checkpoint is {last_good}" if last_good is not None
                 else "no checkpoint was written")

@@ -9,7 +9,11 @@
       metrics/<section>.jsonl  the metrics (`trainer.observe.recorders`)
       tb/, wandb/              TensorBoard and W&B files
       hf/                      the best checkpoint as a HF model directory (HF models)
+      adapter/                 its LoRA adapters in peft's format (a run with adapters)
+      .hf.tmp-PID, .hf.old-PID an export being written or replaced (an interrupted one's
+                               are removed by the next export once PID is gone)
       failures/rank_R.txt      why a rank failed
+      failures/noticed_by_rank_R.txt   a rank whose collective failed: which peer stopped
       profile/                 profiler traces
 
 Everything else builds paths from `RunDir` and `step_dir_name` / `parse_step_dir`, so a
@@ -25,6 +29,8 @@ CONFIG_FILE = "config.yaml"
 """The run's config: `OUTPUT_DIR/config.yaml`, and beside each checkpoint `step_N/config.yaml`."""
 BEST_MODEL = "best_model.safetensors"
 """The best checkpoint's weights, under `checkpoints/`."""
+ADAPTER_DIR = "adapter"
+"""The best checkpoint's LoRA adapters in peft's format, beside `hf/`."""
 HF_FILES = "hf"
 """The subdirectory of a step directory that holds a HF model's config and tokenizer."""
 
@@ -69,6 +75,11 @@ class RunDir:
     def hf(self) -> Path:
         """The best checkpoint exported as a HF model directory."""
         return self.path / "hf"
+
+    @property
+    def adapter(self) -> Path:
+        """The best checkpoint's LoRA adapters in peft's format."""
+        return self.path / ADAPTER_DIR
 
     @property
     def config_file(self) -> Path:

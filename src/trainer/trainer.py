@@ -178,7 +178,7 @@ class Trainer(Generic[BatchT]):
         self.state = TrainState()
         self.data = DataPosition(data_reader, s.max_num_data_epochs, self.gangs.dp)
         self.metrics = MetricBag(self.device)
-        self.steps = StepLog(s.max_consecutive_non_finite, self.gangs.dp)
+        self.steps = StepLog(s.max_consecutive_non_finite, self.gangs.dp, type(unit).__name__)
         self.rng = RngState(s.seed, self.gangs, self.state)
         self.scaler = LossScaler(
             self.gangs.root, self.device, *s.fp16_loss_scale,
@@ -316,13 +316,14 @@ class Trainer(Generic[BatchT]):
         or skip (`optimizer_step`); the step's values are logged, read at the next sync."""
         step_nr = self.state.step_nr
         self.unit.set_step_nr(step_nr)
-        loss, local_count, normalised = self.forward_backward(batches, step_nr)
+        loss, local_count, normalised, tensor_counts = self.forward_backward(batches, step_nr)
         if self._has_expert_params:
             reduce_expert_gradients(self.unit.model, self.gangs)
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
         measure_norm = step_nr % self.settings.publish_metrics_every_n_steps == 0
         outcome = self.optimizer_step(loss, count, normalised, step_nr, measure_norm)
-        self.steps.log(step_nr, loss, local_count, outcome, judge_loss=self.scaler is None)
+        self.steps.log(step_nr, loss, local_count, outcome, judge_loss=self.scaler is None,
+                       tensor_counts=tensor_counts)
         self.optimizer_step.clear_gradients()
 
     # -- where all ranks meet ------------------------------------------------------------
@@ -369,7 +370,7 @@ class Trainer(Generic[BatchT]):
         step_nr = self.state.step_nr
         self.state.validated_step = step_nr
         with self.system.left_out():  # throughput is of training time
-            values = self.validator.run()
+            values = self.validator.run(step_nr)
         for section, section_values in by_unit(values).items():
             self.recorder.record(section, step_nr, section_values)
         self.callbacks.on_validation_end(self, values)

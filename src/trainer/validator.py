@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from gangs import Gangs, any_rank_each
+from trainer.errors import UserError
 from trainer.lifecycle.device import to_device
 from units import EvalUnit, MetricBag
 
@@ -58,7 +59,8 @@ class Validator:
     def __bool__(self) -> bool:
         return bool(self.units)
 
-    def run(self) -> dict[str, float]:
+    def run(self, step_nr: int | None = None) -> dict[str, float]:
+        """Validate (at `step_nr`, named by errors) and return the metrics."""
         values: dict[str, float] = {}
         counts = []
         for unit, reader in zip(self.units, self.readers):
@@ -77,16 +79,28 @@ class Validator:
             unit_values = metrics.sync_and_compute(self.gangs.dp)
             unit.derive_metrics(unit_values)
             values.update({f"{unit.name}/{k}": v for k, v in unit_values.items()})
-        self._check_not_spent(counts)
+        self._check_not_spent(counts, step_nr)
         return values
 
-    def _check_not_spent(self, counts: list[int]) -> None:
-        """Raise, on every DP rank, when a reader that gave batches last time gave none."""
+    def _check_not_spent(self, counts: list[int], step_nr: int | None) -> None:
+        """Raise, on every DP rank, when a reader gave no batch on any rank (empty: its
+        metrics would be NaN or absent, a score silently lost), or gave batches last time
+        and none now (spent)."""
         spent = [last > 0 and count == 0 for last, count in zip(self._last_counts, counts)]
         self._last_counts = counts
-        if self.gangs.dp.size > 1:
-            spent = any_rank_each(self.gangs.dp, spent)
+        gave = [count > 0 for count in counts]
+        if self.gangs.dp.size > 1:  # one collective for both
+            agreed = any_rank_each(self.gangs.dp, spent + gave)
+            spent, gave = agreed[:len(spent)], agreed[len(spent):]
         for index, (unit, reader) in enumerate(zip(self.units, self.readers)):
+            if not gave[index] and not spent[index]:
+                at = f" at step {step_nr}" if step_nr is not None else ""
+                ranks = " on any rank" if self.gangs.dp.size > 1 else ""
+                raise UserError(
+                    f"valid_data_readers[{index}] (of valid unit '{unit.name}', a "
+                    f"{type(reader).__name__}) gave no batch{ranks} at the validation{at}: "
+                    "its data is empty; give it data or leave the valid unit out"
+                )
             if spent[index]:
                 raise ValueError(
                     f"valid_data_readers[{index}] (of valid unit '{unit.name}', a "

@@ -188,7 +188,9 @@ def user_module(tmp_path, monkeypatch):
             def stop_at_ten(step_nr, score):
                 return step_nr >= 10
 
-            def stop_when_flat(window=3, tol=0.0, lower_better=True):
+            from trainer.early_stoppers import EarlyStopper
+
+            def stop_when_flat(window=3, tol=0.0, lower_better=True) -> EarlyStopper:
                 seen = []
 
                 def stopper(step_nr, score):

@@ -161,6 +161,8 @@ def mistakes(tmp_path_factory):
         "wrong_type": [base / "o2", "--preset", "tiny", "--set", "trainer.max_num_steps=abc"],
         "empty_root": [base / "o3", "--preset", "tiny", "--set", f"data.root={empty}"],
         "unwritable": [unwritable, "--preset", "tiny"],
+        "bad_heads": [base / "o5", "--preset", "tiny", "--set", "model.num_heads=5",
+                      "--set", "model.dim=32"],
     })
     return procs, {"empty": empty, "unwritable": unwritable}
 
@@ -189,6 +191,12 @@ def test_wrong_type_names_field_and_value(mistakes):
     procs, _ = mistakes
     _check_user_error(procs["wrong_type"], "config 'trainer.max_num_steps' = 'abc'",
                       "valid integer")
+
+
+def test_a_model_shape_that_cannot_be_built_is_a_config_error(mistakes):
+    procs, _ = mistakes
+    _check_user_error(procs["bad_heads"], "error: config 'model' = ",
+                      "model.dim 32 is not divisible by model.num_heads 5")
 
 
 def test_data_root_without_files_names_the_directory(mistakes):

@@ -270,7 +270,8 @@ def test_a_user_stopper_factory_gets_the_direction_the_unit_declares(tmp_path, m
     """`lower_better` left out of the config: a user factory that takes it is handed the
     valid unit's declaration (accuracy: higher-better), not its own default."""
     (tmp_path / "my_factories.py").write_text(
-        "def flat(window=2, lower_better=True):\n"
+        "from collections.abc import Callable\n"
+        "def flat(window=2, lower_better=True) -> Callable[[int, float], bool]:\n"
         "    def stopper(step_nr, score):\n"
         "        return False\n"
         "    stopper.lower_better = lower_better\n"

@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from gangs import FakeGang, Gangs, first_error, on_rank0
+from trainer.checkpoint.adapters import check_base
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.disk_space import DiskFullError, needed_bytes
 from trainer.checkpoint.failures import describe, rank_cause
@@ -58,11 +58,11 @@ from trainer.checkpoint.manifest import (
     read_manifest,
     write_manifest,
 )
-from trainer.checkpoint.model_files import write_model_files
+from trainer.checkpoint.model_files import hf_model_of, write_model_files
 from trainer.checkpoint.retention import steps_to_keep
 from trainer.checkpoint.run_config import config_text, sha256_of
 from trainer.checkpoint.staging import HostStaging
-from trainer.checkpoint.state import check_plain, model_optim_state
+from trainer.checkpoint.state import check_plain, model_optim_state, set_model_optim_state
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.errors import UserError
 from trainer.run_dir import CONFIG_FILE
@@ -331,19 +331,11 @@ class CheckpointManager:
         manifest = read_manifest(step_dir)
         assert manifest is not None  # verified above
 
+        check_base(step_dir, model, hf_model_of(model), self.gangs.root)  # adapters: the base?
         state = model_optim_state(model, optimizer)
-
-        def set_state() -> None:
-            if optimizer is None:
-                set_model_state_dict(model, state["model"])
-            else:
-                set_state_dict(
-                    model, optimizer,
-                    model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                )
-
         load_dcp(step_dir, state, process_group=self._pg, no_dist=self._no_dist,
-                 then=set_state, fits="the model or optimizer")
+                 then=lambda: set_model_optim_state(model, optimizer, state),
+                 fits="the model or optimizer")
         rank_state = self._load_rank_state(step_dir, manifest)
         for name, component in (states or {}).items():
             if name in rank_state:

@@ -221,7 +221,21 @@ def read_dcp_metadata(path: Path) -> Metadata:
         raise UserError(f"refusing to read {path}: {ex}") from ex
     if not isinstance(metadata, Metadata):
         raise UserError(f"refusing to read {path}: it does not hold DCP metadata")
+    _check_storage_confined(path, metadata)
     return metadata
+
+
+def _check_storage_confined(path: Path, metadata: Metadata) -> None:
+    """Every file `.metadata` points DCP to is a file of its own directory: a path that
+    leads elsewhere would read bytes the manifest's checksums never covered."""
+    directory = path.parent.resolve()
+    for info in (metadata.storage_data or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if not isinstance(relative, str) or not relative or \
+                PurePosixPath(relative).name != relative or \
+                (directory / relative).resolve().parent != directory:
+            raise UserError(f"refusing to read {path}: it points to storage {relative!r} "
+                            f"outside {directory}")
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -3,7 +3,9 @@ exported as a HF directory offline (`trainer.hf.export_pretrained`) without the 
 the files the run started from:
 
     step_{N}/hf/    config.json, generation_config.json, and the tokenizer files of the
-                    directory the model was loaded from (`config.name_or_path`), if any
+                    directory the model was loaded from (`config.name_or_path`), if any;
+                    with LoRA adapters also adapter_config.json and lora_base.json
+                    (`trainer.checkpoint.adapters`)
 
 Written by rank 0 into the save's temporary directory, so the manifest checksums them and
 they appear with the rest of the step, atomically. A model that is not a transformers
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from torch import nn
 
+from trainer.checkpoint.adapters import write_adapter_files
 from trainer.run_dir import HF_FILES
 
 __all__ = ["HF_FILES", "TOKENIZER_FILES", "hf_model_of", "write_model_files"]
@@ -58,6 +61,7 @@ def write_model_files(model: nn.Module, step_dir: Path) -> None:
     generation_config = getattr(hf_model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(target)
+    write_adapter_files(model, hf_model, target)
     source = Path(str(hf_model.config.name_or_path or ""))
     if source.is_dir() and source.resolve() != target.resolve():
         for name in TOKENIZER_FILES:

@@ -7,19 +7,49 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.optim import Optimizer
+
+from layers.lora import lora_settings_of
 
 _PLAIN = (torch.Tensor, int, float, str, bool, type(None))
 
 
 def model_optim_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
     """`{"model": ..., "optimizer": ...}` in DCP's canonical form (no "module." prefixes,
-    DTensor shards for FSDP2/TP), through the supported `get_state_dict` path."""
+    DTensor shards for FSDP2/TP), through the supported `get_state_dict` path. A model with
+    LoRA adapters gives only what trains: its frozen base comes from the pretrained files
+    (the checkpoint references them, `checkpoint.adapters`)."""
+    options = _options(model)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=options)}
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optim_state}
+
+
+def set_model_optim_state(model: nn.Module, optimizer: Optimizer | None,
+                          state: dict[str, Any]) -> None:
+    """Put `state` (`model_optim_state`'s form, filled by DCP) into `model` and `optimizer`."""
+    options = _options(model)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"], options=options)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=options)
+
+
+def _options(model: nn.Module) -> StateDictOptions | None:
+    if lora_settings_of(model) is None:
+        return None
+    # Without strict, loading leaves the frozen parameters (absent from the state) alone;
+    # the keys that are there were checked against the checkpoint (`check_model_fits`).
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def check_plain(value: Any, where: str) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from pydantic import model_validator
 
-from trainer.config.import_path import NamedConfig, import_object
+from trainer.config.import_path import NamedConfig, declared_return, import_object
 from trainer.errors import UserError
 from trainer.observe.callbacks import EVENTS, Callback, implemented_events
 
@@ -17,10 +17,12 @@ class CallbackConfig(NamedConfig):
     """A callback in a config: ``{name: "package.module:Class", **kwargs}``.
 
     ``name`` is the import path of a `Callback` subclass (or of any class with at least one
-    of the event methods, or of a function returning such an object); every other key is a
-    keyword argument of it. A bare string is short for ``{name: <string>}``. Checked when
-    the config is validated: the path imports, the arguments bind to the signature, and a
-    class is a callback. The object is built by `build` / `build_callbacks`.
+    of the event methods, or of a function that declares it returns such a class:
+    ``def make() -> MyCallback``); every other key is a keyword argument of it. A bare
+    string is short for ``{name: <string>}``. Checked when the config is validated, before
+    anything named is called: the path imports, the class (or the declared return class) is
+    a callback, and the arguments bind to the signature. The object is built by `build` /
+    `build_callbacks`.
     """
 
 
@@ -29,7 +31,15 @@ class CallbackConfig(NamedConfig):
         obj = import_object(self.name, "callback")
         if not callable(obj):
             raise ValueError(f"callback '{self.name}' is a {type(obj).__name__}, not a class")
-        if inspect.isclass(obj) and not issubclass(obj, Callback) and not implemented_events(obj):
+        # What `obj` builds is judged before it is ever called: a class by itself, a function
+        # by the class it declares to return (anything else, e.g. 'os:system', is refused).
+        built = obj if inspect.isclass(obj) else declared_return(obj)
+        if not inspect.isclass(built):
+            raise ValueError(
+                f"callback '{self.name}' is a {type(obj).__name__}, not a callback class; a "
+                "function that builds one must declare the class it returns (-> MyCallback)"
+            )
+        if not issubclass(built, Callback) and not implemented_events(built):
             raise ValueError(
                 f"callback '{self.name}' is not a callback: subclass trainer.Callback or "
                 f"define one of {', '.join(EVENTS)}"

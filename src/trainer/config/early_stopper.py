@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field, model_validator
 
-from trainer.config.import_path import NamedConfig, import_object
+from trainer.config.import_path import NamedConfig, declared_return, import_object
 from trainer.early_stoppers import (
     AnyOf,
     Divergence,
@@ -88,9 +89,9 @@ def _import_object(path: str) -> Any:
 
 
 def _is_stopper_function(obj: Any) -> bool:
-    """True for a callable used as the stopper itself: not a class, and exactly two required
-    positional parameters, ``(step_nr, score)``. Anything else is a factory."""
-    if inspect.isclass(obj):
+    """True for a callable used as the stopper itself: a Python function with exactly two
+    required positional parameters, ``(step_nr, score)``. Anything else is a factory."""
+    if not (inspect.isfunction(obj) or inspect.ismethod(obj)):
         return False
     try:
         params = inspect.signature(obj).parameters.values()
@@ -99,6 +100,23 @@ def _is_stopper_function(obj: Any) -> bool:
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     required = [p for p in params if p.default is inspect.Parameter.empty]
     return len(required) == 2 and all(p.kind in positional for p in required)
+
+
+def _has_call(cls: Any) -> bool:
+    """Whether instances of the class ``cls`` are callable (a ``__call__`` of its own)."""
+    return inspect.isclass(cls) and any("__call__" in vars(k) for k in cls.__mro__
+                                        if k is not object)
+
+
+def _is_declared_factory(obj: Any) -> bool:
+    """A factory of stoppers as declared, before anything is called: a class whose instances
+    are callable, or a Python function whose return annotation is a callable type
+    (``-> EarlyStopper``, a ``Callable[...]``, a class with ``__call__``)."""
+    if inspect.isclass(obj):
+        return _has_call(obj)
+    returns = declared_return(obj)
+    origin = typing.get_origin(returns)
+    return _has_call(returns) or returns is Callable or origin in (Callable, typing.Callable)
 
 
 def _accepts_keyword(obj: Any, name: str) -> bool:
@@ -123,7 +141,9 @@ class EarlyStopperConfig(NamedConfig):
     - an import path: any keyword arguments. A function ``(step_nr, score)`` given without
       arguments is the stopper itself; otherwise the object is a factory called with the
       arguments (plus ``lower_better`` if it takes that keyword and it is not given) that
-      returns the stopper.
+      returns the stopper. A factory is a class whose instances are stoppers, or a function
+      declared as one (``def make(window=3) -> EarlyStopper``): nothing else named in a
+      config is called.
 
     A bare string is short for ``{name: <string>}``. Everything is checked when the config is
     validated (names, import paths, argument names and values), not when training runs.
@@ -193,6 +213,12 @@ class EarlyStopperConfig(NamedConfig):
         obj = _import_object(self.name)
         if not self.kwargs and _is_stopper_function(obj):
             return
+        if not _is_declared_factory(obj):
+            raise ValueError(
+                f"early stopper '{self.name}' is a {type(obj).__name__}, not a stopper: name "
+                "a function (step_nr, score) -> bool, a class whose instances are one, or a "
+                "factory function that declares it returns one (-> EarlyStopper)"
+            )
         try:
             inspect.signature(obj).bind(**self.kwargs)
         except TypeError as err:
@@ -236,6 +262,8 @@ def build_early_stopper(
     if (lower_better is not None and "lower_better" not in kwargs
             and _accepts_keyword(obj, "lower_better")):
         kwargs["lower_better"] = lower_better
+    if not _is_declared_factory(obj):  # the config's validator refused it already
+        raise UserError(f"early stopper '{config.name}' is not a declared stopper factory")
     stopper = obj(**kwargs)
     if not callable(stopper):
         raise UserError(

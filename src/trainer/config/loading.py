@@ -5,10 +5,15 @@ Precedence, lowest first: the config type's defaults, a base file (a run's own
 order, each override in order. Mappings are merged key by key; any other value (lists included)
 replaces the one below it. Setting a key to null and then to a mapping replaces a mapping
 instead of merging into it. An override ``a.b.c=value`` parses its value as YAML; an integer
-key indexes an existing list.
+key indexes an existing list. YAML is read by `trainer.config.yaml_reader`: a key twice in
+one mapping is an error, and ``1e-3`` is a number.
 
 Every mistake (unknown preset, unreadable or malformed file, malformed override, invalid
 value) raises `UserError` with a printable message.
+
+The base file is data unless ``trust_base_file``: an import path (a callback, an early
+stopper) that only the base file names is refused, before anything is imported; a path the
+defaults, the preset, a config file or an override names is the caller's own.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from __future__ import annotations
 import copy
 import difflib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from trainer.config.errors import format_validation_error
+from trainer.config.import_path import ImportGate, gated_imports
+from trainer.config.yaml_reader import load_yaml
 from trainer.errors import UserError
 
 __all__ = ["PRESET_DOC_KEY", "load_config", "parse_override"]
@@ -39,14 +46,20 @@ def load_config(
     config_files: Sequence[str | os.PathLike[str]] = (),
     overrides: Sequence[str] = (),
     base_file: str | os.PathLike[str] | None = None,
+    trust_base_file: bool = True,
+    untrusted_remedy: str = "name it again in a config file or an override",
 ) -> ConfigT:
     """Merges defaults < ``base_file`` < ``preset`` < ``config_files`` < ``overrides``
     (``"a.b=value"`` strings) and validates the result as ``config_type``.
+
+    With ``trust_base_file=False`` an import path named only by ``base_file`` is refused
+    (the error names the setting, the file and ``untrusted_remedy``) and never imported.
 
     Raises `UserError` with a printable message (one line per problem) on a bad preset, file,
     override or value; a validation failure is chained as its ``__cause__``.
     """
     data = _defaults(config_type)
+    named = [copy.deepcopy(data)]  # what the caller named: everything but the base file
     if base_file is not None:
         data = _merge(data, _read_config_file(base_file))
 
@@ -54,22 +67,42 @@ def load_config(
         if preset not in presets:
             raise UserError(f"unknown preset '{preset}'; {_preset_choices(preset, presets)}")
         preset_data = {k: v for k, v in presets[preset].items() if k != PRESET_DOC_KEY}
+        named.append(preset_data)
         data = _merge(data, copy.deepcopy(preset_data))
 
     for path in config_files:
-        data = _merge(data, _read_config_file(path))
+        file_data = _read_config_file(path)
+        named.append(copy.deepcopy(file_data))
+        data = _merge(data, file_data)
 
     for text in overrides:
         try:
             keys, value = parse_override(text)
         except ValueError as err:
             raise UserError(str(err)) from None
+        named.append(copy.deepcopy(value))
         data = _set_path(data, keys, value, text)
 
+    gate = None
+    if base_file is not None and not trust_base_file:
+        gate = ImportGate(frozenset(_strings(named)), str(base_file), untrusted_remedy)
     try:
-        return config_type.model_validate(data)
+        with gated_imports(gate):
+            return config_type.model_validate(data)
     except ValidationError as err:
         raise UserError(format_validation_error(err, config_type)) from err
+
+
+def _strings(tree: Any) -> Iterator[str]:
+    """Every string value (stripped) in a nested structure of mappings and lists."""
+    if isinstance(tree, str):
+        yield tree.strip()
+    elif isinstance(tree, Mapping):
+        for value in tree.values():
+            yield from _strings(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _strings(value)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -85,7 +118,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not raw.strip():
         return keys, ""
     try:
-        value = yaml.safe_load(raw)
+        value = load_yaml(raw)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or str(err)
         raise ValueError(
@@ -171,7 +204,7 @@ def _list_index(node: list[Any], key: str, text: str, path: list[str]) -> int:
 def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as file:
-            data = yaml.safe_load(file)
+            data = load_yaml(file)
     except FileNotFoundError:
         raise UserError(f"config file '{path}' not found") from None
     except OSError as err:

@@ -1,13 +1,20 @@
 """Config sections the recipes share: `Section` (the base of every section: unknown keys are
 an error, attribute docstrings are the fields' descriptions), the learning-rate schedule's
-`LRSchedulerSection` and the full `GangsSection`. A recipe with fewer gangs settings declares
-its own section on `Section`."""
+`LRSchedulerSection`, the full `GangsSection` and the `LoraSection` of the recipes that load
+Hugging Face models. A recipe with fewer gangs settings declares its own section on
+`Section`."""
 
 from __future__ import annotations
 
+from typing import Any, ClassVar, Literal
+
+import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-__all__ = ["GangsSection", "LRSchedulerSection", "Section"]
+from layers.lora import LoraSettings
+from trainer.errors import UserError
+
+__all__ = ["GangsSection", "LRSchedulerSection", "LoraSection", "Section"]
 
 
 class Section(BaseModel):
@@ -31,3 +38,42 @@ class GangsSection(Section):
     """HSDP: FSDP2 shards over groups of this many DP ranks (one node) and replicates across
     them; needs trainer.data_parallel=fsdp. null: shard over every DP rank."""
     timeout_s: PositiveInt = 600
+
+
+class LoraSection(Section):
+    """LoRA adapters on the frozen pretrained model (`layers.lora`, peft's meaning and
+    defaults): on when `r` is set, e.g. `--set lora.r=16`."""
+
+    r: PositiveInt | None = None
+    """Rank of each adapter; null: full fine-tuning (no adapters)."""
+    alpha: float = Field(default=8.0, gt=0)
+    """The update is scaled by alpha / r (peft's lora_alpha)."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input (peft's lora_dropout); 0 under tensor parallelism."""
+    target_modules: list[str] = ["q_proj", "v_proj"]
+    """Linear layers to adapt, by name or name suffix (peft's rule), e.g. [q_proj, v_proj]."""
+    base_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The frozen base's parameters: bf16 halves their memory (the merged export adds the
+    adapters to the base files' own weights); the adapters, their gradients and AdamW's
+    moments stay float32."""
+
+    RESUME_GUARD: ClassVar[tuple[str, ...]] = ("lora.r", "lora.alpha", "lora.target_modules")
+    """The settings a resumed run may not change (the adapters' shapes and meaning)."""
+
+    def settings(self) -> LoraSettings | None:
+        """The adapters' settings; None without adapters (`r` null)."""
+        if self.r is None:
+            return None
+        try:
+            return LoraSettings(self.r, self.alpha, self.dropout, tuple(self.target_modules))
+        except ValueError as error:
+            raise UserError(f"config {error}") from None
+
+    def load_options(self, seed: int | None) -> dict[str, Any]:
+        """`load_pretrained`'s keywords for these adapters (none without), their
+        initialisation seeded by the run's `seed`."""
+        settings = self.settings()
+        if settings is None:
+            return {}
+        dtype = torch.bfloat16 if self.base_dtype == "bf16" else None
+        return {"lora": settings, "seed": seed or 0, "dtype": dtype}

@@ -15,7 +15,8 @@ own (`get_state_dict` strips DDP/FSDP/compile prefixes at save time); tied alias
 written once, under the name `save_pretrained` keeps (GPT-2: `transformer.wte.weight`,
 not `lm_head.weight`), and the keys are checked against the model the config describes
 before anything is written. The directory appears whole or not at all: it is written
-under a temporary name beside `output_dir` and renamed.
+under a temporary name beside `output_dir` and renamed; the copies an interrupted export
+left there (killed mid-write) are removed by the next export to the same place.
 """
 
 from __future__ import annotations
@@ -29,17 +30,26 @@ from pathlib import Path
 
 import torch
 
+from layers.lora import is_adapter
+from trainer.checkpoint.adapters import ADAPTER_CONFIG, BASE_REFERENCE
 from trainer.checkpoint.export import export_best
 from trainer.checkpoint.loading import best_step_dir, find_step_dir
 from trainer.checkpoint.manifest import fsync_dir
 from trainer.checkpoint.model_files import HF_FILES
 from trainer.checkpoint.streaming import ModelTensors, TensorInfo, plan_shards, write_safetensors
 from trainer.errors import UserError
+from trainer.hf.adapters import (
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    is_lora_checkpoint,
+    merged_tensors,
+)
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
-from trainer.run_dir import BEST_MODEL
+from trainer.run_dir import ADAPTER_DIR, BEST_MODEL
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_best_model", "export_pretrained"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_adapter", "export_best_model", "export_pretrained",
+           "remove_interrupted_exports"]
 
 log = logging.getLogger("gangtrain")
 
@@ -64,6 +74,10 @@ def export_pretrained(
     dtype: convert the floating-point weights (e.g. `torch.bfloat16` for half the size of
         float32 master weights) and say so in `config.json`; default: as trained.
 
+    A checkpoint of LoRA adapters gives the merged model: the base read from the files the
+    checkpoint references (checked unchanged), each adapted weight `W + alpha/r * B @ A`
+    (`trainer.hf.adapters`).
+
     A `UserError` when the checkpoint is incomplete, holds no HF config (the model was not
     a transformers model), or its weights do not fit the model its config describes.
     """
@@ -75,41 +89,92 @@ def export_pretrained(
             "of a transformers model (export other models with "
             "trainer.checkpoint.export_safetensors)"
         )
-    tensors = ModelTensors(step_dir)
-    infos, source = _hf_tensors(tensors, hf_files)
+    if is_lora_checkpoint(step_dir):  # adapters only: merged into the base's weights
+        infos, read = merged_tensors(step_dir)
+    else:
+        tensors = ModelTensors(step_dir)
+        infos, source = _hf_tensors(tensors, hf_files)
+
+        def read(name: str) -> torch.Tensor:
+            return tensors.load(source[name])
+
     if dtype is not None:
         infos = [TensorInfo(i.name, dtype if i.dtype.is_floating_point else i.dtype, i.shape)
                  for i in infos]
     wanted = {info.name: info.dtype for info in infos}
 
     def load(name: str) -> torch.Tensor:
-        return tensors.load(source[name]).to(wanted[name])
+        return read(name).to(wanted[name])
 
-    output_dir = Path(output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        shutil.copytree(hf_files, tmp)  # config, generation config, tokenizer files
+    def write(tmp: Path) -> None:
+        # Config, generation config, tokenizer files; not a LoRA checkpoint's adapter files:
+        # from_pretrained would take the directory for an adapter and load its base.
+        shutil.copytree(hf_files, tmp, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(ADAPTER_CONFIG, BASE_REFERENCE))
         if dtype is not None:
             _set_config_dtype(tmp / "config.json", dtype)
         _write_weights(tmp, infos, load, max_shard_size)
-        fsync_dir(tmp)
-    except BaseException:  # nothing half written is left behind, output_dir untouched
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _replace_dir(tmp, output_dir)
-    return output_dir
+
+    return _write_dir(Path(output_dir), write)
+
+
+def export_adapter(checkpoint: Path | str, output_dir: Path | str) -> Path:
+    """Write the LoRA adapters of `checkpoint` (a step directory, or a checkpoints
+    directory: its best, else newest) in peft's format to `output_dir`, atomically:
+    `adapter_config.json` and `adapter_model.safetensors`, which
+    `peft.PeftModel.from_pretrained(base, output_dir)` loads. Returns `output_dir`."""
+    step_dir = find_step_dir(Path(checkpoint), best=True)
+    if not is_lora_checkpoint(step_dir):
+        raise UserError(f"checkpoint {step_dir} holds no LoRA adapters "
+                        f"({HF_FILES}/{ADAPTER_CONFIG} is missing)")
+    tensors = ModelTensors(step_dir)
+    infos = [TensorInfo(PEFT_PREFIX + info.name, info.dtype, info.shape)
+             for info in tensors.infos.values() if is_adapter(info.name)]
+
+    def write(tmp: Path) -> None:
+        shutil.copyfile(step_dir / HF_FILES / ADAPTER_CONFIG, tmp / ADAPTER_CONFIG)
+        write_safetensors(tmp / ADAPTER_WEIGHTS, infos,
+                          lambda name: tensors.load(name.removeprefix(PEFT_PREFIX)))
+
+    return _write_dir(Path(output_dir), write)
+
+
+def remove_interrupted_exports(output_dir: Path) -> list[Path]:
+    """Delete what an interrupted export to `output_dir` left beside it (a whole model's
+    copy each: `.NAME.tmp-PID`, `.NAME.old-PID`) when process PID is gone (or is this
+    one); an export still running elsewhere on this machine keeps its own. The paths
+    removed."""
+    removed = []
+    for pattern in (f".{output_dir.name}.tmp-*", f".{output_dir.name}.old-*"):
+        for path in output_dir.parent.glob(pattern):
+            pid = path.name.rpartition("-")[2]
+            if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def export_best_model(checkpoint_dir: Path, hf_output_dir: Path) -> Path | None:
     """The end-of-run export of the best checkpoint of `checkpoint_dir`: to the HF directory
     `hf_output_dir` for a HF model, else (or when its weights do not fit its config, with a
     warning) to `checkpoint_dir/best_model.safetensors`; None when no checkpoint has a
-    score."""
+    score. A checkpoint of LoRA adapters is also written in peft's format to `adapter/`
+    beside `hf_output_dir`, and `hf_output_dir` gets the merged model."""
     best = best_step_dir(checkpoint_dir)
     if best is None:
         return None
+    if is_lora_checkpoint(best):
+        export_adapter(best, Path(hf_output_dir).with_name(ADAPTER_DIR))
     if (best / HF_FILES / "config.json").is_file():
         try:
             return export_pretrained(best, hf_output_dir)
@@ -170,12 +235,25 @@ def _set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Put the complete directory `tmp` at `target`: `target` is never half written (an old
-    one is moved aside first, then deleted)."""
+def _write_dir(target: Path, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` into a new directory beside `target`, then put it at `target`: `target`
+    is never half written (an old one is moved aside first, then deleted), and nothing half
+    written is left behind when `write` fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_interrupted_exports(target)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = target.with_name(f".{target.name}.old-{os.getpid()}")
     if target.exists():
         os.replace(target, old)
     os.replace(tmp, target)
     fsync_dir(target.parent)
     shutil.rmtree(old, ignore_errors=True)
+    return target

@@ -3,6 +3,7 @@ filled with each rank reading only its own slices of the weight files, by the bu
 every model goes through (`parallel.plan.build_model`):
 
     config ──> model on the meta device (no memory, no initialisation)
+           ──> LoRA adapters, the base frozen (`lora=`)
            ──> tensor parallel over gangs.tp, from the model's own plan (tp > 1)
            ──> FSDP2 / HSDP per block over gangs.dp (data_parallel="fsdp")
            ──> to_empty: this rank's shards allocated, uninitialised
@@ -18,7 +19,9 @@ HSDP and DP x TP start from the weights `from_pretrained` gives.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,28 +30,34 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
+from layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
 from parallel import plan
-from parallel.materialize import local_slices, materialize
+from parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
+from trainer.hf.hf_config import read_hf_config
 from trainer.hf.safetensors_files import WeightFiles
 from trainer.hf.tensor_parallel import apply_tp_plan
 
 __all__ = ["build_on_meta", "load_pretrained", "tensor_aliases"]
+
+log = logging.getLogger("gangtrain")
 
 # The flag transformers' own initialisers (`transformers.initialization`) check before
 # writing a tensor: a tensor that carries it was loaded and is left alone.
 _HF_INITIALIZED = "_is_hf_initialized"
 
 
-def build_on_meta(path: Path | str, dtype: torch.dtype | None = None) -> nn.Module:
+def build_on_meta(path: Path | str, dtype: torch.dtype | None = None,
+                  untie_word_embeddings: bool = False) -> nn.Module:
     """The causal LM of the HF directory `path` (from its `config.json` alone) on the meta
-    device: no memory, no initialisation, no weights read."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    device: no memory, no initialisation, no weights read. `untie_word_embeddings` builds
+    it with `tie_word_embeddings` false whatever the file says (see `load_pretrained`)."""
+    from transformers import AutoModelForCausalLM
 
     path = Path(path).resolve()  # config.name_or_path: where checkpoints find the tokenizer
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path} has no config.json: not a Hugging Face model directory")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = read_hf_config(path)
+    if untie_word_embeddings:
+        config.tie_word_embeddings = False
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
@@ -62,6 +71,8 @@ def load_pretrained(
     *,
     data_parallel: Literal["fsdp", "ddp"] | None = "fsdp",
     dtype: torch.dtype | None = None,
+    lora: LoraSettings | None = None,
+    seed: int = 0,
     **kwargs: Any,
 ) -> nn.Module:
     """The Hugging Face model saved in the local directory `path` (`config.json` and
@@ -77,28 +88,45 @@ def load_pretrained(
         master-weight dtype for training. Compute in bf16 with `amp`/`param_dtype`.
     kwargs: options of `parallel.data_parallel` (e.g. `activation_checkpointing=True`,
         `param_dtype=torch.bfloat16` for FSDP2; `find_unused_parameters` for DDP).
+    lora: LoRA adapters on the frozen base (`layers.lora`): the plan's model transform,
+        on meta before TP (which splits them like their layer) and FSDP2; they train in
+        float32 whatever `dtype` the base has.
+    seed: of the adapters' initialisation (peft's: `lora_A` Kaiming-uniform, `lora_B`
+        zero), drawn per name: the same on every rank and layout.
 
-    Tied weights stay tied (GPT-2's `lm_head.weight` is `transformer.wte.weight`). A key the
-    model needs that the files lack, a key of the files the model lacks, or a shape that
-    differs is a `UserError` naming the key and the file.
+    Tied weights stay tied (GPT-2's `lm_head.weight` is `transformer.wte.weight`) when the
+    files hold them once or equal; a config that ties them while the files hold both with
+    different values is loaded untied with a warning, as `from_pretrained` does (and the
+    model's config then says `tie_word_embeddings: false`, so that its checkpoints and
+    exports say what the weights are). A key the model needs that the files lack, a key of
+    the files the model lacks, a shape that differs, or a file that cannot be read is a
+    `UserError` naming the key and the file.
     """
     if data_parallel not in ("fsdp", "ddp", None):
         raise UserError(f"data_parallel must be 'fsdp', 'ddp' or None, got {data_parallel!r}")
     if data_parallel is None and kwargs:
         raise UserError(f"load_pretrained options {sorted(kwargs)} configure data_parallel, "
                         "which is None")
-    pretrained = _Pretrained(Path(path), dtype)
+    pretrained = _Pretrained(Path(path), dtype, seed)
+    transforms = [] if lora is None else [partial(_with_adapters, settings=lora)]
     return plan.build_model(pretrained.on_meta, gangs, tensor_parallel=_tensor_parallel,
                             data_parallel=data_parallel, materialize=pretrained.materialize,
-                            **kwargs)
+                            transforms=transforms, **kwargs)
+
+
+def _with_adapters(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    try:
+        return apply_lora(model, settings)
+    except ValueError as error:  # a target the model does not have, or not a linear layer
+        raise UserError(str(error)) from None
 
 
 class _Pretrained:
     """The two ends of the build plan that read the directory: the model on meta, checked
     against the weight files, and later this rank's slices of those files."""
 
-    def __init__(self, path: Path, dtype: torch.dtype | None) -> None:
-        self.path, self.dtype = path, dtype
+    def __init__(self, path: Path, dtype: torch.dtype | None, seed: int) -> None:
+        self.path, self.dtype, self.seed = path, dtype, seed
         self.files: WeightFiles | None = None
         self.targets: dict[str, list[str]] = {}
 
@@ -106,13 +134,16 @@ class _Pretrained:
         model = build_on_meta(self.path, self.dtype)
         self.files = WeightFiles(self.path)
         self.targets = tensor_aliases(model)
+        if _saved_apart(self.targets, self.files):
+            model = _untied(self.path, self.dtype, self.files)
+            self.targets = tensor_aliases(model)
         _check_keys_and_shapes(model, self.targets, self.files)
         return model
 
     def materialize(self, model: nn.Module, device: torch.device) -> None:
         assert self.files is not None, "on_meta first"
         # to_empty keeps each tied Parameter one object
-        _fill(model, self.targets, self.files, device)
+        _fill(model, self.targets, self.files, device, self.seed)
 
 
 def _tensor_parallel(model: nn.Module, gangs: Gangs) -> None:
@@ -148,6 +179,33 @@ def _file_key(names: list[str], files: WeightFiles) -> str | None:
     return next((name for name in names if name in files.file_of), None)
 
 
+def _saved_apart(targets: dict[str, list[str]], files: WeightFiles) -> list[list[str]]:
+    """The tied names (one list per tensor) that the files hold more than once, with values
+    that differ: the config ties what the files keep apart."""
+    apart = []
+    for names in targets.values():
+        present = [name for name in names if name in files.file_of]
+        if any(not files.equal(present[0], other) for other in present[1:]):
+            apart.append(present)
+    return apart
+
+
+def _untied(path: Path, dtype: torch.dtype | None, files: WeightFiles) -> nn.Module:
+    """The model built untied, as `from_pretrained` loads a tied config whose files hold the
+    tied weights apart with different values (it warns and does not tie them: training a tied
+    model would be training another model than the one saved)."""
+    model = build_on_meta(path, dtype, untie_word_embeddings=True)
+    still = _saved_apart(tensor_aliases(model), files)
+    if still:  # tied by the model's code, not by tie_word_embeddings: nothing to follow
+        raise UserError(f"{files.source} holds {' and '.join(map(repr, still[0]))} with "
+                        f"different values, which {type(model).__name__} ties into one weight")
+    log.warning("%s ties the output embedding to the input embedding (tie_word_embeddings), "
+                "but %s holds both with different values: loading them untied, as "
+                "from_pretrained does; set \"tie_word_embeddings\": false in config.json to "
+                "silence this", path / "config.json", files.source)
+    return model
+
+
 def _check_keys_and_shapes(
     model: nn.Module, targets: dict[str, list[str]], files: WeightFiles
 ) -> None:
@@ -173,18 +231,22 @@ def _check_keys_and_shapes(
 
 
 def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
-          device: torch.device) -> None:
+          device: torch.device, seed: int) -> None:
     """Allocate this rank's storage and copy its slice of every tensor from the files
-    (`parallel.materialize(sliced=True)`, which keeps tied weights tied); then let the
-    model's own initialisation compute what the files do not hold."""
+    (`parallel.materialize(sliced=True)`, which keeps tied weights tied), adapters from
+    their seeded initialisation; then let the model's own initialisation compute what the
+    files do not hold."""
     keys = {name: _file_key(names, files) for name, names in targets.items()}
     non_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
+    adapter_init = seeded_init(seed, init_adapter)
 
     def source(name: str, like: torch.Tensor) -> torch.Tensor:
         """This rank's part of `like`, read from the files: a DTensor's slice (the whole
         tensor only when `like` is not sharded)."""
         part = local_slices(like)
         key = keys.get(name)
+        if key is None and is_adapter(name):
+            return adapter_init(name, like)[part]
         if key is None:
             if name not in non_persistent:
                 raise RuntimeError(f"{name!r} of the parallelised model is not in its files")
@@ -200,7 +262,7 @@ def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
     # transformers recomputes them in `initialize_weights`, which skips the tensors that
     # carry its "initialised" flag, i.e. every tensor just read.
     tensors = dict(_named_tensors(model))
-    for name in targets:
+    for name in [*targets, *(name for name in tensors if is_adapter(name))]:
         setattr(tensors[name], _HF_INITIALIZED, True)
     initialize = getattr(model, "initialize_weights", None)
     if callable(initialize):

@@ -7,6 +7,11 @@ part of the memory-mapped file, so a rank that owns a shard of a parameter never
 the rest of it. Files are opened on first use and closed (unmapped) once every tensor of
 theirs was read: reading in the files' own order (the model's, for `save_pretrained`),
 about one file's worth of mapped pages is resident at a time.
+
+Checked like a checkpoint before anything is allocated: an index that is not JSON or has no
+`weight_map`, a shard that is missing, truncated or not safetensors ("shard 3 of 7"), and an
+index that maps a key to a shard that does not hold it are each one `UserError` naming the
+file (and the shard and key).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from trainer.errors import UserError
 
@@ -27,28 +32,35 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+# safetensors' dtype codes (the format's own names) -> torch dtype.
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
 class WeightFiles:
     """The safetensors files of `directory`, by tensor name (see the module docstring)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
+        self._open: dict[Path, Any] = {}
         index = self.directory / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise UserError(f"{index} has no weight_map")
             self.source = index
-            self.file_of = {name: self.directory / file for name, file in weight_map.items()}
+            self.file_of = {name: self.directory / file
+                            for name, file in _read_weight_map(index).items()}
         elif (self.directory / SINGLE_FILE).is_file():
             self.source = self.directory / SINGLE_FILE
-            with safe_open(self.source, framework="pt") as f:
-                self.file_of = dict.fromkeys(f.keys(), self.source)
+            self.file_of = dict.fromkeys(self._open_file(self.source).keys(), self.source)
         else:
             raise UserError(
                 f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}: not a "
                 "Hugging Face checkpoint in safetensors format"
             )
-        self._open: dict[Path, Any] = {}
+        self._shards = sorted(set(self.file_of.values()))
         self._left: dict[Path, int] = {}
         for file in self.file_of.values():
             self._left[file] = self._left.get(file, 0) + 1
@@ -60,15 +72,35 @@ class WeightFiles:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._handle(name).get_slice(name).get_dtype()]
+
+    def equal(self, first: str, second: str, rows: int = 4096) -> bool:
+        """Whether tensors `first` and `second` hold the same shape and values, compared a
+        block of `rows` rows at a time (two embeddings are never whole in memory at once)."""
+        a, b = self._handle(first).get_slice(first), self._handle(second).get_slice(second)
+        shape = tuple(a.get_shape())
+        if shape != tuple(b.get_shape()) or a.get_dtype() != b.get_dtype():
+            return False
+        with torch.device("cpu"):  # read as the files hold them, even while building on meta
+            if not shape:
+                return torch.equal(self._handle(first).get_tensor(first),
+                                   self._handle(second).get_tensor(second))
+            return all(torch.equal(a[start:start + rows], b[start:start + rows])
+                       for start in range(0, shape[0], rows))
+
     def read(self, name: str, slices: Sequence[slice] | None = None) -> torch.Tensor:
         """Tensor `name`, or only its part `slices` (one slice per dimension). Call once
         per name: a file is closed after its last tensor was read."""
         handle = self._handle(name)
-        if slices is None or len(slices) == 0:
-            value = handle.get_tensor(name)
-        else:
-            value = handle.get_slice(name)[tuple(slices)]
         file = self.file_of[name]
+        try:
+            if slices is None or len(slices) == 0:
+                value = handle.get_tensor(name)
+            else:
+                value = handle.get_slice(name)[tuple(slices)]
+        except SafetensorError as err:
+            raise UserError(f"{self._label(file)}: weight {name!r} cannot be read: {err}") from None
         self._left[file] -= 1
         if self._left[file] == 0:
             self._close(file)
@@ -78,16 +110,60 @@ class WeightFiles:
         for file in list(self._open):
             self._close(file)
 
+    def _label(self, file: Path) -> str:
+        """`file`, and which shard of how many for a sharded checkpoint."""
+        if self.source.name != INDEX_FILE:
+            return str(file)
+        return (f"{file} (shard {self._shards.index(file) + 1} of {len(self._shards)}, "
+                f"listed by {self.source.name})")
+
+    def _open_file(self, file: Path) -> Any:
+        """The open handle of `file`; a `UserError` naming it when it is not safetensors
+        (truncated, corrupt header)."""
+        if file not in self._open:
+            try:
+                context = safe_open(file, framework="pt")
+                self._open[file] = (context, context.__enter__())
+            except (SafetensorError, OSError) as err:
+                label = self._label(file) if hasattr(self, "_shards") else str(file)
+                raise UserError(f"{label} is not a readable safetensors file (truncated or "
+                                f"corrupt?): {err}") from None
+        return self._open[file][1]
+
     def _handle(self, name: str) -> Any:
         file = self.file_of[name]
         if file not in self._open:
             if not file.is_file():
                 raise UserError(f"{self.source} names {file.name} for {name!r}, which is missing")
-            context = safe_open(file, framework="pt")
-            self._open[file] = (context, context.__enter__())
+            handle = self._open_file(file)
+            # The index's promise checked against what the shard holds, for all its keys.
+            held = set(handle.keys())
+            wrong = sorted(key for key, where in self.file_of.items()
+                           if where == file and key not in held)
+            if wrong:
+                more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+                raise UserError(f"{self.source} maps {wrong[0]!r}{more} to {file.name}, which "
+                                f"does not hold it: {self._label(file)}")
         return self._open[file][1]
 
     def _close(self, file: Path) -> None:
         context, _ = self._open.pop(file, (None, None))
         if context is not None:
             context.__exit__(None, None, None)
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The index's `{name: shard file name}`; a `UserError` naming the index when it is not
+    JSON, has no `weight_map`, or maps a name to anything but a file name in the directory."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{index} is not valid JSON (cut short?): {err}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise UserError(f"{index} has no weight_map")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file:
+            raise UserError(f"{index} maps {name!r} to {file!r}, which is not a file name in "
+                            f"{index.parent}")
+    return weight_map

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from layers.lora import lora_settings_of, split_adapters
 from trainer.errors import UserError
 
 __all__ = ["STYLES", "apply_tp_plan", "tp_plan_of"]
@@ -84,7 +85,17 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             "train it with tp_size 1"
         )
     holders = _holders_of_tied(model)
-    parallelize_module(model, tp_mesh, {p: STYLES[s] for p, s in plan.items()})
+
+    def split(base: nn.Module) -> None:
+        parallelize_module(base, tp_mesh, {p: STYLES[s] for p, s in plan.items()})
+
+    if lora_settings_of(model) is None:
+        split(model)
+    else:  # LoRA adapters are split like the layer they adapt
+        try:
+            split_adapters(model, tp_mesh, plan, split)
+        except ValueError as error:
+            raise UserError(str(error)) from None
     _retie(model, holders)
     return model
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from trainer.step import gradients
 from trainer.step.accumulation import MicroBatchSync
 from trainer.step.loss_scaler import LossScaler
+from trainer.step.target_counts import bad_target_count
 from units import MetricBag, TrainUnit
 from units.unit import BatchT
 
@@ -29,6 +30,9 @@ class StepGradients(NamedTuple):
     loss: Tensor  # this rank's loss summed over the step's micro-batches, detached
     num_targets: Tensor | int  # this rank's target count
     normalised: bool  # backward took the mean already (started from 1 / count)
+    # The unit's counts that are tensors, one per micro-batch: their values (whole, >= 0)
+    # are judged where the step's values reach the host (`StepLog.check`), not here.
+    tensor_counts: tuple[Tensor, ...] = ()
 
 
 class ForwardBackward(Protocol[BatchT]):
@@ -59,6 +63,7 @@ class MicroBatchLoop(Generic[BatchT]):
         loss_sum: Tensor | None = None
         local_count: Tensor | int = 0
         normalised = False
+        tensor_counts: list[Tensor] = []
         for i, batch in enumerate(batches):
             with self.sync.sync(last=i == len(batches) - 1):
                 with self.autocast:
@@ -74,13 +79,18 @@ class MicroBatchLoop(Generic[BatchT]):
             loss = loss.detach()
             loss_sum = loss if loss_sum is None else loss_sum + loss
             local_count = local_count + num_targets
+            if isinstance(num_targets, Tensor):  # kept for StepLog.check: no op, no read
+                tensor_counts.append(num_targets.detach() if num_targets.requires_grad
+                                     else num_targets)
         assert loss_sum is not None
-        return StepGradients(loss_sum, local_count, normalised)
+        return StepGradients(loss_sum, local_count, normalised, tuple(tensor_counts))
 
 
 def check_unit_output(unit: Any, loss: Any, num_targets: Any, step_nr: int) -> Tensor | int:
     """The unit returned `(a scalar loss tensor, an int or scalar tensor count or None)`;
-    the count to use (None, a mean, counts 1). Cheap: no host read."""
+    the count to use (None, a mean, counts 1). Cheap: no host read. An int count below 0 is
+    refused here; a tensor count's value is judged where the step's values reach the host
+    (`StepLog.check`, with `trainer.step.target_counts`)."""
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         name = type(unit).__name__
         what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
@@ -101,4 +111,6 @@ def check_unit_output(unit: Any, loss: Any, num_targets: Any, step_nr: int) -> T
             f"step {step_nr}: {name} returned {what} as num_targets; expected an int, a "
             "one-element tensor, or None when the loss is already a mean"
         )
+    if isinstance(num_targets, int) and num_targets < 0:
+        raise bad_target_count(type(unit).__name__, num_targets, step_nr)
     return num_targets

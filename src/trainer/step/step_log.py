@@ -14,6 +14,10 @@ ranks, counts the skipped steps and enforces the non-finite policy:
 * `max_consecutive_non_finite == N > 0`: each such step was skipped on the device
   (`OptimizerStep`), and more than N in a row raise the same error.
 
+The unit's tensor target counts (one per micro-batch) are judged there too: a negative or
+fractional count stops the run with a `UserError` naming the unit and the step, before
+anything is published or saved (an int count is refused when the unit returns it).
+
 The host values form the metric window: `take_window()` returns its loss sum, target count
 (this rank's) and gradient norm, and starts the next one. Per-step values are kept, not
 running sums, so that a resumed run adds them up exactly as a run never interrupted.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,7 @@ from torch import Tensor
 from gangs import Gang, any_rank_each
 from trainer.errors import NonFiniteLossError
 from trainer.step.optimizer_step import StepOutcome
+from trainer.step.target_counts import bad_count_elsewhere, check_target_counts, is_target_count
 from units import MetricBag
 
 log = logging.getLogger("gangtrain")
@@ -71,12 +77,15 @@ class _Logged:
     count: Tensor | int
     outcome: StepOutcome
     judge_loss: bool  # False under fp16: the loss scaler judges overflows
+    tensor_counts: list[Tensor]  # the unit's counts that are tensors, one per micro-batch
 
 
 class StepLog:
-    def __init__(self, max_consecutive_non_finite: int, dp: Gang) -> None:
+    def __init__(self, max_consecutive_non_finite: int, dp: Gang,
+                 unit_name: str = "the unit") -> None:
         self.max_consecutive = max_consecutive_non_finite
         self.dp = dp
+        self.unit_name = unit_name  # named when its target counts are refused
         self.total_skipped = 0
         self.last_good_checkpoint: Path | None = None  # named by the non-finite error
         self._unread: list[_Logged] = []
@@ -88,9 +97,11 @@ class StepLog:
         self._run_start = 0
 
     def log(self, step_nr: int, loss: Tensor, count: Tensor | int, outcome: StepOutcome,
-            judge_loss: bool = True) -> None:
-        """Log step `step_nr` (steps are logged in order): nothing is read now."""
-        self._unread.append(_Logged(step_nr, loss, count, outcome, judge_loss))
+            judge_loss: bool = True, tensor_counts: Sequence[Tensor] = ()) -> None:
+        """Log step `step_nr` (steps are logged in order): nothing is read now.
+        `tensor_counts`: the unit's counts of the step that are tensors, judged at `check`."""
+        self._unread.append(_Logged(step_nr, loss, count, outcome, judge_loss,
+                                    list(tensor_counts)))
 
     # -- sync points -----------------------------------------------------------------------
     def check(self) -> None:
@@ -100,16 +111,24 @@ class StepLog:
         if not self._unread:
             return
         steps, self._unread = self._unread, []
-        losses, counts, norms, skipped, publish_norm = _read(steps)
-        self._losses += losses
-        self._counts += counts
-        if publish_norm is not None:
-            self._grad_norm = publish_norm
+        losses, counts, norms, skipped, publish_norm, each = _read(steps)
         judged = [
             entry.judge_loss and not (math.isfinite(loss) and math.isfinite(norm))
             for entry, loss, norm in zip(steps, losses, norms)
         ]
-        non_finite = any_rank_each(self.dp, judged)  # DDP spreads one rank's NaN gradients
+        bad_counts = [not all(is_target_count(value) for value in values) for values in each]
+        # One collective for both: DDP spreads one rank's NaN gradients, and a count one
+        # rank refuses stops every rank at the same step.
+        agreed = any_rank_each(self.dp, judged + bad_counts)
+        non_finite, bad_counts = agreed[:len(steps)], agreed[len(steps):]
+        for entry, bad, values in zip(steps, bad_counts, each):
+            if bad:  # never published, never saved: the run stops here, on every rank
+                check_target_counts(self.unit_name, entry.step_nr, values)
+                raise bad_count_elsewhere(self.unit_name, entry.step_nr)
+        self._losses += losses
+        self._counts += counts
+        if publish_norm is not None:
+            self._grad_norm = publish_norm
         if not any(non_finite) and not any(skipped):  # the common case: nothing to tell
             self._run = 0
             return
@@ -163,12 +182,12 @@ class StepLog:
         self._unread, self._grad_norm = [], None
 
 
-def _read(steps: list[_Logged]
-          ) -> tuple[list[float], list[float], list[float], list[bool], float | None]:
-    """(losses, counts, gradient norms (0 where not measured), skipped) of each step, and the
-    last step's published gradient norm: every device value goes to the host in one copy,
-    in this order: losses, device counts, device skip flags, measured norms, the last step's
-    norm parts and divisor."""
+def _read(steps: list[_Logged]) -> tuple[list[float], list[float], list[float], list[bool],
+                                          float | None, list[list[float]]]:
+    """(losses, counts, gradient norms (0 where not measured), skipped) of each step, the
+    last step's published gradient norm, and each step's tensor target counts: every device
+    value goes to the host in one copy, in this order: losses, device counts, device skip
+    flags, measured norms, the last step's norm parts and divisor, the unit's counts."""
     outcomes = [entry.outcome for entry in steps]
     last = outcomes[-1]
     parts = last.norm_parts or []
@@ -180,6 +199,7 @@ def _read(steps: list[_Logged]
         *(o.skipped for o in outcomes if isinstance(o.skipped, Tensor)),
         *(o.grad_norm for o in outcomes if o.grad_norm is not None),
         *parts, *divisor,
+        *(count for entry in steps for count in entry.tensor_counts),
     ]))
     losses = [next(values) for _ in steps]
     counts = [next(values) if isinstance(count, Tensor) else count for count in counts]
@@ -188,12 +208,13 @@ def _read(steps: list[_Logged]
     norms = [0.0 if o.grad_norm is None else next(values) for o in outcomes]
     part_values = [next(values) for _ in parts]
     divisor_value = next(values) if divisor else 1.0
+    each = [[next(values) for _ in entry.tensor_counts] for entry in steps]
     publish_norm = None
     if last.grad_norm is not None:
         publish_norm = norms[-1]
     elif last.norm_parts is not None:
         publish_norm = math.sqrt(sum(part * part for part in part_values)) / divisor_value
-    return losses, counts, norms, skipped, publish_norm
+    return losses, counts, norms, skipped, publish_norm, each
 
 
 def _to_host(tensors: list[Tensor]) -> list[float]:
