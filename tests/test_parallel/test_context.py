@@ -129,4 +129,4 @@ def test_llama_loss_and_gradients_cp2_equal_one_process(packed):
     assert abs(loss.item() / expected_loss.item() - 1) < 1e-5, (loss, expected_loss)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(results[0][1][name] + results[1][1][name], grad,
-                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+                                   rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
