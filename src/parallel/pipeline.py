@@ -1,0 +1,189 @@
+"""Pipeline parallelism over a `pp` group with `torch.distributed.pipelining`'s schedules.
+
+    pipe = pipeline_model(model, pp_group, schedule="1f1b", num_microbatches=4,
+                          loss_fn=summed_lm_loss)
+    pipe.model        # this rank's stages as one module: give it to the optimizer
+    pipe.step(inputs, targets)  -> this step's summed loss (on every pp rank)
+
+The model is cut into ``pp_size x stages_per_rank`` stages (`pipeline_stages`); rank r holds
+stages r, r + pp, ... (the looped layout of the interleaved schedules) or, for the ZBV
+zero-bubble schedule, stages r and 2 pp - 1 - r (a V). Schedules by name:
+
+=========================  ==============================  ===============
+name                       torch class                     stages per rank
+=========================  ==============================  ===============
+``gpipe``                  ScheduleGPipe                   1
+``1f1b``                   Schedule1F1B                    1
+``interleaved_1f1b``       ScheduleInterleaved1F1B         2 (or more)
+``interleaved_zero_bubble`` ScheduleInterleavedZeroBubble  2 (or more)
+``zbv_zero_bubble``        ScheduleZBVZeroBubble           2
+=========================  ==============================  ===============
+
+Normalisation as everywhere in gangtrain: `loss_fn(output, target)` returns the loss SUMMED
+over its targets, the schedule does not scale gradients (``scale_grads=False``), and the
+trainer divides the gradients once by the step's global target count (every pp rank reads the
+same batch, so it counts the targets itself; the count is then summed over DP). The loss,
+which only the last stage sees, is broadcast to every pp rank, so that non-finite checks and
+metrics agree. The gradient norm is taken over every stage's parameters
+(`gradient_norm_over`): squares summed over the pp group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from parallel.pipeline_stages import build_stage, layer_split, merge_stages, model_family
+
+__all__ = [
+    "SCHEDULES",
+    "PipelinedModel",
+    "gradient_norm_over",
+    "num_layers",
+    "pipeline_model",
+    "stage_indices",
+]
+
+# name -> (torch class name, default stages per rank, whether more than that is allowed)
+SCHEDULES: dict[str, tuple[str, int, bool]] = {
+    "gpipe": ("ScheduleGPipe", 1, False),
+    "1f1b": ("Schedule1F1B", 1, False),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, True),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", 2, True),
+    "zbv_zero_bubble": ("ScheduleZBVZeroBubble", 2, False),
+}
+
+
+def available_schedules() -> list[str]:
+    """The names whose torch class this torch has."""
+    return [name for name, (cls, _, _) in SCHEDULES.items() if hasattr(torch_schedules, cls)]
+
+
+def stage_indices(schedule: str, pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    if schedule == "zbv_zero_bubble":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + i * pp_size for i in range(stages_per_rank)]
+
+
+def num_layers(model: nn.Module) -> int:
+    family = model_family(model)
+    return len(model.layers if family == "gpt" else model.model.layers)
+
+
+def _check_schedule(schedule: str, stages_per_rank: int | None) -> int:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline.schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
+    cls, default, more = SCHEDULES[schedule]
+    if not hasattr(torch_schedules, cls):
+        raise ValueError(f"pipeline.schedule {schedule!r} needs torch's {cls}, which torch "
+                         f"{torch.__version__} lacks; available: {available_schedules()}")
+    if stages_per_rank is None:
+        return default
+    if stages_per_rank != default and not (more and stages_per_rank >= default):
+        allowed = f">= {default}" if more else str(default)
+        raise ValueError(f"pipeline.stages_per_rank {stages_per_rank} does not fit the "
+                         f"{schedule!r} schedule, which runs {allowed} stages per rank")
+    return stages_per_rank
+
+
+@dataclass
+class PipelinedModel:
+    """What one pp rank holds and runs."""
+
+    model: nn.Module  # this rank's stages as one module (whole-model parameter names)
+    stages: list[PipelineStage]
+    schedule: torch_schedules._PipelineSchedule  # noqa: SLF001 (torch's own base class)
+    group: dist.ProcessGroup
+    has_first: bool  # this rank holds the first stage: it takes the inputs
+    has_last: bool  # ... the last stage: it computes the loss
+    last_rank: int  # the pp rank that holds the last stage (group rank)
+
+    def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Forward and backward of every micro-batch (`inputs`, `targets`: the micro-batches
+        concatenated along dim 0, in equal parts); returns the summed loss, the same tensor
+        on every pp rank. Gradients accumulate in the parameters, unscaled."""
+        losses: list[Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses)
+        return self._agreed_loss(losses, targets.device)
+
+    def eval_step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Forward only (validation): the summed loss, on every pp rank."""
+        losses: list[Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        self.schedule.eval(*args, target=targets if self.has_last else None, losses=losses)
+        return self._agreed_loss(losses, targets.device)
+
+    def _agreed_loss(self, losses: list[Tensor], device: torch.device) -> Tensor:
+        if self.has_last:
+            loss = torch.stack([x.detach().float() for x in losses]).sum()
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=device)
+        # Every rank enters: the one holding the last stage sends its loss to the others.
+        dist.broadcast(loss, group=self.group, group_src=self.last_rank)
+        return loss
+
+
+def pipeline_model(
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    *,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    stages_per_rank: int | None = None,
+    boundaries: Sequence[int] | None = None,
+    device: torch.device | None = None,
+) -> PipelinedModel:
+    """Cut `model` into stages, keep this rank's, and build the schedule over `group` (the
+    pp group). `loss_fn(output, target)` must return the SUMMED loss."""
+    stages_per_rank = _check_schedule(schedule, stages_per_rank)
+    pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
+    num_stages = pp_size * stages_per_rank
+    split = layer_split(num_layers(model), num_stages, boundaries)
+    indices = stage_indices(schedule, pp_rank, pp_size, stages_per_rank)
+    modules = [build_stage(model, split, i) for i in indices]
+    device = device or next(model.parameters()).device
+    stages = [PipelineStage(m, i, num_stages, device, group=group)
+              for m, i in zip(modules, indices)]
+    cls = getattr(torch_schedules, SCHEDULES[schedule][0])
+    if stages_per_rank == 1 and schedule in ("gpipe", "1f1b"):
+        runner = cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn,
+                     scale_grads=False)
+    else:
+        runner = cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn,
+                     scale_grads=False)
+    last = num_stages - 1
+    last_rank = next(r for r in range(pp_size)
+                     if last in stage_indices(schedule, r, pp_size, stages_per_rank))
+    return PipelinedModel(
+        model=merge_stages(modules), stages=stages, schedule=runner, group=group,
+        has_first=0 in indices, has_last=last in indices, last_rank=last_rank)
+
+
+def gradient_norm_over(params: list[Tensor], group: dist.ProcessGroup | None,
+                       max_norm: float | None = None) -> Tensor:
+    """The L2 norm of the gradients of parameters split over `group` (pipeline stages hold
+    disjoint parameters): local squares summed over the group; clipped to `max_norm` as
+    `torch.nn.utils.clip_grad_norm_` would clip the whole model's."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # noqa: SLF001
+        device = grads[0].device
+    else:
+        device = params[0].device if params else torch.device("cpu")
+        local = torch.zeros((), device=device)
+    square = (local.float() ** 2).reshape(1)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(square, group=group)
+    total = square[0].sqrt()
+    if max_norm is not None and grads:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))  # noqa: SLF001
+    return total
