@@ -85,23 +85,3 @@ class PipelineSchedule:
         for p, g in zip(self.params, grads):
             p.grad = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
-
-
-def lm_batch_parts(pad_idx: int = IGNORE_INDEX) -> BatchParts:
-    """`BatchParts` of the stock causal-LM batches (`units.causal_lm.LMBatch`): inputs
-    `input_ids`; targets `target_ids`, or an HF-style batch's labels shifted left (the last
-    position ignored), with `pad_idx` and masked positions turned into `IGNORE_INDEX`."""
-    from units.causal_lm import lm_targets
-
-    def parts(batch: Any) -> tuple[Tensor, Tensor]:
-        if "position_ids" in batch:
-            raise UserError("pipeline parallelism does not take position_ids (packed "
-                            "sequences) yet; turn packing off (data.packing=false)")
-        targets, shifted = lm_targets(batch, pad_idx)
-        if shifted:
-            targets = torch.nn.functional.pad(targets, (0, 1), value=pad_idx)
-        if pad_idx != IGNORE_INDEX:
-            targets = targets.masked_fill(targets == pad_idx, IGNORE_INDEX)
-        return batch["input_ids"], targets
-
-    return parts
