@@ -1,0 +1,144 @@
+"""Pipeline parallelism through the real Trainer: the LM recipe's GPT on PP2 (every schedule)
+and PP2 x DP2 trains 30 steps of 4 micro-batches to the one-process losses and gradient norms
+(clipping engaged), and a PP2 checkpoint resumes on one process to the uninterrupted run."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from functools import cache
+
+import pytest
+import torch
+from ranks import run_ranks
+
+from gangs import setup_gangs, setup_root_gang
+from parallel.pipeline import available_schedules, pipeline_model
+from recipes.lm.model import GPT, GPTConfig
+from trainer.observe.recorders.base import MetricRecorder
+from trainer.state.global_batches import GlobalBatchReader
+from trainer.trainer import Trainer
+from units.causal_lm import CausalLMUnit
+from units.pipeline import PipelineLMUnit, summed_lm_loss
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, dim=32, num_layers=4, num_heads=2,
+                   tie_embeddings=False)
+STEPS, ACC, MICRO = 30, 4, 2  # 30 steps of 4 micro-batches of 2 rows (global)
+MAX_NORM, LR = 0.5, 3e-3
+
+
+class ListRecorder(MetricRecorder):
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def record(self, section: str, step_nr: int, values: Mapping[str, float]) -> None:
+        if section == "train":
+            self.rows[step_nr] = dict(values)
+
+
+def samples() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, CONFIG.vocab_size, (STEPS * ACC * MICRO, CONFIG.seq_len + 1),
+                        generator=g)
+    targets = ids[:, 1:].clone()
+    targets[torch.rand(targets.shape, generator=g) < 0.3] = -100  # uneven counts
+    return {"input_ids": ids[:, :-1], "target_ids": targets}
+
+
+class Reader(GlobalBatchReader[dict[str, torch.Tensor]]):
+    """Global micro-batches of MICRO rows in order, each DP rank its slice; resumable."""
+
+    def __init__(self, dp_rank: int, dp_size: int) -> None:
+        self.samples = samples()
+        super().__init__(len(self.samples["input_ids"]), MICRO, dp_rank, dp_size,
+                         shuffle=False)
+
+    def make_batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v[indices] for k, v in self.samples.items()}
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CONFIG)
+
+
+def train(output_dir: str, *, pp_size: int = 1, schedule: str = "1f1b",
+          max_num_steps: int = STEPS, checkpoint_every_n_steps: int | None = None):
+    """(losses and gradient norms by step, this rank's parameters by name)."""
+    gangs = setup_gangs(setup_root_gang(), pp_size=pp_size)
+    if pp_size > 1:
+        pipe = pipeline_model(gpt(), gangs.pp.as_process_group(), loss_fn=summed_lm_loss,
+                              num_microbatches=ACC, schedule=schedule)
+        unit, model = PipelineLMUnit(pipe), pipe.model
+    else:
+        model = gpt()
+        unit = CausalLMUnit(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    recorder = ListRecorder()
+    Trainer(unit, Reader(gangs.dp.rank, gangs.dp.size), optimizer, gangs=gangs,
+            output_dir=output_dir, max_num_steps=max_num_steps, num_accumulate=ACC,
+            max_gradient_norm=MAX_NORM, publish_metrics_every_n_steps=1,
+            checkpoint_every_n_steps=checkpoint_every_n_steps, recorders=[recorder],
+            progress=False, validate_at_end=False).run()
+    curve = {step: (v["loss"], v["grad_norm"]) for step, v in recorder.rows.items()}
+    return curve, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@cache
+def reference():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            return train(out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_close_curves(curve, ref_curve, steps) -> None:
+    for step in steps:
+        (loss, norm), (ref_loss, ref_norm) = curve[step], ref_curve[step]
+        assert abs(loss / ref_loss - 1) < 1e-5, (step, loss, ref_loss)
+        assert abs(norm / ref_norm - 1) < 1e-5, (step, norm, ref_norm)
+
+
+def run_layout(world_size: int, schedule: str):
+    def rank_fn():
+        with tempfile.TemporaryDirectory() as out:
+            return train(out, pp_size=2, schedule=schedule)
+
+    return run_ranks(rank_fn, world_size=world_size, timeout=300)
+
+
+@pytest.mark.parametrize("schedule", available_schedules())
+def test_pp2_trainer_matches_one_process(schedule):
+    ref_curve, ref_params = reference()
+    results = run_layout(2, schedule)
+    for curve, params in results:  # every pp rank publishes the whole model's loss and norm
+        assert_close_curves(curve, ref_curve, range(1, STEPS + 1))
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5)
+    assert set(results[0][1]) | set(results[1][1]) == set(ref_params)
+
+
+def test_pp2_x_dp2_trainer_matches_one_process():
+    ref_curve, ref_params = reference()
+    results = run_layout(4, "1f1b")
+    for curve, params in results:
+        assert_close_curves(curve, ref_curve, range(1, STEPS + 1))
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5)
+
+
+def test_pp2_checkpoint_resumes_on_one_process(tmp_path):
+    """Steps 1-15 on PP2 (checkpoint at 15), then steps 16-30 on one process from that
+    checkpoint: the curve and the weights of the uninterrupted one-process run."""
+    ref_curve, ref_params = reference()
+    out = str(tmp_path / "run")
+    run_ranks(lambda: train(out, pp_size=2, max_num_steps=15, checkpoint_every_n_steps=15)[0],
+              world_size=2, timeout=300)
+    curve, params = train(out, checkpoint_every_n_steps=15)
+    assert min(curve) == 16
+    assert_close_curves(curve, ref_curve, range(16, STEPS + 1))
+    for name, value in params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5)
