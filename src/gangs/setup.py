@@ -23,11 +23,21 @@ three dimensions,
 
 With tp=1, dp=4, K=2: dp_shard gangs {0,1},{2,3}; dp_replicate gangs {0,2},{1,3}. The dp
 gang still joins all dp ranks (the trainer counts targets and syncs metrics over it).
+
+Pipeline and context parallelism (`pp_size`, `cp_size`) add two axes to every view: `pp`
+outermost (stages cross nodes: it moves the least data), `cp` between the DP axes and `tp`
+(the sequence split's all-to-alls are heavier than DP's reductions, lighter than TP's):
+
+    world [pp, dp, cp, tp]:  rank = ((p * dp + d) * cp + c) * tp + t
+
+An axis of size 1 is left out of the meshes, so layouts without PP or CP keep the meshes
+they had. The dp gang joins the ranks that differ in `d` only: every pp stage and every cp
+slice reads the same batches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -53,6 +63,10 @@ class Gangs:
     """HSDP: the DP ranks FSDP2 shards over; None when it shards over all of `dp`."""
     dp_replicate: Gang | None = None
     """HSDP: the DP ranks that hold the same shards; None without HSDP."""
+    pp: Gang = field(default_factory=FakeGang)
+    """The pipeline stages of one model replica (size 1 without pipeline parallelism)."""
+    cp: Gang = field(default_factory=FakeGang)
+    """The ranks that split each sequence (size 1 without context parallelism)."""
 
     @property
     def device(self) -> torch.device:
@@ -73,60 +87,101 @@ class Gangs:
 
 
 def check_sizes(
-    world_size: int, tp_size: int = 1, ep_size: int = 1, dp_shard_size: int | None = None
+    world_size: int, tp_size: int = 1, ep_size: int = 1, dp_shard_size: int | None = None,
+    pp_size: int = 1, cp_size: int = 1,
 ) -> int:
-    """The DP size of the layout; a `ValueError` naming the sizes when they do not fit."""
-    if tp_size < 1 or ep_size < 1:
-        raise ValueError(f"tp_size ({tp_size}) and ep_size ({ep_size}) must be >= 1")
-    if world_size % tp_size != 0:
+    """The DP size of the layout; a `ValueError` naming the sizes when they do not fit, or
+    when they combine axes that do not work together yet."""
+    for name, size in (("tp_size", tp_size), ("ep_size", ep_size), ("pp_size", pp_size),
+                       ("cp_size", cp_size)):
+        if size < 1:
+            raise ValueError(f"{name} ({size}) must be >= 1")
+    model_ranks = pp_size * cp_size * tp_size
+    if world_size % model_ranks != 0:
         raise ValueError(
+            f"world size {world_size} is not divisible by pp_size {pp_size} x cp_size "
+            f"{cp_size} x tp_size {tp_size} = {model_ranks}"
+            if pp_size * cp_size > 1 else
             f"world size {world_size} is not divisible by tp_size {tp_size}"
         )
-    dp_size = world_size // tp_size
+    dp_size = world_size // model_ranks
+    where = (f"(world size {world_size} / tp_size {tp_size})" if pp_size * cp_size == 1 else
+             f"(world size {world_size} / (pp_size {pp_size} x cp_size {cp_size} x tp_size "
+             f"{tp_size}))")
     if dp_size % ep_size != 0:
         raise ValueError(
-            f"ep_size {ep_size} must divide the data-parallel size {dp_size} "
-            f"(world size {world_size} / tp_size {tp_size})"
+            f"ep_size {ep_size} must divide the data-parallel size {dp_size} {where}"
         )
     if dp_shard_size is not None and (dp_shard_size < 1 or dp_size % dp_shard_size != 0):
         raise ValueError(
             f"dp_shard_size {dp_shard_size} must be >= 1 and divide the data-parallel size "
-            f"{dp_size} (world size {world_size} / tp_size {tp_size})"
+            f"{dp_size} {where}"
         )
+    _refuse_unsupported(tp_size, ep_size, dp_shard_size, pp_size, cp_size, dp_size)
     return dp_size
 
 
-def mesh_views(
-    dp_size: int, tp_size: int = 1, ep_size: int = 1, dp_shard_size: int | None = None
-) -> dict[str, dict[str, int]]:
-    """The layout in one place: the world's rank grid `[dp, tp]` (TP innermost) and the named
-    views of it that split the DP axis, each `{axis: size}`, outermost axis first.
-
-    "world" `[dp, tp]`; "hsdp" `[dp_replicate, dp_shard, tp]` when FSDP2 shards over fewer
-    than all DP ranks; "experts" `[expert_dp, ep, tp]` when experts are split (EP carved out
-    of DP). Every gang is one axis of one view; a real job builds a `DeviceMesh` per view,
-    one process reads its ranks off the same views. Room for what comes: a `pp` axis goes
-    outermost and a `cp` axis between the DP axes and `tp`, in every view.
-    """
-    views = {"world": {"dp": dp_size, "tp": tp_size}}
+def _refuse_unsupported(tp_size: int, ep_size: int, dp_shard_size: int | None, pp_size: int,
+                        cp_size: int, dp_size: int) -> None:
+    """Combinations that are not built or not tested yet, refused by name."""
+    others = {"tp_size": tp_size, "ep_size": ep_size}
     if dp_shard_size is not None and dp_shard_size < dp_size:
-        views["hsdp"] = {"dp_replicate": dp_size // dp_shard_size, "dp_shard": dp_shard_size,
-                         "tp": tp_size}
+        others["dp_shard_size"] = dp_shard_size
+    for axis, size in (("pp_size", pp_size), ("cp_size", cp_size)):
+        if size == 1:
+            continue
+        for other, other_size in others.items():
+            if other_size != 1:
+                raise ValueError(
+                    f"{axis} {size} with {other} {other_size} is not supported yet: "
+                    f"pipeline and context parallelism run with data parallelism only")
+    if pp_size > 1 and cp_size > 1:
+        raise ValueError(f"pp_size {pp_size} with cp_size {cp_size} is not supported yet: "
+                         "use one of them (with data parallelism)")
+
+
+def mesh_views(
+    dp_size: int, tp_size: int = 1, ep_size: int = 1, dp_shard_size: int | None = None,
+    pp_size: int = 1, cp_size: int = 1,
+) -> dict[str, dict[str, int]]:
+    """The layout in one place: the world's rank grid `[pp, dp, cp, tp]` (TP innermost) and
+    the named views of it that split the DP axis, each `{axis: size}`, outermost axis first.
+
+    "world" `[pp, dp, cp, tp]`; "hsdp" `[dp_replicate, dp_shard, tp]` when FSDP2 shards over
+    fewer than all DP ranks; "experts" `[expert_dp, ep, tp]` when experts are split (EP carved
+    out of DP). `pp` and `cp` appear (in every view) only when larger than 1. Every gang is
+    one axis of one view; a real job builds a `DeviceMesh` per view, one process reads its
+    ranks off the same views.
+    """
+    def view(middle: dict[str, int]) -> dict[str, int]:
+        axes = {"pp": pp_size} if pp_size > 1 else {}
+        axes.update(middle)
+        if cp_size > 1:
+            axes["cp"] = cp_size
+        axes["tp"] = tp_size
+        return axes
+
+    views = {"world": view({"dp": dp_size})}
+    if dp_shard_size is not None and dp_shard_size < dp_size:
+        views["hsdp"] = view({"dp_replicate": dp_size // dp_shard_size,
+                              "dp_shard": dp_shard_size})
     if ep_size > 1:
-        views["experts"] = {"expert_dp": dp_size // ep_size, "ep": ep_size, "tp": tp_size}
+        views["experts"] = view({"expert_dp": dp_size // ep_size, "ep": ep_size})
     return views
 
 
 def setup_gangs(
-    root: Gang, tp_size: int = 1, ep_size: int = 1, dp_shard_size: int | None = None
+    root: Gang, tp_size: int = 1, ep_size: int = 1, dp_shard_size: int | None = None,
+    *, pp_size: int = 1, cp_size: int = 1,
 ) -> Gangs:
     """Build every gang of a `root.size`-rank job (see the module docstring for the layout).
 
     `dp_shard_size` (HSDP): FSDP2 shards over groups of that many DP ranks and replicates
-    across the groups; None (or the whole DP size) shards over every DP rank.
+    across the groups; None (or the whole DP size) shards over every DP rank. `pp_size`:
+    pipeline stages; `cp_size`: ranks that split each sequence (with DP only, for now).
     """
-    dp_size = check_sizes(root.size, tp_size, ep_size, dp_shard_size)
-    views = mesh_views(dp_size, tp_size, ep_size, dp_shard_size)
+    dp_size = check_sizes(root.size, tp_size, ep_size, dp_shard_size, pp_size, cp_size)
+    views = mesh_views(dp_size, tp_size, ep_size, dp_shard_size, pp_size, cp_size)
     if isinstance(root, FakeGang):
         return _fake_gangs(root, views)
 
@@ -147,7 +202,10 @@ def setup_gangs(
     experts = {"ep": gang("experts", "ep"), "expert_dp": gang("experts", "expert_dp"),
                "ep_mesh": meshes["experts"]} if "experts" in views else {
                    "ep": FakeGang(device=root.device), "expert_dp": dp}
-    return Gangs(root, dp, gang(params, "tp"), mesh=meshes[params], **experts, **hsdp)
+    axes = {axis: gang("world", axis) if axis in views["world"] else FakeGang(device=root.device)
+            for axis in ("pp", "cp")}
+    return Gangs(root, dp, gang(params, "tp"), mesh=meshes[params], **experts, **hsdp,
+                 **axes)
 
 
 def _fake_gangs(root: FakeGang, views: dict[str, dict[str, int]]) -> Gangs:
@@ -163,6 +221,8 @@ def _fake_gangs(root: FakeGang, views: dict[str, dict[str, int]]) -> Gangs:
             "dp_replicate": gang("hsdp", "dp_replicate")} if "hsdp" in views else {}
     experts = "experts" if "experts" in views else None
     dp = gang("world", "dp")
+    axes = {axis: gang("world", axis) if axis in views["world"] else FakeGang(0, 1, root.device)
+            for axis in ("pp", "cp")}
     return Gangs(root=root, dp=dp, tp=gang("world", "tp"),
                  ep=gang(experts, "ep") if experts else FakeGang(0, 1, root.device),
-                 expert_dp=gang(experts, "expert_dp") if experts else dp, **hsdp)
+                 expert_dp=gang(experts, "expert_dp") if experts else dp, **hsdp, **axes)
