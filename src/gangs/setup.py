@@ -123,21 +123,20 @@ def check_sizes(
 
 def _refuse_unsupported(tp_size: int, ep_size: int, dp_shard_size: int | None, pp_size: int,
                         cp_size: int, dp_size: int) -> None:
-    """Combinations that are not built or not tested yet, refused by name."""
-    others = {"tp_size": tp_size, "ep_size": ep_size}
-    if dp_shard_size is not None and dp_shard_size < dp_size:
-        others["dp_shard_size"] = dp_shard_size
+    """Combinations that are not built or not tested yet, refused by name: pipeline
+    parallelism runs with DP and TP; context parallelism with DP."""
+    hsdp = dp_shard_size if dp_shard_size is not None and dp_shard_size < dp_size else 1
+    unsupported = {"pp_size": {"ep_size": ep_size, "dp_shard_size": hsdp, "cp_size": cp_size},
+                   "cp_size": {"tp_size": tp_size, "ep_size": ep_size, "dp_shard_size": hsdp}}
     for axis, size in (("pp_size", pp_size), ("cp_size", cp_size)):
         if size == 1:
             continue
-        for other, other_size in others.items():
+        for other, other_size in unsupported[axis].items():
             if other_size != 1:
                 raise ValueError(
-                    f"{axis} {size} with {other} {other_size} is not supported yet: "
-                    f"pipeline and context parallelism run with data parallelism only")
-    if pp_size > 1 and cp_size > 1:
-        raise ValueError(f"pp_size {pp_size} with cp_size {cp_size} is not supported yet: "
-                         "use one of them (with data parallelism)")
+                    f"{axis} {size} with {other} {other_size} is not supported yet: pipeline "
+                    "parallelism runs with data and tensor parallelism, context parallelism "
+                    "with data parallelism")
 
 
 def mesh_views(

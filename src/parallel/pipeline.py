@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.tensor import DTensor
 
 from parallel.pipeline_stages import build_stage, layer_split, merge_stages, model_family
 
@@ -170,20 +171,24 @@ def pipeline_model(
 def gradient_norm_over(params: list[Tensor], group: dist.ProcessGroup | None,
                        max_norm: float | None = None) -> Tensor:
     """The L2 norm of the gradients of parameters split over `group` (pipeline stages hold
-    disjoint parameters): local squares summed over the group; clipped to `max_norm` as
+    disjoint parameters): this rank's squares (a DTensor's reduced over its own mesh, e.g.
+    tensor parallel shards) summed over the group; clipped to `max_norm` as
     `torch.nn.utils.clip_grad_norm_` would clip the whole model's."""
     grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # noqa: SLF001
-        device = grads[0].device
-    else:
-        device = params[0].device if params else torch.device("cpu")
-        local = torch.zeros((), device=device)
-    square = (local.float() ** 2).reshape(1)
+    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
+    square = torch.zeros(1, dtype=torch.float32, device=device)
+    kinds: dict[object, list[Tensor]] = {}
+    for g in grads:
+        kinds.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    for kind in kinds.values():
+        norm = torch.nn.utils.get_total_norm(kind, foreach=True)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        square += norm.float() ** 2
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(square, group=group)
     total = square[0].sqrt()
     if max_norm is not None and grads:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))  # noqa: SLF001
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        torch._foreach_mul_(local, coef.to(local[0].dtype))  # noqa: SLF001
     return total

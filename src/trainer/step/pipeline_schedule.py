@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from gangs import Gang, ReduceOperation
 from parallel.pipeline import PipelinedModel
@@ -77,11 +78,16 @@ class PipelineSchedule:
     @torch.no_grad()
     def _average_gradients_over_dp(self) -> None:
         """One all-reduce of every gradient, flattened, then / dp size (DDP's average)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        for p in self.params:  # a stage that received no gradient still enters the reduction
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params]
+        # Tensor-parallel gradients are averaged shard by shard (each DP rank holds the same).
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.dp.all_reduce(flat, ReduceOperation.SUM)
         flat /= self.dp.size
         offset = 0
-        for p, g in zip(self.params, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(g)
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
