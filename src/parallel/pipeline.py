@@ -104,22 +104,46 @@ class PipelinedModel:
     has_first: bool  # this rank holds the first stage: it takes the inputs
     has_last: bool  # ... the last stage: it computes the loss
     last_rank: int  # the pp rank that holds the last stage (group rank)
+    num_microbatches: int
+    eval_shape: tuple[int, int] | None = None  # (rows, length) of evaluation micro-batches
 
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """Forward and backward of every micro-batch (`inputs`, `targets`: the micro-batches
         concatenated along dim 0, in equal parts); returns the summed loss, the same tensor
         on every pp rank. Gradients accumulate in the parameters, unscaled."""
+        self.eval_shape = (inputs.shape[0] // self.num_microbatches, inputs.shape[1])
         losses: list[Tensor] = []
         args = (inputs,) if self.has_first else ()
         self.schedule.step(*args, target=targets if self.has_last else None, losses=losses)
         return self._agreed_loss(losses, targets.device)
 
-    def eval_step(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """Forward only (validation): the summed loss, on every pp rank."""
-        losses: list[Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        self.schedule.eval(*args, target=targets if self.has_last else None, losses=losses)
-        return self._agreed_loss(losses, targets.device)
+    def evaluate(self, inputs: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+        """Forward only (validation) of a batch of any number of rows and any length up to
+        the training one: the summed loss, on every pp rank. A schedule's micro-batches
+        keep one shape, so the rows are cut into micro-batches of the training step's shape
+        (`step` sets it; else this first batch's rows / micro-batches), padded with
+        ignored targets (to the right: causal attention keeps padding from real tokens)."""
+        rows, length = self.eval_shape or (max(1, inputs.shape[0] // self.num_microbatches),
+                                           inputs.shape[1])
+        self.eval_shape = (rows, length)
+        if inputs.shape[1] > length:
+            raise ValueError(f"pipeline evaluation: sequences of {inputs.shape[1]} tokens are "
+                             f"longer than the {length} the schedule runs")
+        group_rows = rows * self.num_microbatches
+        padded = -(-inputs.shape[0] // group_rows) * group_rows
+        x = inputs.new_zeros(padded, length)
+        y = targets.new_full((padded, length), ignore_index)
+        x[:inputs.shape[0], :inputs.shape[1]] = inputs
+        y[:targets.shape[0], :targets.shape[1]] = targets
+        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+        with torch.no_grad():
+            for start in range(0, padded, group_rows):
+                losses: list[Tensor] = []
+                args = (x[start:start + group_rows],) if self.has_first else ()
+                self.schedule.eval(*args, target=y[start:start + group_rows]
+                                   if self.has_last else None, losses=losses)
+                total = total + self._agreed_loss(losses, inputs.device)
+        return total
 
     def _agreed_loss(self, losses: list[Tensor], device: torch.device) -> Tensor:
         if self.has_last:
@@ -165,7 +189,8 @@ def pipeline_model(
                      if last in stage_indices(schedule, r, pp_size, stages_per_rank))
     return PipelinedModel(
         model=merge_stages(modules), stages=stages, schedule=runner, group=group,
-        has_first=0 in indices, has_last=last in indices, last_rank=last_rank)
+        has_first=0 in indices, has_last=last in indices, last_rank=last_rank,
+        num_microbatches=num_microbatches)
 
 
 def gradient_norm_over(params: list[Tensor], group: dist.ProcessGroup | None,
