@@ -33,16 +33,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.nn.functional import all_to_all_single
 
 __all__ = [
     "HF_ATTENTION_NAME",
     "document_mask",
+    "enable_context_parallel",
     "gather_sequence",
     "register_hf_attention",
     "shard_sequence",
     "ulysses_attention",
+    "uses_context_parallel",
 ]
 
 HF_ATTENTION_NAME = "gangtrain_ulysses"
@@ -148,6 +150,31 @@ def _size(group: dist.ProcessGroup | None) -> int:
     if group is None or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
+
+
+def enable_context_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Make every attention module of `model` that has a `cp_group` attribute (the LM
+    recipe's GPT) attend over `group` with `ulysses_attention`."""
+    found = False
+    for module in model.modules():
+        if hasattr(module, "cp_group"):
+            module.cp_group = group
+            found = True
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no attention that takes a cp group "
+                         "(a `cp_group` attribute); for Hugging Face models use "
+                         "register_hf_attention")
+
+
+def uses_context_parallel(model: nn.Module) -> bool:
+    """Whether `model` attends through this module (GPT `cp_group`, or HF registration)."""
+    for module in model.modules():
+        if getattr(module, "cp_group", None) is not None:
+            return True
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) == HF_ATTENTION_NAME:
+            return True
+    return False
 
 
 # -- Hugging Face models -------------------------------------------------------------------

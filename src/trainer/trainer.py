@@ -52,10 +52,10 @@ from trainer.state.data_position import DataPosition
 from trainer.state.seeding import RngState
 from trainer.state.train_state import TrainState
 from trainer.step import gradients
-from trainer.step.accumulation import MicroBatchSync
-from trainer.step.forward_backward import ForwardBackward, MicroBatchLoop
+from trainer.step.forward_backward import ForwardBackward
 from trainer.step.loss_scaler import LossScaler
 from trainer.step.optimizer_step import OptimizerStep
+from trainer.step.parallel_axes import build_seam, check_layout, split_over
 from trainer.step.step_log import StepLog
 from trainer.validator import Validator, by_unit
 from units import EvalUnit, MetricBag, TrainUnit
@@ -164,7 +164,10 @@ class Trainer(Generic[BatchT]):
         self.run_config = (dict(run_config) if run_config is not None
                            else {"trainer": s.model_dump(mode="json")})
         self.validator = Validator(valid_units, valid_data_readers, self.gangs, s.score_metric)
-        check_run(s, self.validator, early_stopper, unit.model, self.gangs.dp.size)
+        check_layout(unit, self.gangs, s, valid_units)  # the pp and cp gangs' needs
+        # A pipeline's stages are not wrapped for DP: its seam averages their gradients.
+        check_run(s, self.validator, early_stopper, unit.model,
+                  self.gangs.dp.size if self.gangs.pp.size == 1 else 1)
         check_same_start(unit.model, self.gangs)  # DP ranks hold the same replicated weights
         # The score's direction: the setting, else what the valid unit declares.
         self.lower_better = score_direction(s.lower_better, s.score_metric, valid_units)
@@ -189,6 +192,7 @@ class Trainer(Generic[BatchT]):
             optimizer, lr_scheduler, self.gangs.dp, self.device,
             max_gradient_norm=s.max_gradient_norm, scaler=self.scaler,
             skip_non_finite=s.max_consecutive_non_finite > 0,
+            split_over=split_over(self.gangs),  # pipeline stages: norm and checks over pp
         )
         self.checkpoints = CheckpointManager(
             RunDir(self.output_dir).checkpoints, self.gangs,
@@ -204,15 +208,13 @@ class Trainer(Generic[BatchT]):
                                     flops_per_target_of(unit))
         self._profiler: StepProfiler | None = None  # built in run(), from the resumed step
 
-        # Forward and backward over a step's micro-batches, each in turn (a pipeline schedule
-        # would replace it); the forward's precision (validation runs without autocast).
+        # Forward and backward over a step's micro-batches: each in turn, or a pipeline
+        # schedule, or each rank's slice of every sequence (`parallel_axes`); the forward's
+        # precision (validation runs without autocast).
         autocast = (torch.autocast(self.device.type, dtype=_AUTOCAST[s.dtype])
                     if s.amp and s.dtype in _AUTOCAST else contextlib.nullcontext())
-        self.forward_backward: ForwardBackward[BatchT] = MicroBatchLoop(
-            unit, self.metrics, autocast,
-            MicroBatchSync(unit.model,
-                           fsdp_reduce_every_micro_batch=s.fsdp_reduce_every_micro_batch),
-            self.scaler, may_seed_mean=self.gangs.dp.size == 1)
+        self.forward_backward: ForwardBackward[BatchT] = build_seam(
+            unit, self.gangs, s, self.metrics, autocast, self.scaler)
         # Expert-parallel MoE weights are not reduced by DDP/FSDP2 over dp: the trainer
         # reduces them over the gang of their replicas after backward.
         self._has_expert_params = any(getattr(p, "is_expert_param", False)
