@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from gangs import Gang
 from layers.moe import GroupedExperts, MoEFeedForward
+from parallel.context import document_mask, ulysses_attention
 
 __all__ = [
     "GPT",
@@ -78,8 +80,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.dim, bias=False)
         self.wv = nn.Linear(config.dim, config.dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        # Context parallelism (`parallel.context.enable_context_parallel`): x is this rank's
+        # slice of each row, and attention runs over the whole row through this group.
+        self.cp_group: ProcessGroup | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` [b, t] of packed rows (restarting at 0 per example): attention
+        stays within each example. Under context parallelism, this rank's slice's ids."""
         b, t, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # Heads from the local output width: under TP this rank holds only its share of the
@@ -87,9 +94,15 @@ class Attention(nn.Module):
         # so that an empty batch (b == 0) still reshapes.
         heads = q.shape[-1] // self.head_dim
         q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        dropout = self.dropout if self.training else 0.0
+        if self.cp_group is not None:
+            y = ulysses_attention(q, k, v, self.cp_group, position_ids=position_ids,
+                                  dropout_p=dropout)
+        elif position_ids is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(position_ids),
+                                               dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         return self.wo(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
@@ -126,8 +139,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = build_feed_forward(config, ep_gang)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x)))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x), position_ids))
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -187,15 +200,18 @@ class GPT(nn.Module):
             return 0.02 / math.sqrt(2 * self.config.num_layers)
         return 0.02
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids`` [b, t] (t <= config.seq_len) -> logits [b, t, vocab_size]."""
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids`` [b, t] (t <= config.seq_len) -> logits [b, t, vocab_size].
+        ``position_ids`` [b, t]: see `Attention.forward`."""
         t = input_ids.shape[1]
         if t > self.config.seq_len:
             raise ValueError(f"input length {t} exceeds the model's seq_len {self.config.seq_len}")
-        positions = torch.arange(t, device=input_ids.device)
+        positions = (torch.arange(t, device=input_ids.device) if position_ids is None
+                     else position_ids)
         h = self.dropout(self.tok_embeddings(input_ids) + self.pos_embeddings(positions))
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, position_ids)
         return self.output(self.norm(h))
 
 

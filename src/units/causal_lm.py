@@ -62,11 +62,8 @@ def lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int) -> tuple[Tensor, Ten
     index) excluded; see `LMBatch` for the two batch forms."""
     if "input_ids" not in batch:
         raise ValueError(f"a causal LM batch needs 'input_ids'; this one has {sorted(batch)}")
-    mask = batch.get("attention_mask")
-    if mask is None:
-        output = model(batch["input_ids"])
-    else:
-        output = model(batch["input_ids"], attention_mask=mask)
+    keywords = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+    output = model(batch["input_ids"], **keywords)
     logits = output_logits(output)
     targets, shift = lm_targets(batch, pad_idx)
     if shift:
