@@ -164,7 +164,8 @@ class Trainer(Generic[BatchT]):
         self.run_config = (dict(run_config) if run_config is not None
                            else {"trainer": s.model_dump(mode="json")})
         self.validator = Validator(valid_units, valid_data_readers, self.gangs, s.score_metric)
-        check_layout(unit, self.gangs, s, valid_units)  # the pp and cp gangs' needs
+        check_layout(unit, self.gangs, num_accumulate=s.num_accumulate, dtype=s.dtype,
+                     valid_units=valid_units)  # the pp and cp gangs' needs
         # A pipeline's stages are not wrapped for DP: its seam averages their gradients.
         check_run(s, self.validator, early_stopper, unit.model,
                   self.gangs.dp.size if self.gangs.pp.size == 1 else 1)
@@ -214,7 +215,9 @@ class Trainer(Generic[BatchT]):
         autocast = (torch.autocast(self.device.type, dtype=_AUTOCAST[s.dtype])
                     if s.amp and s.dtype in _AUTOCAST else contextlib.nullcontext())
         self.forward_backward: ForwardBackward[BatchT] = build_seam(
-            unit, self.gangs, s, self.metrics, autocast, self.scaler)
+            unit, self.gangs, self.metrics, autocast, self.scaler,
+            num_accumulate=s.num_accumulate,
+            fsdp_reduce_every_micro_batch=s.fsdp_reduce_every_micro_batch)
         # Expert-parallel MoE weights are not reduced by DDP/FSDP2 over dp: the trainer
         # reduces them over the gang of their replicas after backward.
         self._has_expert_params = any(getattr(p, "is_expert_param", False)

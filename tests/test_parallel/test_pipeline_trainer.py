@@ -12,11 +12,11 @@ import pytest
 import torch
 from ranks import run_ranks
 
+from data.global_batches import GlobalBatchReader
 from gangs import setup_gangs, setup_root_gang
 from parallel.pipeline import available_schedules, pipeline_model
 from recipes.lm.model import GPT, GPTConfig
 from trainer.observe.recorders.base import MetricRecorder
-from trainer.state.global_batches import GlobalBatchReader
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMUnit
 from units.pipeline import PipelineLMUnit, summed_lm_loss

@@ -17,7 +17,6 @@ from typing import Any
 
 from gangs import Gang, Gangs
 from parallel.context import uses_context_parallel
-from trainer.settings import TrainerSettings
 from trainer.step.accumulation import MicroBatchSync
 from trainer.step.context_parallel import ContextParallelStep
 from trainer.step.forward_backward import ForwardBackward, MicroBatchLoop
@@ -26,7 +25,7 @@ from trainer.step.pipeline_schedule import PipelineSchedule
 from units import MetricBag, TrainUnit
 
 
-def check_layout(unit: TrainUnit[Any], gangs: Gangs, settings: TrainerSettings,
+def check_layout(unit: TrainUnit[Any], gangs: Gangs, *, num_accumulate: int, dtype: str,
                  valid_units: Any = ()) -> None:
     """A `ValueError` naming what does not fit the pp and cp gangs."""
     pipeline = getattr(unit, "pipeline", None)
@@ -37,12 +36,12 @@ def check_layout(unit: TrainUnit[Any], gangs: Gangs, settings: TrainerSettings,
                 f"gangs with pp_size {pp} need a pipelined unit (units.pipeline."
                 f"PipelineLMUnit over parallel.pipeline.pipeline_model(...)); "
                 f"{type(unit).__name__} runs the whole model on every rank")
-        if settings.num_accumulate != pipeline.num_microbatches:
+        if num_accumulate != pipeline.num_microbatches:
             raise ValueError(
-                f"num_accumulate {settings.num_accumulate} must equal the pipeline schedule's "
+                f"num_accumulate {num_accumulate} must equal the pipeline schedule's "
                 f"micro-batches ({pipeline.num_microbatches}): each step's micro-batches are "
                 "the schedule's")
-        if settings.dtype == "fp16":
+        if dtype == "fp16":
             raise ValueError("dtype 'fp16' (a loss scale) with pp_size > 1 is not supported "
                              "yet: use bf16 or fp32")
         for valid in valid_units:
@@ -61,17 +60,17 @@ def check_layout(unit: TrainUnit[Any], gangs: Gangs, settings: TrainerSettings,
             f"{type(unit.model).__name__} would attend within each rank's slice only")
 
 
-def build_seam(unit: TrainUnit[Any], gangs: Gangs, settings: TrainerSettings,
-               metrics: MetricBag, autocast: AbstractContextManager[Any],
-               scaler: LossScaler | None) -> ForwardBackward[Any]:
+def build_seam(unit: TrainUnit[Any], gangs: Gangs, metrics: MetricBag,
+               autocast: AbstractContextManager[Any], scaler: LossScaler | None, *,
+               num_accumulate: int, fsdp_reduce_every_micro_batch: bool) -> ForwardBackward[Any]:
     if gangs.pp.size > 1:
         return PipelineSchedule(unit.pipeline, unit.batch_parts,  # type: ignore[attr-defined]
-                                num_microbatches=settings.num_accumulate, dp=gangs.dp,
+                                num_microbatches=num_accumulate, dp=gangs.dp,
                                 autocast=autocast)
     loop = MicroBatchLoop(
         unit, metrics, autocast,
         MicroBatchSync(unit.model,
-                       fsdp_reduce_every_micro_batch=settings.fsdp_reduce_every_micro_batch),
+                       fsdp_reduce_every_micro_batch=fsdp_reduce_every_micro_batch),
         scaler, may_seed_mean=gangs.dp.size == 1 and gangs.cp.size == 1)
     if gangs.cp.size > 1:
         return ContextParallelStep(loop, gangs.cp, list(unit.model.parameters()),
