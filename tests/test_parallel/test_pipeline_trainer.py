@@ -11,11 +11,13 @@ from functools import cache
 import pytest
 import torch
 from ranks import run_ranks
+from torch.distributed.tensor import DTensor
 
 from data.global_batches import GlobalBatchReader
 from gangs import setup_gangs, setup_root_gang
 from parallel.pipeline import available_schedules, pipeline_model
 from recipes.lm.model import GPT, GPTConfig
+from recipes.lm.parallelize import gpt_tensor_parallel
 from trainer.observe.recorders.base import MetricRecorder
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMUnit
@@ -62,12 +64,15 @@ def gpt() -> GPT:
     return GPT(CONFIG)
 
 
-def train(output_dir: str, *, pp_size: int = 1, schedule: str = "1f1b",
+def train(output_dir: str, *, pp_size: int = 1, tp_size: int = 1, schedule: str = "1f1b",
           max_num_steps: int = STEPS, checkpoint_every_n_steps: int | None = None):
     """(losses and gradient norms by step, this rank's parameters by name)."""
-    gangs = setup_gangs(setup_root_gang(), pp_size=pp_size)
+    gangs = setup_gangs(setup_root_gang(), tp_size=tp_size, pp_size=pp_size)
     if pp_size > 1:
-        pipe = pipeline_model(gpt(), gangs.pp.as_process_group(), loss_fn=summed_lm_loss,
+        model = gpt()
+        if tp_size > 1:  # the build plan's order: tensor parallel, then the pipeline split
+            gpt_tensor_parallel(model, gangs)
+        pipe = pipeline_model(model, gangs.pp.as_process_group(), loss_fn=summed_lm_loss,
                               num_microbatches=ACC, schedule=schedule)
         unit, model = PipelineLMUnit(pipe), pipe.model
     else:
@@ -81,7 +86,8 @@ def train(output_dir: str, *, pp_size: int = 1, schedule: str = "1f1b",
             checkpoint_every_n_steps=checkpoint_every_n_steps, recorders=[recorder],
             progress=False, validate_at_end=False).run()
     curve = {step: (v["loss"], v["grad_norm"]) for step, v in recorder.rows.items()}
-    return curve, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return curve, {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                   for n, p in model.named_parameters()}
 
 
 @cache
@@ -102,10 +108,10 @@ def assert_close_curves(curve, ref_curve, steps) -> None:
         assert abs(norm / ref_norm - 1) < 1e-5, (step, norm, ref_norm)
 
 
-def run_layout(world_size: int, schedule: str):
+def run_layout(world_size: int, schedule: str, tp_size: int = 1):
     def rank_fn():
         with tempfile.TemporaryDirectory() as out:
-            return train(out, pp_size=2, schedule=schedule)
+            return train(out, pp_size=2, tp_size=tp_size, schedule=schedule)
 
     return run_ranks(rank_fn, world_size=world_size, timeout=300)
 
@@ -125,6 +131,16 @@ def test_pp2_trainer_matches_one_process(schedule):
 def test_pp2_x_dp2_trainer_matches_one_process():
     ref_curve, ref_params = reference()
     results = run_layout(4, "1f1b")
+    assert_close_curves(results[0][0], ref_curve, range(1, STEPS + 1))
+    for _, params in results:
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5)
+
+
+def test_pp2_x_tp2_trainer_matches_one_process():
+    """Tensor-parallel stages: the norm sums every stage's shards (over tp, then pp)."""
+    ref_curve, ref_params = reference()
+    results = run_layout(4, "1f1b", tp_size=2)
     assert_close_curves(results[0][0], ref_curve, range(1, STEPS + 1))
     for _, params in results:
         for name, value in params.items():

@@ -51,8 +51,9 @@ def gradient_norm(params: list[Tensor], max_norm: float | None,
     """Global L2 norm of the gradients, clipping to `max_norm` if given. What each rank holds
     is declared, not guessed: a DTensor gradient's norm is reduced over its mesh; a plain
     tensor gradient is a replica on every rank, unless `split_over` names gangs over which
-    the plain gradients are split (e.g. pipeline stages, each holding its own layers): their
-    squared norms are then summed over each of those gangs (every rank enters)."""
+    the parameters are split (e.g. pipeline stages, each holding its own layers, plain or
+    tensor-parallel): the squared norm of everything this rank holds is then summed over
+    each of those gangs (every rank enters)."""
     if not params:
         return torch.zeros(())
     grads = [p.grad for p in params if p.grad is not None]
@@ -70,14 +71,13 @@ def gradient_norm(params: list[Tensor], max_norm: float | None,
     for g in grads:
         groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     norms = []
-    for mesh, group in groups.items():
+    for group in groups.values():
         norm = (torch.nn.utils.get_total_norm(group, foreach=True) if group
                 else torch.zeros((), device=params[0].device))
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        if mesh is None and split_over:
-            norm = _norm_over(norm, split_over)
-        norms.append(norm)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
+    if split_over:  # DTensor shards (TP) of one stage are no replicas of another's either
+        total = _norm_over(total, split_over)
     if max_norm is not None:  # as torch.nn.utils.clip_grads_with_norm_, on the local shards
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(_local(grads), coef)
