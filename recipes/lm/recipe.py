@@ -12,7 +12,9 @@ from rich.console import Console
 
 from gangs import Gangs
 from parallel import check_hsdp, plan
+from parallel.context import enable_context_parallel
 from parallel.materialize import materialize, seeded_init
+from parallel.pipeline import PipelinedModel, pipeline_model
 from recipes.lm.config import LMConfig
 from recipes.lm.data import (
     ByteWindowReader,
@@ -30,6 +32,7 @@ from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
+from units.pipeline import PipelineLMEvalUnit, PipelineLMUnit, summed_lm_loss
 
 
 @dataclass
@@ -44,6 +47,7 @@ class _Setup:
     gzip_bpb: float
     reader: ByteWindowReader | None  # training data; None when only evaluating
     flops_per_token: float  # training FLOPs, for the published MFU
+    pipeline: PipelinedModel | None = None  # this rank's stages under pipeline parallelism
 
 
 def _setup(config: LMConfig, train: bool) -> _Setup:
@@ -53,9 +57,10 @@ def _setup(config: LMConfig, train: bool) -> _Setup:
     except ValueError:
         raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
                         "trainer.data_parallel=fsdp") from None
-    gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size,
-                                  config.gangs.ep_size, config.gangs.dp_shard_size,
-                                  soft_wrap=False)
+    check_pp_cp_config(config)
+    g = config.gangs
+    gangs, console = recipe_gangs(g.timeout_s, g.tp_size, g.ep_size, g.dp_shard_size,
+                                  soft_wrap=False, pp_size=g.pp_size, cp_size=g.cp_size)
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
 
     # Data: one global order of windows, each DP rank takes its slice of every batch.
@@ -88,12 +93,24 @@ def _setup(config: LMConfig, train: bool) -> _Setup:
                            num_experts=m.num_experts, top_k=m.top_k,
                            tie_embeddings=m.tie_embeddings)
     torch.manual_seed(config.trainer.seed)  # the rest of the setup's randomness
-    model = build_model(gpt_config, gangs, config.trainer.data_parallel,
-                        config.trainer.seed)
+    pipe = None
+    if gangs.pp.size > 1:
+        pipe = build_pipelined_model(gpt_config, gangs, config.trainer.seed,
+                                     num_microbatches=config.trainer.num_accumulate,
+                                     schedule=g.pp_schedule, boundaries=g.pp_boundaries)
+        model = pipe.model
+        valid_unit: Any = PipelineLMEvalUnit(pipe, bytes_per_token=1)
+    else:
+        model = build_model(gpt_config, gangs, config.trainer.data_parallel,
+                            config.trainer.seed)
+        if gangs.cp.size > 1:  # attention over the whole row, each rank holding a slice
+            enable_context_parallel(model, gangs.cp.as_process_group())
+        valid_unit = CausalLMEvalUnit(model, bytes_per_token=1)
     if console:
-        console.print(f"model: {num_parameters(model):,} parameters, {asdict(gpt_config)}")
-    return _Setup(gangs, console, model, [CausalLMEvalUnit(model, bytes_per_token=1)],
-                  [valid_reader], gzip_bpb, reader, flops_per_token(gpt_config))
+        console.print(f"model: {num_parameters(model):,} parameters on this rank, "
+                      f"{asdict(gpt_config)}")
+    return _Setup(gangs, console, model, [valid_unit], [valid_reader], gzip_bpb, reader,
+                  flops_per_token(gpt_config), pipe)
 
 
 def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
@@ -102,9 +119,12 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
     optimizer = config.optimizer.build(s.model)
     # Its own length: extending a run keeps the rates of the steps already taken.
     scheduler = warmup_cosine(optimizer, config.lr_scheduler, config.trainer.max_num_steps)
+    unit: Any = (PipelineLMUnit(s.pipeline) if s.pipeline is not None else
+                 CausalLMUnit(s.model, bytes_per_token=1,
+                              moe_aux_loss_weight=m.moe_aux_loss_weight,
+                              flops_per_target=s.flops_per_token))
     trainer = config.trainer.build(
-        CausalLMUnit(s.model, bytes_per_token=1, moe_aux_loss_weight=m.moe_aux_loss_weight,
-                     flops_per_target=s.flops_per_token),
+        unit,
         s.reader, optimizer, output_dir=output_dir,
         gangs=s.gangs, lr_scheduler=scheduler,
         valid_units=s.valid_units, valid_data_readers=s.valid_readers, resume=resume,
@@ -148,6 +168,57 @@ def build_model(gpt_config: GPTConfig, gangs: Gangs, data_parallel: str = "ddp",
         tensor_parallel=gpt_tensor_parallel, materialize=init,
         # One DP rank (one process, or TP alone): nothing to wrap.
         data_parallel=data_parallel if gangs.dp.size > 1 else None)
+
+
+def build_pipelined_model(gpt_config: GPTConfig, gangs: Gangs, seed: int, *,
+                          num_microbatches: int, schedule: str,
+                          boundaries: list[int] | None = None) -> PipelinedModel:
+    """The recipe's GPT cut into pipeline stages over `gangs.pp` (tensor parallel inside each
+    stage over `gangs.tp`), this rank's stages materialised by the same seeded rule as
+    `build_model`: the same initial bits as one process."""
+    from recipes.lm.parallelize import gpt_tensor_parallel
+
+    def init(model: torch.nn.Module, device: torch.device) -> None:
+        materialize(model, device, seeded_init(seed, rule))
+
+    def split(model: torch.nn.Module) -> PipelinedModel:
+        return pipeline_model(model, gangs.pp.as_process_group(), loss_fn=summed_lm_loss,
+                              num_microbatches=num_microbatches, schedule=schedule,
+                              boundaries=boundaries, device=gangs.device)
+
+    with torch.device("meta"):
+        whole = GPT(gpt_config)
+    rule = whole.init_parameter  # by whole-model name: the stages keep those names
+    return plan.build_pipeline(lambda: whole, gangs, materialize=init, split=split,
+                               tensor_parallel=gpt_tensor_parallel)
+
+
+def check_pp_cp_config(config: LMConfig) -> None:
+    """The recipe's settings that pipeline and context parallelism cannot take, by name."""
+    g, m, t = config.gangs, config.model, config.trainer
+    if g.pp_size > 1:
+        problems = {
+            "model.tie_embeddings": (m.tie_embeddings, "false: the embedding and the output "
+                                     "layer sit on different stages"),
+            "model.num_experts": (m.num_experts, "0: no mixture of experts under PP yet"),
+            "trainer.data_parallel": (t.data_parallel, "ddp: the stages are replicated over "
+                                      "DP, their gradients averaged by the pipeline step"),
+        }
+        bad = {"model.tie_embeddings": m.tie_embeddings, "model.num_experts": m.num_experts > 0,
+               "trainer.data_parallel": t.data_parallel != "ddp"}
+        for key, is_bad in bad.items():
+            if is_bad:
+                value, allowed = problems[key]
+                raise UserError(f"config '{key}' is {value!r}; with gangs.pp_size "
+                                f"{g.pp_size} it must be {allowed}")
+    if g.cp_size > 1:
+        for key, ok, allowed in (
+                ("data.seq_len", config.data.seq_len % g.cp_size == 0,
+                 f"a multiple of gangs.cp_size {g.cp_size}"),
+                ("model.num_heads", m.num_heads % g.cp_size == 0,
+                 f"a multiple of gangs.cp_size {g.cp_size}")):
+            if not ok:
+                raise UserError(f"config '{key}' must be {allowed}")
 
 
 def _summary(console: Console, result, output_dir: Path, gzip_bpb: float) -> None:

@@ -28,6 +28,8 @@ takes it as its attention function.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -45,6 +47,7 @@ __all__ = [
     "shard_sequence",
     "ulysses_attention",
     "uses_context_parallel",
+    "whole_sequences",
 ]
 
 HF_ATTENTION_NAME = "gangtrain_ulysses"
@@ -175,6 +178,28 @@ def uses_context_parallel(model: nn.Module) -> bool:
         if getattr(config, "_attn_implementation", None) == HF_ATTENTION_NAME:
             return True
     return False
+
+
+@contextlib.contextmanager
+def whole_sequences(model: nn.Module) -> Iterator[None]:
+    """Attention within each rank's own rows for the block, as without context parallelism:
+    for validation, where every cp rank reads and scores whole sequences (exact, and the
+    ranks agree; the sequence is not split there)."""
+    saved: list[tuple[Any, str, Any]] = []
+    for module in model.modules():
+        if getattr(module, "cp_group", None) is not None:
+            saved.append((module, "cp_group", module.cp_group))
+            module.cp_group = None
+        config = getattr(module, "config", None)
+        if (getattr(config, "_attn_implementation", None) == HF_ATTENTION_NAME
+                and not any(obj is config for obj, _, _ in saved)):
+            saved.append((config, "_attn_implementation", HF_ATTENTION_NAME))
+            config._attn_implementation = "sdpa"  # noqa: SLF001 (transformers' own switch)
+    try:
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
 
 
 # -- Hugging Face models -------------------------------------------------------------------

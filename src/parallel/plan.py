@@ -6,7 +6,9 @@ Hugging Face models, the fine-tuning recipe), in this order:
                             step splits them with the layer they adapt)
     tensor_parallel         the model's own TP plan over `gangs.mesh["tp"]`; experts are split
                             over `gangs.ep` by the MoE layer itself when it is built
-    (pipeline split)        later: cut the model into stages here, before FSDP2
+    pipeline split          `build_pipeline`: cut the model into stages (`parallel.pipeline`) and
+                            keep this rank's, then materialise only those; no DP wrapper (the
+                            pipeline's step seam averages the stages' gradients over DP)
     FSDP2 / HSDP            per block over `gangs.dp_mesh` (data_parallel="fsdp")
     materialize             each rank allocates its shards and fills them (an init rule or
                             the slices of a checkpoint, see `parallel.materialize`)
@@ -33,9 +35,10 @@ from torch import nn
 
 from gangs.setup import Gangs
 from parallel.data import data_parallel as wrap_data_parallel
+from parallel.pipeline import PipelinedModel
 
 __all__ = ["DataParallel", "Materialize", "TensorParallel", "Transform", "build_model",
-           "check_hsdp", "parallelize"]
+           "build_pipeline", "check_hsdp", "parallelize"]
 
 log = logging.getLogger("gangtrain")
 
@@ -90,6 +93,30 @@ def build_model(
     if kind == "ddp":
         model = wrap_data_parallel(model, gangs, "ddp", **options)
     return model
+
+
+def build_pipeline(
+    make_on_meta: Callable[[], nn.Module],
+    gangs: Gangs,
+    *,
+    materialize: Materialize,
+    split: Callable[[nn.Module], PipelinedModel],
+    tensor_parallel: TensorParallel | None = None,
+    transforms: Sequence[Transform] = (),
+) -> PipelinedModel:
+    """The plan under pipeline parallelism: on meta, transforms, TP, then `split` (e.g.
+    ``lambda m: pipeline_model(m, gangs.pp.as_process_group(), ...)``) keeps this rank's
+    stages, and only they are materialised (under their whole-model names, so an init rule
+    by name gives the bits of any other layout). Build the optimizer from `.model`."""
+    with torch.device("meta"):
+        model = make_on_meta()
+    for transform in transforms:
+        model = transform(model)
+    if tensor_parallel is not None:
+        tensor_parallel(model, gangs)
+    pipe = split(model)
+    materialize(pipe.model, gangs.device)
+    return pipe
 
 
 def parallelize(

@@ -354,14 +354,15 @@ def _write_config(config: BaseModel, output_dir: Path) -> None:
 
 
 def recipe_gangs(timeout_s: int, tp_size: int = 1, ep_size: int = 1,
-                 dp_shard_size: int | None = None, soft_wrap: bool = True
-                 ) -> tuple[Gangs, Console | None]:
+                 dp_shard_size: int | None = None, soft_wrap: bool = True, *,
+                 pp_size: int = 1, cp_size: int = 1) -> tuple[Gangs, Console | None]:
     """A recipe's gangs over the root gang (torchrun's world, `timeout_s` for collectives),
     and its console on rank 0 only (None elsewhere). Sizes that do not fit the world are the
     user's mistake: a `UserError` naming the config's `gangs` section."""
     root = setup_root_gang(timeout=timedelta(seconds=timeout_s))
     try:
-        gangs = setup_gangs(root, tp_size, ep_size, dp_shard_size)
+        gangs = setup_gangs(root, tp_size, ep_size, dp_shard_size, pp_size=pp_size,
+                            cp_size=cp_size)
     except ValueError as ex:
         raise UserError(f"config 'gangs': {ex}") from None
     return gangs, Console(stderr=False, soft_wrap=soft_wrap) if root.rank == 0 else None

@@ -27,6 +27,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs, any_rank, first_error, on_rank0
 from parallel import reduce_expert_gradients
+from parallel.context import whole_sequences
 from trainer.checkpoint import CheckpointManager
 from trainer.checkpoint.run_config import warn_if_changed
 from trainer.default_gangs import default_gangs
@@ -374,7 +375,10 @@ class Trainer(Generic[BatchT]):
         self.recorder.flush()  # the train records so far, on disk while validation runs
         step_nr = self.state.step_nr
         self.state.validated_step = step_nr
-        with self.system.left_out():  # throughput is of training time
+        # Under context parallelism every cp rank scores whole sequences (`whole_sequences`).
+        whole = (whole_sequences(self.unit.model) if self.gangs.cp.size > 1
+                 else contextlib.nullcontext())
+        with self.system.left_out(), whole:  # throughput is of training time
             values = self.validator.run(step_nr)
         for section, section_values in by_unit(values).items():
             self.recorder.record(section, step_nr, section_values)

@@ -31,12 +31,30 @@ class LRSchedulerSection(Section):  # trainer.lr_schedules.warmup_cosine's setti
     learning rates of the steps already taken as they were."""
 
 
+PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble",
+                               "zbv_zero_bubble"]
+
+
 class GangsSection(Section):
     tp_size: PositiveInt = 1
     ep_size: PositiveInt = 1
     dp_shard_size: PositiveInt | None = None
     """HSDP: FSDP2 shards over groups of this many DP ranks (one node) and replicates across
     them; needs trainer.data_parallel=fsdp. null: shard over every DP rank."""
+    pp_size: PositiveInt = 1
+    """Pipeline parallelism: the model's layers cut into stages over this many ranks (the
+    outermost axis: stages may sit on different nodes); trainer.num_accumulate micro-batches
+    a step are the schedule's. With DP and TP; untied embeddings."""
+    pp_schedule: PipelineScheduleName = "1f1b"
+    """gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble (2 stages a rank) or
+    zbv_zero_bubble (2 stages a rank, in a V)."""
+    pp_boundaries: list[PositiveInt] | None = None
+    """The index of the first layer of each stage after the first (null: as even as
+    possible), e.g. [3] cuts 8 layers into 0-2 and 3-7."""
+    cp_size: PositiveInt = 1
+    """Context parallelism: every sequence split over this many ranks, attention exact
+    across them (Ulysses all-to-all over heads: num_heads divisible by cp_size, seq_len too).
+    With DP only."""
     timeout_s: PositiveInt = 600
 
 
