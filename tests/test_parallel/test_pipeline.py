@@ -1,6 +1,8 @@
-"""Pipeline parallelism on 2 Gloo ranks: every schedule trains the LM recipe's GPT and a HF
-Llama exactly as one process does (losses, gradient norms, final weights), with the
-gradient normalised by the step's target count (summed losses, scale_grads=False)."""
+"""Pipeline parallelism on 2 Gloo ranks, by hand (the Trainer's path for the GPT is
+test_pipeline_trainer.py): every schedule trains a HF Llama exactly as one process does
+(losses, gradient norms, final weights over 30 steps of 4 micro-batches), with the gradient
+normalised by the step's target count (summed losses, scale_grads=False); stage splits by
+count and by boundaries keep whole-model names."""
 
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ _REFERENCES: dict[str, tuple] = {}
 
 
 @pytest.mark.parametrize("schedule", available_schedules())
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["llama"])
 def test_pp2_trains_like_one_process(family, schedule):
     if family not in _REFERENCES:
         threads = torch.get_num_threads()
