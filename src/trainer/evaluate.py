@@ -29,7 +29,7 @@ from torch import nn
 from gangs import FakeGang, Gangs
 from trainer.checkpoint.adapters import check_base
 from trainer.checkpoint.directory import CheckpointDir
-from trainer.checkpoint.loading import load_dcp, require_verified
+from trainer.checkpoint.loading import entries_held_elsewhere, load_dcp, require_verified
 from trainer.checkpoint.model_files import hf_model_of
 from trainer.checkpoint.state import model_optim_state, set_model_optim_state
 from trainer.default_gangs import default_gangs
@@ -186,4 +186,5 @@ def _load_model(step_dir: Path, model: nn.Module, gangs: Gangs) -> None:
     state = model_optim_state(model, None)
     no_dist = isinstance(gangs.root, FakeGang) or gangs.root.size == 1
     load_dcp(step_dir, state, process_group=None if no_dist else gangs.root.as_process_group(),
-             no_dist=no_dist, then=lambda: set_model_optim_state(model, None, state))
+             no_dist=no_dist, then=lambda: set_model_optim_state(model, None, state),
+             held_elsewhere=entries_held_elsewhere(state["model"], gangs.pp))

@@ -1,5 +1,5 @@
 """Pipeline parallelism on 2 Gloo ranks, by hand (the Trainer's path for the GPT is
-test_pipeline_trainer.py): every schedule trains a HF Llama exactly as one process does
+test_pipeline_trainer.py): 1F1B and ZBV zero-bubble train a HF Llama exactly as one process does
 (losses, gradient norms, final weights over 30 steps of 4 micro-batches), with the gradient
 normalised by the step's target count (summed losses, scale_grads=False); stage splits by
 count and by boundaries keep whole-model names."""
@@ -103,7 +103,10 @@ MODELS = {"gpt": gpt, "llama": llama}
 _REFERENCES: dict[str, tuple] = {}
 
 
-@pytest.mark.parametrize("schedule", available_schedules())
+# Through HF's modules a step costs 5-10x the GPT's: two schedules here, one stage a rank
+# and two in a V with split backward; the GPT runs every schedule through the Trainer.
+@pytest.mark.parametrize("schedule", [s for s in available_schedules()
+                                      if s in ("1f1b", "zbv_zero_bubble")])
 @pytest.mark.parametrize("family", ["llama"])
 def test_pp2_trains_like_one_process(family, schedule):
     if family not in _REFERENCES:

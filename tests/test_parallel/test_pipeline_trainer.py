@@ -147,15 +147,20 @@ def test_pp2_x_tp2_trainer_matches_one_process():
             torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5)
 
 
-def test_pp2_checkpoint_resumes_on_one_process(tmp_path):
-    """Steps 1-15 on PP2 (checkpoint at 15), then steps 16-30 on one process from that
-    checkpoint: the curve and the weights of the uninterrupted one-process run."""
+def test_pp2_checkpoint_resumes_on_pp2_x_dp2_then_on_one_process(tmp_path):
+    """Steps 1-10 on PP2, 11-20 on PP2 x DP2 from its checkpoint, 21-30 on one process from
+    that one: the curve and the weights of the uninterrupted one-process run (DCP reshards
+    the stages by name; the data position is global)."""
     ref_curve, ref_params = reference()
     out = str(tmp_path / "run")
-    run_ranks(lambda: train(out, pp_size=2, max_num_steps=15, checkpoint_every_n_steps=15)[0],
+    run_ranks(lambda: train(out, pp_size=2, max_num_steps=10, checkpoint_every_n_steps=10)[0],
               world_size=2, timeout=300)
-    curve, params = train(out, checkpoint_every_n_steps=15)
-    assert min(curve) == 16
-    assert_close_curves(curve, ref_curve, range(16, STEPS + 1))
+    middle = run_ranks(lambda: train(out, pp_size=2, max_num_steps=20,
+                                     checkpoint_every_n_steps=10)[0], world_size=4, timeout=300)
+    assert min(middle[0]) == 11
+    assert_close_curves(middle[0], ref_curve, range(11, 21))
+    curve, params = train(out, checkpoint_every_n_steps=10)
+    assert min(curve) == 21
+    assert_close_curves(curve, ref_curve, range(21, STEPS + 1))
     for name, value in params.items():
         torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+from gangs import Gang
 from trainer.checkpoint.directory import CheckpointDir
 from trainer.checkpoint.failures import describe
 from trainer.checkpoint.manifest import (
@@ -54,19 +55,21 @@ def load_dcp(
     whole_model: bool = True,
     then: Callable[[], None] | None = None,
     fits: str = "the model",
+    held_elsewhere: frozenset[str] = frozenset(),
 ) -> None:
     """Fill DCP's state dict `state` (`{"model": ..., "optimizer": ...}`) in place from the
     verified `step_dir`'s `model_optim/`, then call `then` (e.g. set the state into the
     model). Collective unless `no_dist`. `reader`: one to reuse (default: a new safe reader).
     `whole_model`: `state["model"]` is the model's whole state, checked against the
     checkpoint's entries first; False when it holds entries taken from the checkpoint's own
-    metadata. Any failure of the load or of `then` raises a `UserError` saying that the
-    checkpoint does not fit `fits`."""
+    metadata. `held_elsewhere`: the model entries other ranks hold (`entries_held_elsewhere`).
+    Any failure of the load or of `then` raises a `UserError` saying that the checkpoint does
+    not fit `fits`."""
     step_dir = Path(step_dir)
     if reader is None:
         reader = SafeFileSystemReader(step_dir / MODEL_OPTIM)
     if whole_model:  # the same verdict on every rank, before any collective
-        check_model_fits(reader.read_metadata(), state["model"], step_dir)
+        check_model_fits(reader.read_metadata(), state["model"], step_dir, held_elsewhere)
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
                  process_group=process_group, no_dist=no_dist)
@@ -74,6 +77,16 @@ def load_dcp(
             then()
     except (Exception, CheckpointException) as ex:  # the latter is a BaseException
         raise UserError(f"checkpoint {step_dir} does not fit {fits}: {describe(ex)}") from ex
+
+
+def entries_held_elsewhere(model_state: dict[str, Any], split_over: Gang) -> frozenset[str]:
+    """The model entries the other ranks of `split_over` hold and this one does not (each
+    pipeline stage holds its own layers); empty when the gang is one rank. Collective."""
+    if split_over.size == 1:
+        return frozenset()
+    everyone: list[list[str] | None] = [None] * split_over.size
+    dist.all_gather_object(everyone, sorted(model_state), group=split_over.as_process_group())
+    return frozenset().union(*map(set, everyone)) - set(model_state)  # type: ignore[arg-type]
 
 
 def resolve_step_dir(path: Path) -> Path:

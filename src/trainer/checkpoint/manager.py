@@ -49,7 +49,7 @@ from trainer.checkpoint.adapters import check_base
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.disk_space import DiskFullError, needed_bytes
 from trainer.checkpoint.failures import describe, rank_cause
-from trainer.checkpoint.loading import load_dcp
+from trainer.checkpoint.loading import entries_held_elsewhere, load_dcp
 from trainer.checkpoint.manifest import (
     MODEL_OPTIM,
     fsync_dir,
@@ -335,7 +335,8 @@ class CheckpointManager:
         state = model_optim_state(model, optimizer)
         load_dcp(step_dir, state, process_group=self._pg, no_dist=self._no_dist,
                  then=lambda: set_model_optim_state(model, optimizer, state),
-                 fits="the model or optimizer")
+                 fits="the model or optimizer",
+                 held_elsewhere=entries_held_elsewhere(state["model"], self.gangs.pp))
         rank_state = self._load_rank_state(step_dir, manifest)
         for name, component in (states or {}).items():
             if name in rank_state:

@@ -284,9 +284,11 @@ def model_template(metadata: Metadata) -> dict[str, Any]:
     }
 
 
-def check_model_fits(metadata: Metadata, model_state: dict[str, Any], where: Path) -> None:
+def check_model_fits(metadata: Metadata, model_state: dict[str, Any], where: Path,
+                     held_elsewhere: frozenset[str] = frozenset()) -> None:
     """A `UserError` naming the first parameter whose name or shape differs between the
-    checkpoint at `where` and the model about to receive it."""
+    checkpoint at `where` and the model about to receive it. `held_elsewhere`: entries the
+    other ranks' parts of the model hold (pipeline stages), not missing from this one."""
     saved = saved_model_entries(metadata)
     for fqn, value in model_state.items():
         if fqn not in saved:
@@ -298,7 +300,7 @@ def check_model_fits(metadata: Metadata, model_state: dict[str, Any], where: Pat
                     f"checkpoint {where} does not fit the model: parameter {fqn!r} has shape "
                     f"{tuple(md.size)} in the checkpoint and {tuple(value.shape)} in the model"
                 )
-    extra = sorted(set(saved) - set(model_state))
+    extra = sorted(set(saved) - set(model_state) - held_elsewhere)
     if extra:
         raise UserError(
             f"checkpoint {where} does not fit the model: it has parameter {extra[0]!r} "

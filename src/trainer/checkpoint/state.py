@@ -25,7 +25,10 @@ def model_optim_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str
     """`{"model": ..., "optimizer": ...}` in DCP's canonical form (no "module." prefixes,
     DTensor shards for FSDP2/TP), through the supported `get_state_dict` path. A model with
     LoRA adapters gives only what trains: its frozen base comes from the pretrained files
-    (the checkpoint references them, `checkpoint.adapters`)."""
+    (the checkpoint references them, `checkpoint.adapters`). The optimizer state is
+    flattened to one key per parameter (`param_groups.<fqn>.lr`, as torchtitan does):
+    nested, a param group is keyed by its index, and pipeline stages, each with its own
+    group 0, would overwrite each other's in the checkpoint."""
     options = _options(model)
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=options)}
@@ -44,12 +47,13 @@ def set_model_optim_state(model: nn.Module, optimizer: Optimizer | None,
                        optim_state_dict=state["optimizer"], options=options)
 
 
-def _options(model: nn.Module) -> StateDictOptions | None:
+def _options(model: nn.Module) -> StateDictOptions:
     if lora_settings_of(model) is None:
-        return None
+        return StateDictOptions(flatten_optimizer_state_dict=True)
     # Without strict, loading leaves the frozen parameters (absent from the state) alone;
     # the keys that are there were checked against the checkpoint (`check_model_fits`).
-    return StateDictOptions(ignore_frozen_params=True, strict=False)
+    return StateDictOptions(ignore_frozen_params=True, strict=False,
+                            flatten_optimizer_state_dict=True)
 
 
 def check_plain(value: Any, where: str) -> None:
