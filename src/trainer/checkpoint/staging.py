@@ -130,9 +130,11 @@ def _split(state: dict[str, Any], parameters: set[int]
                         and local.untyped_storage().data_ptr() in parameters)
         (later if is_parameter else now)["model"][name] = value
     if "optimizer" in state:
+        # Flattened (`STATE_DICT_OPTIONS`): "state.<fqn>.exp_avg", "param_groups.<fqn>.lr".
         optim = state["optimizer"]
-        later["optimizer"] = {"state": optim["state"]}
-        now["optimizer"] = {key: value for key, value in optim.items() if key != "state"}
+        is_state = {key: key == "state" or key.startswith("state.") for key in optim}
+        later["optimizer"] = {key: value for key, value in optim.items() if is_state[key]}
+        now["optimizer"] = {key: value for key, value in optim.items() if not is_state[key]}
     return now, later
 
 
