@@ -22,6 +22,9 @@ import torch
 
 _MARGIN = 1 << 20  # DCP's .metadata, pickled non-tensor values, file headers
 _PER_TENSOR = 3 << 10  # DCP's bytes per tensor beyond its data (measured 2.4-2.7 KiB)
+# DCP's bytes per other value (pickled, with its own record): the flattened optimizer state
+# holds each parameter's group settings apart (`param_groups.<fqn>.lr`, ...).
+_PER_VALUE = 1 << 10
 _TORCH_DISK_FULL = ("unexpected pos", "file write failed", "No space left")
 
 
@@ -43,8 +46,8 @@ def disk_full_message(directory: Path, needed: int, free: int) -> str:
 
 def needed_bytes(state: Mapping[str, Any], rank_state_bytes: int, world_size: int) -> int:
     """What a save writes in all: each tensor of `state` (DCP's model and optimizer state,
-    DTensors at their global size) once with DCP's bytes per tensor, plus `world_size` rank
-    files and a margin."""
+    DTensors at their global size) once with DCP's bytes per tensor, each other value with
+    DCP's bytes per value, plus `world_size` rank files and a margin."""
     total = 0
     stack: list[Any] = [state]
     while stack:
@@ -56,6 +59,8 @@ def needed_bytes(state: Mapping[str, Any], rank_state_bytes: int, world_size: in
             stack.extend(value.values())
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
+        else:
+            total += _PER_VALUE
     return total + rank_state_bytes * world_size + _MARGIN
 
 

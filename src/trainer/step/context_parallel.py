@@ -45,12 +45,14 @@ class ContextParallelStep:
         group = self.cp.as_process_group()
         sliced = [{k: shard_sequence(v, group) for k, v in pre_shifted(b, self.pad_idx).items()}
                   for b in batches]
-        loss, count, normalised = self.inner(sliced, step_nr)
-        assert not normalised, "a context-parallel step cannot start backward from the mean"
-        sums = torch.stack([loss.float(), torch.as_tensor(count, device=loss.device).float()])
+        local = self.inner(sliced, step_nr)
+        assert not local.normalised, "a context-parallel step cannot start from the mean"
+        sums = torch.stack([local.loss.float(),
+                            torch.as_tensor(local.num_targets, device=local.loss.device).float()])
         self.cp.all_reduce(sums, ReduceOperation.SUM)
         self._sum_gradients()
-        return StepGradients(sums[0], sums[1].round().long(), False)
+        # The unit's own counts (of this rank's slices) are still judged at the sync point.
+        return StepGradients(sums[0], sums[1].round().long(), False, local.tensor_counts)
 
     @torch.no_grad()
     def _sum_gradients(self) -> None:
