@@ -1,21 +1,24 @@
 """`gangs.pp_size` and `gangs.cp_size` in the LM recipe: the same command on PP2 (stages,
 pipeline validation, a checkpoint) and on CP2 (each rank half of every window) publishes
-the one-process train and valid losses; settings they cannot take are refused by name."""
+the one-process train and valid losses; a PP2 run SIGKILLed and resumed ends bit for bit
+where one never stopped; settings they cannot take are refused by name."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 ARGS = ["--preset", "tiny", "--no-resume", "--set", "trainer.progress=false",
-        "--set", "trainer.max_num_steps=20", "--set", "trainer.validate_every_n_steps=10",
-        "--set", "trainer.checkpoint_every_n_steps=20", "--set", "trainer.num_accumulate=2",
+        "--set", "trainer.max_num_steps=20", "--set", "trainer.validate_every_n_steps=5",
+        "--set", "trainer.checkpoint_every_n_steps=5", "--set", "trainer.num_accumulate=2",
         "--set", "trainer.publish_metrics_every_n_steps=5",
         "--set", "model.tie_embeddings=false", "--set", "gangs.timeout_s=60"]
 
@@ -44,15 +47,53 @@ def one_process(tmp_path_factory):
     return losses(out)
 
 
-@pytest.mark.parametrize("axis", ["pp_size", "cp_size"])
-def test_pp2_and_cp2_recipe_give_the_losses_of_one_process(tmp_path, one_process, axis):
-    proc = run(tmp_path, 2, "--set", f"gangs.{axis}=2")
+def pp2_command(out: Path) -> list[str]:
+    """The PP2 command, resuming (the kill test runs it again and again)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node=2", "-m", "recipes.lm", str(out),
+            *[a for a in ARGS if a != "--no-resume"], "--set", "gangs.pp_size=2"]
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp2")
+    proc = subprocess.run(pp2_command(out), capture_output=True, text=True, timeout=300,
+                          env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = losses(tmp_path)
-    assert len(got["train"]) == 4 and len(got["valid"]) == 2
+    return out
+
+
+def assert_same_losses(out: Path, one_process: dict[str, list[float]]) -> None:
+    got = losses(out)
+    assert len(got["train"]) == 4 and len(got["valid"]) == 4
     for section in ("train", "valid"):
         assert got[section] == pytest.approx(one_process[section], rel=1e-5), section
-    assert (tmp_path / "checkpoints" / "step_20").is_dir()
+    assert (out / "checkpoints" / "step_20").is_dir()
+
+
+def test_pp2_recipe_gives_the_losses_of_one_process(pp2, one_process):
+    assert_same_losses(pp2, one_process)
+
+
+def test_cp2_recipe_gives_the_losses_of_one_process(tmp_path, one_process):
+    proc = run(tmp_path, 2, "--set", "gangs.cp_size=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_losses(tmp_path, one_process)
+
+
+def test_killed_pp2_run_resumes_bit_for_bit(pp2, tmp_path):
+    """The PP2 command SIGKILLed twice (once mid-save), then run to its end: the model and
+    optimizer state of the PP2 run never stopped, bit for bit."""
+    killed = tmp_path / "killed"
+    hits = kill_repeatedly(pp2_command(killed), killed / "checkpoints", 2, random.Random(1),
+                           final_step=20, env=ENV)
+    assert hits >= 1
+    proc = subprocess.run(pp2_command(killed), capture_output=True, text=True, timeout=300,
+                          env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_state(checkpoint_state(pp2 / "checkpoints/step_20"),
+                      checkpoint_state(killed / "checkpoints/step_20"))
+    assert losses(killed)["valid"][-1] == losses(pp2)["valid"][-1]
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -70,3 +111,4 @@ def test_settings_pp_and_cp_cannot_take_are_refused_by_name(settings, message):
 
     with pytest.raises(UserError, match=message.replace("(", "\\(")):
         check_pp_cp_config(LMConfig.model_validate(settings))
+
