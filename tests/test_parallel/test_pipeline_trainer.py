@@ -164,3 +164,30 @@ def test_pp2_checkpoint_resumes_on_pp2_x_dp2_then_on_one_process(tmp_path):
     assert_close_curves(curve, ref_curve, range(21, STEPS + 1))
     for name, value in params.items():
         torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5)
+
+
+def test_layouts_the_trainer_cannot_run_are_refused_by_name(tmp_path):
+    from gangs import FakeGang
+
+    gangs = setup_gangs(FakeGang(0, 2), pp_size=2)
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="pp_size 2 need a pipelined unit"):
+        Trainer(CausalLMUnit(model), Reader(0, 1), optimizer, gangs=gangs,
+                output_dir=tmp_path, progress=False)
+
+    class Pipe:  # what the check reads of a pipelined unit
+        num_microbatches = 4
+
+    class Unit(CausalLMUnit):
+        pipeline = Pipe()
+
+        def batch_parts(self, batch):
+            raise AssertionError("not reached")
+
+    with pytest.raises(ValueError, match="num_accumulate 2 must equal the pipeline schedule's"):
+        Trainer(Unit(model), Reader(0, 1), optimizer, gangs=gangs, output_dir=tmp_path,
+                num_accumulate=2, progress=False)
+    with pytest.raises(ValueError, match="is pipelined, but the gangs have pp_size 1"):
+        Trainer(Unit(model), Reader(0, 1), optimizer, gangs=setup_gangs(FakeGang()),
+                output_dir=tmp_path, num_accumulate=4, progress=False)
