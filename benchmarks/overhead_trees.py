@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RATIO = re.compile(r"overhead (\w+) \(.*?\), AdamW (\w+): .* ratio (\d+\.\d+) \(target <= [\d.]+; "
-                   r"95% interval (?:(\d+\.\d+)-(\d+\.\d+)|too few)")
+                   r"95% interval:? (?:(\d+\.\d+)-(\d+\.\d+)|too few)")
 
 
 def run_overhead(tree: Path, options: list[str]) -> dict[str, tuple[float, float, float]]:
