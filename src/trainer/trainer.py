@@ -235,6 +235,7 @@ class Trainer(Generic[BatchT]):
             self.optimizer_step.after_step = partial(self.callbacks.on_after_optimizer_step,
                                                      self)
         self._epoch_open: int | None = None  # the epoch whose on_epoch_start has run
+        self._step_start_event = self.callbacks.has("on_step_start")
         self._profiler: StepProfiler | None = None  # built in run(), from the resumed step
 
         # Forward and backward over a step's micro-batches, each in turn (a pipeline schedule
@@ -340,7 +341,7 @@ class Trainer(Generic[BatchT]):
                 self._epoch_open = self.data.window_epoch
                 self.callbacks.on_epoch_start(self, self._epoch_open)
             self.state.step_nr += 1
-            if self.callbacks.has("on_step_start"):
+            if self._step_start_event:
                 self.callbacks.on_step_start(self, batches)
             self._train_step(batches)
             self.recorder.advance(self.state.step_nr)
@@ -381,11 +382,15 @@ class Trainer(Generic[BatchT]):
         or skip (`optimizer_step`); the step's values are logged, read at the next sync."""
         step_nr = self.state.step_nr
         self.unit.set_step_nr(step_nr)
-        counted: list[Any] = []  # the first step's FLOPs, per local target (`flops`)
-        with self.flops.counting(counted):
+        if self.flops.pending:  # the first step: its FLOPs counted, per local target
+            counted: list[Any] = []
+            with self.flops.counting(counted):
+                loss, local_count, normalised, tensor_counts = self.forward_backward(
+                    batches, step_nr)
+                counted.append(local_count)
+        else:
             loss, local_count, normalised, tensor_counts = self.forward_backward(batches,
                                                                                  step_nr)
-            counted.append(local_count)
         if self._has_expert_params:
             reduce_expert_gradients(self.unit.model, self.gangs)
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)

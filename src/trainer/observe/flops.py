@@ -33,17 +33,17 @@ class FirstStepFlops:
 
     def __init__(self, stated: float | None, enabled: bool = True) -> None:
         self._flops_per_target = stated
-        self._pending = stated is None and enabled
+        self.pending = stated is None and enabled  # the count is still to take
         self._counted: tuple[float, Tensor | int] | None = None  # (FLOPs, local targets)
 
     @contextlib.contextmanager
     def counting(self, result: list[Any]) -> Iterator[None]:
         """Count the FLOPs of what runs inside, the first time; the caller appends the
         local target count of that work to `result`."""
-        if not self._pending:
+        if not self.pending:
             yield
             return
-        self._pending = False
+        self.pending = False
         counter = FlopCounterMode(display=False)
         with counter:
             yield
