@@ -3,7 +3,9 @@
 Read it top to bottom: `run` resumes and loops; one step (`_train_step`) draws its
 micro-batches, runs forward and backward over them (`forward_backward`, a component a
 pipeline schedule can replace), and hands the gradients to the one optimizer-step path (normalise, unscale, clip, step or skip); every few steps all ranks meet
-at a sync point (`_post_step`) to publish metrics, validate, checkpoint and agree to stop.
+at a sync point (`_post_step`) to publish metrics, validate, checkpoint and agree to stop;
+so they do at the end of each epoch (`_end_epoch`: the epoch schedules). Callback events
+are called at each of these points (`trainer.observe.callbacks`, the order documented).
 
 The Trainer owns the run's state, kept by components that each save their own
 (`state_dict`/`load_state_dict`) and are handed to the checkpoint manager by name:
