@@ -8,7 +8,8 @@ A recipe module ends with::
 and is run as::
 
     python -m recipes.NAME OUTPUT_DIR [--preset NAME] [--config-file F.yaml ...]
-        [--set a.b=value ...] [--resume/--no-resume] [--overwrite] [--dump-config]
+        [--set a.b=value ...] [--resume/--no-resume] [--resume-from best|last|step_N|PATH]
+        [--overwrite] [--dump-config]
         [--list-presets] [--eval-only [--checkpoint best|last|step_N]] [--trust-run-config]
 
 ``--eval-only`` calls the recipe's ``eval_main(config, output_dir, checkpoint)`` instead of
@@ -191,6 +192,13 @@ def _train(config: BaseModel, args: argparse.Namespace, output_dir: Path, rank0:
         reason = err.strerror or str(err)
         return _fail(f"output directory '{args.output_dir}' is not writable: {reason}")
 
+    if args.resume_from is not None:  # after config.yaml: a restarted command continues
+        trainer = getattr(config, "trainer", None)
+        if not hasattr(trainer, "resume_from"):
+            return _fail("--resume-from: this recipe's config has no trainer settings")
+        if not args.resume or args.overwrite:
+            return _fail("--resume-from resumes: it cannot go with --no-resume or --overwrite")
+        trainer.resume_from = args.resume_from
     try:
         code = main(config, output_dir, args.resume and not args.overwrite)
     except (UserError, CheckpointError) as err:  # a failed save (a full disk) says why
@@ -272,6 +280,12 @@ def _make_parser(
         help="resume from the checkpoints in OUTPUT_DIR, if any (default: on)",
     )
     parser.add_argument(
+        "--resume-from", metavar="best|last|step_N|PATH", default=None,
+        help="resume from this checkpoint of OUTPUT_DIR (or a step directory's PATH) instead "
+        "of the newest; later checkpoints of OUTPUT_DIR are deleted. For this command "
+        "only: not written to config.yaml",
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="start over, deleting the previous run's checkpoints, metrics and TensorBoard "
@@ -333,6 +347,10 @@ def _print_presets(presets: Mapping[str, Mapping[str, Any]], default_preset: str
 
 
 def _fail(message: str) -> int:
+    # Under torchrun every rank fails alike (the config is the same, and the trainer agrees
+    # its errors over the ranks): rank 0 alone says so, rather than N interleaved copies.
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _EXIT_USER_ERROR
     # Every line gets the prefix so a multi-line message (several config errors) reads right.
     for line in message.splitlines() or [""]:
         print(f"error: {line}", file=sys.stderr)

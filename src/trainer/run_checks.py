@@ -27,18 +27,20 @@ from trainer.validator import Validator
 def check_run(settings: TrainerSettings, validator: Validator, early_stopper: Any,
               model: nn.Module, dp_size: int) -> None:
     """Keep-best and early stopping need validation with a score; DP needs a wrapped model."""
-    validates = bool(validator) and (settings.validate_every_n_steps is not None
-                                     or settings.validate_at_end)
+    scheduled = (settings.validate_every_n_steps is not None
+                 or settings.validate_every_n_epochs is not None)
+    validates = bool(validator) and (scheduled or settings.validate_at_end)
     for name, value in (("keep_best_n_checkpoints", settings.keep_best_n_checkpoints),
-                        ("early_stopper", early_stopper)):
+                        ("early_stopper", early_stopper),
+                        ("load_best_model_at_end", settings.load_best_model_at_end or None)):
         if value is None:
             continue
         if not validates:
             raise ValueError(f"{name} needs validation: give valid_units and "
-                             "valid_data_readers and set validate_every_n_steps")
+                             "valid_data_readers and set validate_every_n_steps (or _epochs)")
         if settings.score_metric is None:
             raise ValueError(f"{name} needs a score_metric (e.g. 'valid/loss')")
-    if settings.validate_every_n_steps is not None or settings.validate_at_start:
+    if scheduled or settings.validate_at_start:
         check_readers_repeat(validator)
     if settings.dtype != "fp32" and not settings.amp and any(
             p.dtype == torch.float32 for p in model.parameters()):

@@ -6,6 +6,9 @@
       checkpoints/step_N/      the checkpoints (`trainer.checkpoint`); a HF model's keep its
                                config and tokenizer in step_N/hf/
       checkpoints/best_model.safetensors   the best one's weights at the end of a run
+      checkpoints/last, best   the newest and best step: symlinks where the file system
+                               has them, else text files naming the step directory
+      models/step_N/           model-only saves: model.safetensors, or a HF model's files
       metrics/<section>.jsonl  the metrics (`trainer.observe.recorders`)
       tb/, wandb/              TensorBoard and W&B files
       hf/                      the best checkpoint as a HF model directory (HF models)
@@ -31,6 +34,8 @@ BEST_MODEL = "best_model.safetensors"
 """The best checkpoint's weights, under `checkpoints/`."""
 ADAPTER_DIR = "adapter"
 """The best checkpoint's LoRA adapters in peft's format, beside `hf/`."""
+MODEL_FILE = "model.safetensors"
+"""A model-only save's weights: `models/step_N/model.safetensors`."""
 HF_FILES = "hf"
 """The subdirectory of a step directory that holds a HF model's config and tokenizer."""
 
@@ -58,6 +63,11 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def models(self) -> Path:
+        """The model-only saves (`model_checkpoint_every_n_steps`)."""
+        return self.path / "models"
 
     @property
     def metrics(self) -> Path:
@@ -104,5 +114,5 @@ class RunDir:
     def of_a_run(self) -> tuple[Path, ...]:
         """What a run leaves that another run starting over here would mix with its own
         (deleted by `--overwrite`)."""
-        return (self.checkpoints, self.metrics, self.tensorboard, self.wandb,
+        return (self.checkpoints, self.models, self.metrics, self.tensorboard, self.wandb,
                 self.config_history)

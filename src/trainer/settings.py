@@ -10,11 +10,11 @@ crashed at run time instead).
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from trainer.hints import did_you_mean
 from trainer.observe.profiler import ProfilerConfig
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -104,20 +104,57 @@ class TrainerSettings(BaseModel):
     wandb_project: str | None = Field(None, description=(
         "Also record to Weights & Biases under this project (pip install gangtrain[wandb]; "
         "WANDB_MODE=offline works)."))
+    # -- epoch schedules, validation size, checkpoint policies, resume point -------------
+    validate_every_n_epochs: int | None = Field(None, ge=1, description=(
+        "Run the valid units at the end of every this many epochs (passes over the data "
+        "reader); exclusive with validate_every_n_steps."))
+    checkpoint_every_n_epochs: int | None = Field(None, ge=1, description=(
+        "Save a checkpoint at the end of every this many epochs (and at the end); "
+        "exclusive with checkpoint_every_n_steps."))
+    max_num_valid_batches: int | None = Field(None, ge=1, description=(
+        "Read at most this many batches from each valid data reader at each validation "
+        "(on each DP rank). None: the whole reader."))
+    load_best_model_at_end: bool = Field(False, description=(
+        "After run(), the model holds the weights of the best-scoring checkpoint (bitwise), "
+        "not the last step's; needs checkpoints and a score_metric."))
+    model_checkpoint_every_n_steps: int | None = Field(None, ge=1, description=(
+        "Also save the model's weights alone every this many steps (and at the end) under "
+        "OUTPUT_DIR/models/step_N/: model.safetensors, or a HF model's directory. They are "
+        "for inference and evaluation, not for resuming."))
+    keep_last_n_model_checkpoints: int | None = Field(None, ge=1, description=(
+        "Retention of the model-only saves: keep the newest N. None: keep all."))
+    resume_from: str | None = Field(None, description=(
+        "Which checkpoint a resume starts from: 'last' (the newest complete one, what None "
+        "does), 'best', 'step_N', or a step directory's path (another run's included). The "
+        "data position and RNG come with it; on the command line --resume-from."))
 
     @model_validator(mode="after")
     def _check_checkpoint_needs(self) -> TrainerSettings:
-        if self.checkpoint_every_n_steps is None:
-            for name in ("keep_last_n_checkpoints", "keep_best_n_checkpoints"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} needs checkpoint_every_n_steps")
+        for what in ("validate", "checkpoint"):  # one schedule each, never both
+            if (getattr(self, f"{what}_every_n_steps") is not None
+                    and getattr(self, f"{what}_every_n_epochs") is not None):
+                raise ValueError(f"{what}_every_n_steps and {what}_every_n_epochs are "
+                                 "exclusive: give one of them")
+        if (self.keep_last_n_model_checkpoints is not None
+                and self.model_checkpoint_every_n_steps is None):
+            raise ValueError("keep_last_n_model_checkpoints needs model_checkpoint_every_n_steps")
+        schedule = ("checkpoint_every_n_steps" if self.checkpoint_every_n_steps is not None
+                    else "checkpoint_every_n_epochs")
+        if self.checkpoint_every_n_steps is None and self.checkpoint_every_n_epochs is None:
+            for name in ("keep_last_n_checkpoints", "keep_best_n_checkpoints",
+                         "load_best_model_at_end"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(f"{name} needs checkpoint_every_n_steps (or _epochs)")
             return self
-        every, validate = self.checkpoint_every_n_steps, self.validate_every_n_steps
+        if self.load_best_model_at_end and self.score_metric is None:
+            raise ValueError("load_best_model_at_end needs a score_metric (e.g. 'valid/loss')")
+        every = getattr(self, schedule)
+        validate_name = schedule.replace("checkpoint", "validate")
+        validate = getattr(self, validate_name)
         if self.keep_best_n_checkpoints and (validate is None or every % validate != 0):
             raise ValueError(
                 "keep_best_n_checkpoints needs every checkpoint step to be a validated step: "
-                f"checkpoint_every_n_steps ({every}) must be a multiple of "
-                f"validate_every_n_steps ({validate})"
+                f"{schedule} ({every}) must be a multiple of {validate_name} ({validate})"
             )
         return self
 
@@ -128,8 +165,8 @@ def validate_settings(settings: dict[str, Any], model: type[TrainerSettings] = T
     `TypeError` for an unknown keyword (with the closest known one), else a `ValueError`."""
     unknown = [key for key in settings if key not in model.model_fields]
     if unknown:
-        close = difflib.get_close_matches(unknown[0], model.model_fields, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        close = did_you_mean(unknown[0], list(model.model_fields))
+        hint = f"; did you mean '{close}'?" if close else ""
         raise TypeError(f"Trainer got an unexpected keyword argument '{unknown[0]}'{hint}")
     try:
         return model(**settings)

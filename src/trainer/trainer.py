@@ -3,12 +3,15 @@
 Read it top to bottom: `run` resumes and loops; one step (`_train_step`) draws its
 micro-batches, runs forward and backward over them (`forward_backward`, a component a
 pipeline schedule can replace), and hands the gradients to the one optimizer-step path (normalise, unscale, clip, step or skip); every few steps all ranks meet
-at a sync point (`_post_step`) to publish metrics, validate, checkpoint and agree to stop.
+at a sync point (`_post_step`) to publish metrics, validate, checkpoint and agree to stop;
+so they do at the end of each epoch (`_end_epoch`: the epoch schedules). Callback events
+are called at each of these points (`trainer.observe.callbacks`, the order documented).
 
 The Trainer owns the run's state, kept by components that each save their own
 (`state_dict`/`load_state_dict`) and are handed to the checkpoint manager by name:
 `TrainState` (its counters), `DataPosition`, `StepLog`, `MetricBag`, `RngState`, the LR
-scheduler, the loss scaler and a built-in early stopper.
+scheduler, the loss scaler, a built-in early stopper, and the state users add (stateful
+callbacks and objects, `ExtensionStates`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Generic, Never
 
@@ -29,6 +33,8 @@ from gangs import Gangs, any_rank, first_error, on_rank0
 from parallel import reduce_expert_gradients
 from parallel.context import whole_sequences
 from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.model_saves import ModelSaves
+from trainer.checkpoint.resume_point import resume_point
 from trainer.checkpoint.run_config import warn_if_changed
 from trainer.default_gangs import default_gangs
 from trainer.early_stoppers import EarlyStopper
@@ -40,6 +46,7 @@ from trainer.lifecycle.run_lock import RunLock, hold_run_lock
 from trainer.lifecycle.stop_signal import StopSignal
 from trainer.observe.callbacks import Callback, CallbackList
 from trainer.observe.console_log import show_on_console
+from trainer.observe.flops import FirstStepFlops
 from trainer.observe.profiler import ProfilerConfig, StepProfiler
 from trainer.observe.recorders import MetricRecorder, training_recorder
 from trainer.observe.system_metrics import SystemMetrics, flops_per_target_of
@@ -50,6 +57,7 @@ from trainer.same_start import check_same_start
 from trainer.score_direction import score_direction
 from trainer.settings import Precision, TrainerSettings, settings_doc, validate_settings
 from trainer.state.data_position import DataPosition
+from trainer.state.extensions import ExtensionStates
 from trainer.state.seeding import RngState
 from trainer.state.train_state import TrainState
 from trainer.step import gradients
@@ -90,7 +98,10 @@ class Trainer(Generic[BatchT]):
             may rank for best); see `trainer.early_stoppers` for the built-ins.
         recorders: where metrics go (rank 0); a list replaces the defaults (JSONL,
             TensorBoard, the console, W&B when `wandb_project` is set).
-        callbacks: `Callback`s, called on every rank at the run's events.
+        callbacks: `Callback`s, called on every rank at the run's events; one with
+            `state_dict`/`load_state_dict` is checkpointed as `callback.<state_key or class>`.
+        stateful: other objects with `state_dict`/`load_state_dict` (a curriculum, a
+            counter), saved with every checkpoint under their name and restored on resume.
         resume: continue from the newest complete checkpoint in `output_dir`, if any.
             Starting over (False) where another run left checkpoints or metrics is refused.
         overwrite: start over, deleting another run's checkpoints, metrics and TensorBoard
@@ -116,6 +127,7 @@ class Trainer(Generic[BatchT]):
         early_stopper: EarlyStopper | None = None,
         recorders: Sequence[MetricRecorder] | None = None,
         callbacks: Sequence[Callback] = (),
+        stateful: Mapping[str, Any] | None = None,
         resume: bool = True,
         overwrite: bool = False,
         run_config: Mapping[str, Any] | None = None,
@@ -147,6 +159,13 @@ class Trainer(Generic[BatchT]):
         publish_metrics_every_n_steps: int = 10,
         progress: bool = True,
         wandb_project: str | None = None,
+        validate_every_n_epochs: int | None = None,
+        checkpoint_every_n_epochs: int | None = None,
+        max_num_valid_batches: int | None = None,
+        load_best_model_at_end: bool = False,
+        model_checkpoint_every_n_steps: int | None = None,
+        keep_last_n_model_checkpoints: int | None = None,
+        resume_from: str | None = None,
         **unknown: Never,  # a misspelt setting: refused, naming the closest one
     ) -> None:
         arguments = locals()  # the first statement: the arguments alone
@@ -161,10 +180,14 @@ class Trainer(Generic[BatchT]):
         self.device = self.gangs.device
         self.early_stopper = early_stopper
         self.callbacks = CallbackList(callbacks)
+        self.extensions = ExtensionStates(self.callbacks.states, stateful)
+        if s.resume_from is not None and not resume:
+            raise ValueError("resume_from needs resume=True (it names where to resume from)")
         self.resume = resume
         self.run_config = (dict(run_config) if run_config is not None
                            else {"trainer": s.model_dump(mode="json")})
-        self.validator = Validator(valid_units, valid_data_readers, self.gangs, s.score_metric)
+        self.validator = Validator(valid_units, valid_data_readers, self.gangs, s.score_metric,
+                                   max_num_batches=s.max_num_valid_batches)
         check_layout(unit, self.gangs, num_accumulate=s.num_accumulate, dtype=s.dtype,
                      valid_units=valid_units)  # the pp and cp gangs' needs
         # A pipeline's stages are not wrapped for DP: its seam averages their gradients.
@@ -202,12 +225,25 @@ class Trainer(Generic[BatchT]):
             lower_better=self.lower_better, async_save=s.async_checkpoint, config=self.run_config,
             on_commit=lambda step_nr, path: self.callbacks.on_checkpoint_saved(self, step_nr,
                                                                                path),
-        ) if s.checkpoint_every_n_steps is not None else None
+        ) if s.checkpoint_every_n_steps or s.checkpoint_every_n_epochs else None
+        self.model_saves = ModelSaves(RunDir(self.output_dir).models, self.gangs,
+                                      s.keep_last_n_model_checkpoints
+                                      ) if s.model_checkpoint_every_n_steps else None
         self.recorder = training_recorder(
             self.gangs.root.rank, recorders, self.output_dir, s.max_num_steps, s.progress,
             s.wandb_project)
         self.system = SystemMetrics(self.device, s.dtype, self.gangs.root.size,
                                     flops_per_target_of(unit))
+        self.flops = FirstStepFlops(self.system.flops_per_target, enabled=not s.compile_model)
+        # The events around the optimizer step, wired only where a callback has them.
+        if self.callbacks.has("on_before_optimizer_step"):
+            self.optimizer_step.before_step = partial(self.callbacks.on_before_optimizer_step,
+                                                      self)
+        if self.callbacks.has("on_after_optimizer_step"):
+            self.optimizer_step.after_step = partial(self.callbacks.on_after_optimizer_step,
+                                                     self)
+        self._epoch_open: int | None = None  # the epoch whose on_epoch_start has run
+        self._step_start_event = self.callbacks.has("on_step_start")
         self._profiler: StepProfiler | None = None  # built in run(), from the resumed step
 
         # Forward and backward over a step's micro-batches: each in turn, or a pipeline
@@ -237,6 +273,7 @@ class Trainer(Generic[BatchT]):
         optional = {"lr_scheduler": self.lr_scheduler, "loss_scaler": self.scaler,
                     "early_stopper": self.early_stopper}  # a plain callable keeps no state
         states.update((name, c) for name, c in optional.items() if hasattr(c, "state_dict"))
+        states.update(self.extensions.components)  # stateful callbacks, user objects
         return states
 
     # -- the run -------------------------------------------------------------------------
@@ -281,7 +318,8 @@ class Trainer(Generic[BatchT]):
         s = self.settings
         # Publish, validation and checkpoint steps are all multiples of this.
         sync_every = math.gcd(s.publish_metrics_every_n_steps, s.validate_every_n_steps or 0,
-                              s.checkpoint_every_n_steps or 0)
+                              s.checkpoint_every_n_steps or 0,
+                              s.model_checkpoint_every_n_steps or 0)
         if self.state.early_stopped_at is not None:
             if self.early_stopper is not None:
                 log.warning("the run early-stopped at step %d: nothing to do (to train on, "
@@ -298,22 +336,52 @@ class Trainer(Generic[BatchT]):
                 reason = "max_num_steps"
                 break
             batches = self.system.data_wait.timed(self.data.next_window, s.num_accumulate)
+            if not batches and self.data.at_boundary:  # the last step ended an epoch
+                stop_reason = self._end_epoch(self.data.epoch_nr - 1, stop)
+                if stop_reason is not None:
+                    reason = stop_reason
+                    break
+                continue
             if not batches:  # on every rank at the same step
                 reason = self.data.stop_reason
                 break
+            if self.data.window_epoch != self._epoch_open:
+                self._epoch_open = self.data.window_epoch
+                self.callbacks.on_epoch_start(self, self._epoch_open)
             self.state.step_nr += 1
+            if self._step_start_event:
+                self.callbacks.on_step_start(self, batches)
             self._train_step(batches)
             self.recorder.advance(self.state.step_nr)
             if self._profiler is not None:
                 self._profiler.step()
             self.callbacks.on_step_end(self)
-            if self.state.step_nr % sync_every == 0:
-                stop_reason = self._post_step(stop)
-                if stop_reason is not None:
-                    reason = stop_reason
-                    break
+            stop_reason = (self._post_step(stop) if self.state.step_nr % sync_every == 0
+                           else None)
+            if stop_reason is None and self.data.window_closes_epoch:
+                stop_reason = self._end_epoch(self.data.window_epoch, stop)
+            if stop_reason is not None:
+                reason = stop_reason
+                break
         self._finish(reason)
         return reason
+
+    def _end_epoch(self, epoch: int, stop: StopSignal) -> str | None:
+        """The epoch schedules at the end of pass `epoch` (0 for the first), then its
+        event; the reason to stop, if any."""
+        s, done = self.settings, epoch + 1
+        validate = bool(self.validator) and _due(done, s.validate_every_n_epochs)
+        save = self.checkpoints is not None and _due(done, s.checkpoint_every_n_epochs)
+        if validate and self.state.validated_step != self.state.step_nr and self._validate():
+            return "early_stop"
+        if save and self.state.step_nr > (self.state.last_saved_step or 0):
+            self._save()
+        self._epoch_open = None
+        self.callbacks.on_epoch_end(self, epoch)
+        if (validate or save) and any_rank(self.gangs.root, stop.requested):
+            log.warning("stop signal: stopping at step %d", self.state.step_nr)
+            return "signal"
+        return None
 
     # -- one step ------------------------------------------------------------------------
     def _train_step(self, batches: list[BatchT]) -> None:
@@ -322,7 +390,15 @@ class Trainer(Generic[BatchT]):
         or skip (`optimizer_step`); the step's values are logged, read at the next sync."""
         step_nr = self.state.step_nr
         self.unit.set_step_nr(step_nr)
-        loss, local_count, normalised, tensor_counts = self.forward_backward(batches, step_nr)
+        if self.flops.pending:  # the first step: its FLOPs counted, per local target
+            counted: list[Any] = []
+            with self.flops.counting(counted):
+                loss, local_count, normalised, tensor_counts = self.forward_backward(
+                    batches, step_nr)
+                counted.append(local_count)
+        else:
+            loss, local_count, normalised, tensor_counts = self.forward_backward(batches,
+                                                                                 step_nr)
         if self._has_expert_params:
             reduce_expert_gradients(self.unit.model, self.gangs)
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
@@ -339,14 +415,18 @@ class Trainer(Generic[BatchT]):
         publish = step_nr % s.publish_metrics_every_n_steps == 0
         validate = _due(step_nr, s.validate_every_n_steps) and bool(self.validator)
         save = _due(step_nr, s.checkpoint_every_n_steps) and self.checkpoints is not None
+        save_model = _due(step_nr, s.model_checkpoint_every_n_steps)
         if publish:
             self._publish()
         if validate and self._validate():
             return "early_stop"
         if save:
             self._save()
+        if save_model:
+            self._save_model()
         # Every rank met here (a collective ran): a stop signal can be agreed.
-        if (publish or validate or save) and any_rank(self.gangs.root, stop.requested):
+        if (publish or validate or save or save_model) and any_rank(self.gangs.root,
+                                                                    stop.requested):
             log.warning("stop signal: stopping at step %d", step_nr)
             return "signal"
         return None
@@ -357,6 +437,7 @@ class Trainer(Generic[BatchT]):
         values = window.metrics(self.metrics, self.gangs.dp)
         self.unit.derive_metrics(values)
         values["num_skipped_steps"] = self.steps.total_skipped
+        self.system.flops_per_target = self.flops.flops_per_target  # counted on step 1
         values.update(self.system.publish(self.optimizer, window.num_steps,
                                           values.get("num_targets", 0.0)))
         values["epoch"] = self.data.epoch_nr
@@ -375,6 +456,7 @@ class Trainer(Generic[BatchT]):
         self.recorder.flush()  # the train records so far, on disk while validation runs
         step_nr = self.state.step_nr
         self.state.validated_step = step_nr
+        self.callbacks.on_validation_start(self)
         # Under context parallelism every cp rank scores whole sequences (`whole_sequences`).
         whole = (whole_sequences(self.unit.model) if self.gangs.cp.size > 1
                  else contextlib.nullcontext())
@@ -418,15 +500,32 @@ class Trainer(Generic[BatchT]):
         self.state.last_saved_step = step_nr
         self.steps.last_good_checkpoint = self.checkpoints.step_dir(step_nr)
 
+    def _save_model(self) -> None:
+        """The model's weights alone (`model_checkpoint_every_n_steps`), once finite."""
+        self.steps.check()
+        assert self.model_saves is not None
+        self.model_saves.save(self.state.step_nr, self.unit.model)
+
     def _resume(self) -> None:
-        """Continue from the newest complete checkpoint, if any; recorders forget the steps
-        after it (all of them when there is none)."""
-        step_nr = self.checkpoints.find_latest() if self.checkpoints is not None else None
+        """Continue from the newest complete checkpoint (or the one `resume_from` names),
+        if any; recorders forget the steps after it (all of them when there is none)."""
+        if self.settings.resume_from is not None and self.checkpoints is None:
+            raise UserError(f"resume_from={self.settings.resume_from!r} needs checkpoints: "
+                            "set checkpoint_every_n_steps (or _epochs)")
+        step_nr, step_dir = None, None
+        if self.checkpoints is not None:
+            step_nr, step_dir = resume_point(self.checkpoints, self.settings.resume_from)
         if step_nr is None:  # nothing to resume: start over cleanly
             self.recorder.rewind(0)
             return
         assert self.checkpoints is not None
-        loaded = self.checkpoints.load(step_nr, self.unit.model, self.optimizer, self._states())
+        own = {k: v for k, v in self._states().items()
+               if k not in self.extensions.components}
+        loaded = self.checkpoints.load(step_nr, self.unit.model, self.optimizer, own,
+                                       step_dir=step_dir)
+        self.extensions.load(loaded, step_nr)
+        if self.data.in_epoch:  # the epoch the run continues has had its start event
+            self._epoch_open = self.data.epoch_nr
         problem = first_error(self.gangs.root, self.data.resume_problem)
         if problem is not None:  # refused on every rank, before a step is taken
             raise UserError(f"cannot resume from step {step_nr}: {problem}")
@@ -436,7 +535,7 @@ class Trainer(Generic[BatchT]):
                 self.early_stopper(history_step, score)
         self.checkpoints.remember_scores(dict(self.state.score_history))
         self.state.last_saved_step = step_nr
-        path = self.checkpoints.step_dir(step_nr)
+        path = step_dir or self.checkpoints.step_dir(step_nr)
         self.steps.last_good_checkpoint = path
         self.recorder.rewind(step_nr)
         log.warning("resumed from %s (step %d)", path, step_nr)
@@ -453,6 +552,9 @@ class Trainer(Generic[BatchT]):
             validated = self.state.validated_step == step_nr
             if s.validate_at_end and self.validator and not validated and step_nr > 0:
                 self._validate(scheduled=False)
+        if self.model_saves is not None and step_nr > 0 and reason != "signal":
+            if self.model_saves.last_step != step_nr:
+                self._save_model()
         if self.checkpoints is not None:
             if step_nr > (self.state.last_saved_step or 0):
                 self._save(blocking=True)  # the final save: at the end and on a clean stop
@@ -460,6 +562,21 @@ class Trainer(Generic[BatchT]):
             if self.gangs.root.rank == 0 and self.checkpoints.best_step is not None:
                 # A HF model's best becomes OUTPUT_DIR/hf/; any other's best_model.safetensors.
                 export_best_model(self.checkpoints.dir, RunDir(self.output_dir).hf)
+            if s.load_best_model_at_end and reason != "signal":
+                self._load_best_model()
+
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: the best checkpoint's weights into the model (every
+        rank its part, resharded as needed); the optimizer and the run's state stay."""
+        assert self.checkpoints is not None
+        best = [self.checkpoints.best_step]
+        self.gangs.root.broadcast_objects(best)  # rank 0 judged the files
+        if best[0] is None:
+            log.warning("load_best_model_at_end: no checkpoint has a score; the model keeps "
+                        "the last step's weights")
+            return
+        self.checkpoints.load(best[0], self.unit.model, None)
+        log.warning("load_best_model_at_end: the model holds step %d's weights", best[0])
 
 
 Trainer.__doc__ = (Trainer.__doc__ or "") + "\n" + settings_doc() + "\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 import torch
@@ -23,7 +24,11 @@ class Validator:
         readers: Sequence[Iterable[Any]],
         gangs: Gangs,
         score_metric: str | None = None,
+        *,
+        max_num_batches: int | None = None,
     ) -> None:
+        """`max_num_batches`: read at most this many batches of each reader (per rank) at
+        each validation; None reads them whole."""
         if len(units) != len(readers):
             raise ValueError(
                 f"valid_units ({len(units)}) and valid_data_readers ({len(readers)}) "
@@ -36,6 +41,7 @@ class Validator:
         self.readers = list(readers)
         self.gangs = gangs
         self.score_metric = score_metric
+        self.max_num_batches = max_num_batches
         # Batches each reader gave at the last validation: one that gave some and then none
         # was spent (a one-shot iterator the construction check could not see).
         self._last_counts = [0] * len(self.units)
@@ -70,7 +76,7 @@ class Validator:
             count = 0
             try:
                 with torch.inference_mode():
-                    for batch in reader:
+                    for batch in islice(reader, self.max_num_batches):  # None: all
                         unit(to_device(batch, self.gangs.device), metrics)
                         count += 1
             finally:

@@ -5,6 +5,7 @@ import torch
 
 from gangs import FakeGang, setup_gangs
 from trainer.checkpoint import CheckpointManager, rank_by_score, steps_to_keep
+from trainer.checkpoint.directory import pointer_target
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -100,8 +101,8 @@ def test_manager_retention_end_to_end_and_after_restart(tmp_path):
     assert _dirs(tmp_path) == ["step_2", "step_4", "step_5", "step_6"]
     assert mgr.steps() == [2, 4, 5, 6]
     assert (mgr.last_step, mgr.best_step) == (6, 4)
-    assert (tmp_path / "last").read_text().strip() == "step_6"
-    assert (tmp_path / "best").read_text().strip() == "step_4"
+    assert pointer_target(tmp_path / "last") == "step_6"
+    assert pointer_target(tmp_path / "best") == "step_4"
     assert mgr.manifest(4)["score"] == 1.0
     mgr.close()
 
@@ -114,7 +115,7 @@ def test_manager_retention_end_to_end_and_after_restart(tmp_path):
     mgr.save(8, model, optim, {"step": 8})
     assert _dirs(tmp_path) == ["step_8"]
     assert mgr.manifest(8)["score"] == 0.5
-    assert (tmp_path / "best").read_text().strip() == "step_8"
+    assert pointer_target(tmp_path / "best") == "step_8"
     mgr.close()
 
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN_DIR_MODULE = ROOT / "src" / "trainer" / "run_dir.py"
 # A run directory's name as a string of its own or as a path's first part, and a step
 # directory's name (or a glob of them) being built.
-NAMES = re.compile(r"^(checkpoints|metrics|config_history|tb|hf|config\.yaml|failures|profile"
+NAMES = re.compile(r"^(checkpoints|models|metrics|config_history|tb|hf|config\.yaml|failures|profile"
                    r"|best_model\.safetensors)(/.*)?$|config_history|^step_\*?$")
 
 

@@ -46,7 +46,8 @@ def run_with_kills(out: Path, ranks: int, rng: random.Random, kills: int) -> int
 
 def records(out: Path, section: str) -> list[dict]:
     lines = (out / "metrics" / f"{section}.jsonl").read_text().splitlines()
-    timing = ("time", "steps_per_s", "targets_per_s", "memory_peak_gib", "data_wait_fraction")
+    timing = ("time", "steps_per_s", "targets_per_s", "memory_peak_gib", "data_wait_fraction",
+              "tflops_per_s", "mfu", "mfu_of_measured_matmul")
     return [{k: v for k, v in json.loads(s).items() if k not in timing} for s in lines]
 
 

@@ -6,7 +6,8 @@ Layout of the directory:
   step N;
 - `.tmp_step_N/`: a save being written, renamed to `step_N/` when committed;
 - `.trash_step_N/`: a checkpoint being deleted (renamed out of sight first);
-- `last`, `best`: pointer files naming a step directory.
+- `last`, `best`: the newest and the best step directory: relative symlinks where the file
+  system has them, else text files naming it (`pointer_target` reads either).
 
 Nothing here runs collectives: `CheckpointManager` decides which rank calls what (the
 methods that change the directory are rank 0's).
@@ -171,8 +172,17 @@ class CheckpointDir:
                 path.unlink(missing_ok=True)
                 continue
             tmp = self.path / f".{name}.tmp"
-            tmp.write_text(step_dir_name(step_nr) + "\n")
+            tmp.unlink(missing_ok=True)
+            try:  # a path tools can open (relative: the directory stays movable) ...
+                tmp.symlink_to(step_dir_name(step_nr), target_is_directory=True)
+            except OSError:  # ... else a text file naming the step directory
+                tmp.write_text(step_dir_name(step_nr) + "\n")
             os.replace(tmp, path)
+
+
+def pointer_target(path: Path) -> str:
+    """The step directory name a `last`/`best` pointer names, symlink or text file."""
+    return os.readlink(path) if path.is_symlink() else path.read_text().strip()
 
 
 def scores_of(manifests: dict[int, dict[str, Any]]) -> dict[int, float]:

@@ -56,6 +56,7 @@ from trainer.checkpoint.manifest import (
     new_manifest,
     rank_file,
     read_manifest,
+    verify,
     write_manifest,
 )
 from trainer.checkpoint.model_files import hf_model_of, write_model_files
@@ -307,7 +308,7 @@ class CheckpointManager:
 
     def load(
         self, step_nr: int, model: nn.Module, optimizer: Optimizer | None,
-        states: Mapping[str, Any] | None = None,
+        states: Mapping[str, Any] | None = None, *, step_dir: Path | None = None,
     ) -> dict[str, Any]:
         """Load step `step_nr` into `model` and `optimizer` in place (resharding through DCP
         if the layout changed) and return this rank's rank state (collective). Each
@@ -322,11 +323,14 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        step_dir = self._disk.step_dir(step_nr)
-        verdict = [self._disk.verify(step_nr) if self._rank == 0 else None]
+        own = step_dir is None  # else a step directory elsewhere (another run's)
+        step_dir = self._disk.step_dir(step_nr) if own else Path(step_dir)
+        verdict = [None if self._rank != 0 else
+                   self._disk.verify(step_nr) if own else verify(step_dir, step_nr)]
         self.gangs.root.broadcast_objects(verdict)  # checked before DCP unpickles .metadata
         if verdict[0] is not None:
-            self._disk.bad.add(step_nr)
+            if own:
+                self._disk.bad.add(step_nr)
             raise UserError(f"checkpoint {step_dir} cannot be loaded: {verdict[0]}")
         manifest = read_manifest(step_dir)
         assert manifest is not None  # verified above
@@ -359,6 +363,18 @@ class CheckpointManager:
         if manifest.get("world_size") != self._world or manifest.get("gangs") != layout:
             rank_state["resharded"] = True
         return rank_state
+
+    def drop_after(self, step_nr: int) -> None:
+        """Delete the checkpoints after `step_nr` (collective; rank 0 deletes): a run that
+        continues from `step_nr` abandons them (`resume_point`)."""
+        def drop() -> None:
+            for later in [s for s in self.steps() if s > step_nr]:
+                log.warning("resuming from step %d: deleting the later checkpoint %s",
+                            step_nr, self._disk.step_dir(later))
+                self._disk.delete(later)
+            self.write_pointers()
+
+        self._on_rank0(f"deleting the checkpoints after step {step_nr}", drop)
 
     # --- reading the directory (local) ---------------------------------------------------
 

@@ -3,6 +3,8 @@ check that a rank state is plain data that `torch.load(weights_only=True)` will 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,7 +34,8 @@ def model_optim_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str
     options = _options(model)
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=options)}
-    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    with quiet_state_init(optimizer):
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optim_state}
 
 
@@ -43,8 +46,9 @@ def set_model_optim_state(model: nn.Module, optimizer: Optimizer | None,
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=options)
+        with quiet_state_init(optimizer):
+            set_state_dict(model, optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"], options=options)
 
 
 def _options(model: nn.Module) -> StateDictOptions:
@@ -54,6 +58,38 @@ def _options(model: nn.Module) -> StateDictOptions:
     # the keys that are there were checked against the checkpoint (`check_model_fits`).
     return StateDictOptions(ignore_frozen_params=True, strict=False,
                             flatten_optimizer_state_dict=True)
+
+
+@contextlib.contextmanager
+def quiet_state_init(optimizer: Optimizer) -> Iterator[None]:
+    """Around `get_state_dict`/`set_state_dict`: an optimizer with no state (plain SGD
+    always; any before its first step) gets it as torch would (a step on zero gradients at
+    lr 0), but without the step hooks and the LR scheduler's step counter, which a user's
+    `register_step_pre_hook` would otherwise see as an extra step at every save. The zero
+    gradients stay meanwhile, so torch's own initialisation finds them and does nothing."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    inner = getattr(type(optimizer).step, "__wrapped__", None)  # inside torch's hook wrapper
+    if optimizer.state or any(p.grad is not None for p in params) or inner is None:
+        yield
+        return
+    trained = [p for p in params if p.requires_grad]
+    for param in trained:
+        param.grad = torch.zeros_like(param)
+    lrs = [group.get("lr") for group in optimizer.param_groups]
+    try:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = torch.tensor(0.0) if isinstance(lr, torch.Tensor) else 0.0
+        inner(optimizer)
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+    try:
+        yield
+    finally:
+        for param in trained:
+            param.grad = None
 
 
 def check_plain(value: Any, where: str) -> None:

@@ -5,13 +5,14 @@ unknown key, a did-you-mean suggestion among the keys allowed at that level.
 
 from __future__ import annotations
 
-import difflib
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+
+from trainer.hints import did_you_mean
 
 __all__ = ["format_validation_error"]
 
@@ -39,9 +40,12 @@ def format_validation_error(
             allowed = _field_names(model) if model is not None else []
             if allowed:
                 parent = _dotted(path[:-1])
-                close = difflib.get_close_matches(str(path[-1]), allowed, n=1)
-                if close:
-                    suggestion = f"{parent}.{close[0]}" if parent else close[0]
+                close = did_you_mean(str(path[-1]), allowed,
+                                     lambda field: _find_field(config_type, field))
+                if close and "." in close:  # found in another section: its whole path
+                    line += f"; did you mean '{close}'?"
+                elif close:
+                    suggestion = f"{parent}.{close}" if parent else close
                     line += f"; did you mean '{suggestion}'?"
                 else:
                     line += f"; allowed keys: {', '.join(allowed)}"
@@ -116,6 +120,23 @@ def _child_type(tp: Any, part: int | str) -> Any:
         return args[part] if isinstance(part, int) and part < len(args) else None
     if origin in (dict, Mapping) and len(args) == 2:
         return args[1]
+    return None
+
+
+def _find_field(config_type: type[BaseModel] | None, field: str, prefix: str = "",
+                depth: int = 0) -> str | None:
+    """The dotted path of the first setting named `field` in `config_type`'s sections."""
+    if config_type is None or depth > 4:
+        return None
+    if field in config_type.model_fields:
+        return f"{prefix}{field}"
+    for name, info in config_type.model_fields.items():
+        members = _union_members(_unwrap(info.annotation)) or (_unwrap(info.annotation),)
+        for member in members:
+            if _is_model(member):
+                found = _find_field(member, field, f"{prefix}{name}.", depth + 1)
+                if found is not None:
+                    return found
     return None
 
 

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 import torch
 from torch.optim import Optimizer
 
+from trainer.observe.flops import measured_matmul_peak
+
 __all__ = [
     "DataWaitClock",
     "SystemMetrics",
@@ -251,9 +253,9 @@ class SystemMetrics:
         self._memory_peak_gib = memory_peak_reader(self.device)
         self.dtype = _as_dtype(dtype)
         self.num_devices = num_devices
-        self.flops_per_target = flops_per_target
+        self.flops_per_target = flops_per_target  # the unit's, or counted on step 1
         self.data_wait = DataWaitClock()
-        self._peak = peak_flops(self.device, self.dtype) if flops_per_target else None
+        self._peak = peak_flops(self.device, self.dtype)
         self._window_start = time.perf_counter()  # of the publish window's training time
 
     def publish(self, optimizer: Optimizer, num_steps: int, num_targets: float
@@ -279,12 +281,18 @@ class SystemMetrics:
         self, optimizer: Optimizer, targets_per_s: float, elapsed_s: float | None = None
     ) -> dict[str, float]:
         """``lr`` (and ``lr/group_i``), ``memory_peak_gib``, ``data_wait_fraction`` over
-        ``elapsed_s`` (the publish window) and, when known, ``mfu``; starts a new data-wait
-        window."""
+        ``elapsed_s`` (the publish window) and, when the FLOPs are known, ``tflops_per_s``
+        (achieved per device) and ``mfu`` (a GPU in the table) or, on a CPU,
+        ``mfu_of_measured_matmul`` (against `flops.measured_matmul_peak`); starts a new
+        data-wait window."""
         values = lr_metrics(optimizer)
         values["memory_peak_gib"] = self._memory_peak_gib()
         values["data_wait_fraction"] = self.data_wait.take_fraction(elapsed_s)
-        if self._peak is not None and self.flops_per_target is not None:
-            values["mfu"] = (self.flops_per_target * targets_per_s
-                             / (self._peak * self.num_devices))
+        if self.flops_per_target is not None:
+            achieved = self.flops_per_target * targets_per_s / self.num_devices
+            values["tflops_per_s"] = achieved / 1e12
+            if self._peak is not None:
+                values["mfu"] = achieved / self._peak
+            elif self.device.type == "cpu":
+                values["mfu_of_measured_matmul"] = achieved / measured_matmul_peak(self.dtype)
         return values

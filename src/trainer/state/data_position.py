@@ -47,12 +47,37 @@ class DataPosition(Generic[BatchT]):
         self._epoch_batches = 0
         self._on_host = self.device.type == "cpu"  # readers yield host tensors: nothing to move
         self.resume_problem: str | None = None  # why the loaded position cannot be used
+        # For the epoch events and schedules: the epoch (0 for the first pass) of the window
+        # last drawn, whether that window closed it, and whether the last `next_window`
+        # found the epoch over between two windows (it returns [] once, then goes on).
+        self.window_epoch = 0
+        self.window_closes_epoch = False
+        self.at_boundary = False
+        self._stop_at_boundary = False
+
+    @property
+    def in_epoch(self) -> bool:
+        """Whether an epoch is under way (some of its batches drawn, not all)."""
+        return self._iter is not None
 
     def next_window(self, size: int) -> list[BatchT]:
         """Up to `size` micro-batches, on the device; empty on every DP rank when training
-        data is over on any (`stop_reason` says why)."""
+        data is over on any (`stop_reason` says why), or, with `at_boundary` set, once
+        when an epoch turned out to be over between two windows (every rank's at once;
+        the next call starts the next epoch)."""
+        self._stop_at_boundary, self.at_boundary = True, False
         batches = self._draw(size)
-        some_out, some_left = any_rank_each(self.dp, [not batches, bool(batches)])
+        boundary, self.at_boundary = self.at_boundary, False
+        some_out, some_left, some_boundary, some_not = any_rank_each(
+            self.dp, [not batches, bool(batches), boundary, not boundary])
+        if some_boundary and not some_not:  # every rank's epoch is over: an event first
+            self.at_boundary = True
+            return []
+        if some_boundary:  # another rank's epoch goes on: so does this one, into its next
+            if boundary:
+                self._stop_at_boundary = False
+                batches = self._draw(size)
+            some_out, some_left = any_rank_each(self.dp, [not batches, bool(batches)])
         if not some_out:
             return batches
         if not batches and self.epoch_nr == 0 and self.ended:
@@ -72,13 +97,18 @@ class DataPosition(Generic[BatchT]):
                 self._epoch_batches = 0
             batches = list(islice(self._iter, size))
             self._epoch_batches += len(batches)
+            self.window_epoch, self.window_closes_epoch = self.epoch_nr, False
             if len(batches) < size:  # the epoch is over; its last window may be short
                 self._iter = None
                 if self._epoch_batches == 0:  # an epoch that yields nothing: data spent
                     self.ended = True
                     break
                 self.epoch_nr += 1
+                self.window_closes_epoch = True
                 if not batches:  # a window never spans two epochs
+                    if self._stop_at_boundary:  # its end is an event: say so first
+                        self.at_boundary = True
+                        break
                     continue
             if self._on_host:
                 return batches

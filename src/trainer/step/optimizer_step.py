@@ -23,7 +23,7 @@ The rules are the same for every optimizer:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,10 @@ class OptimizerStep:
         self.fused = gradients.supports_device_skip(optimizer) and scaler is None
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.step_call = StepCall(optimizer)  # optimizer.step(), minus torch's idle wrapper
+        # Callback events around the step (set by the trainer only when a callback has one:
+        # none costs nothing): before, with the norm as a device tensor; after, no argument.
+        self.before_step: Callable[[Tensor], None] | None = None
+        self.after_step: Callable[[], None] | None = None
         # `zero_grad`'s own loop, by hand, where the optimizer does not override it.
         self._clear_by_hand = (torch_shortcuts.enabled()
                                and type(optimizer).zero_grad is Optimizer.zero_grad)
@@ -104,6 +108,8 @@ class OptimizerStep:
         elif measure_norm:  # for the record only: combined at the publish read
             outcome.norm_parts = gradients.gradient_norm_parts(self.params, self.split_over)
             outcome.norm_divisor = divisor
+        if self.before_step is not None:
+            self.before_step(self._norm_for_event(outcome, divisor))
         # 4. Step, or skip on every rank alike.
         skip_on_host = overflow or (isinstance(count, int) and count == 0)
         skip_on_device = None if skip_on_host else self._device_skip_flag(loss, count, outcome)
@@ -116,11 +122,21 @@ class OptimizerStep:
             outcome.skipped = skip_on_device is not None and bool(skip_on_device)  # host read
             if not outcome.skipped:
                 self.step_call()
+        if self.after_step is not None:
+            self.after_step()
         if self.scaler is not None:
             self.scaler.update(overflow, step_nr)
         if self.lr_scheduler is not None:  # every step, skipped or not
             self.lr_scheduler.step()
         return outcome
+
+    def _norm_for_event(self, outcome: StepOutcome, divisor: Tensor | None) -> Tensor:
+        """The global norm of the normalised, unscaled gradients before clipping, on the
+        device: the step's own when it took one, else measured for the event."""
+        if outcome.grad_norm is not None:
+            return outcome.grad_norm
+        norm = gradients.gradient_norm(self.params, None, self.split_over)
+        return norm if divisor is None else norm / divisor
 
     def _grads(self) -> list[Tensor]:
         return [p.grad for p in self.params if p.grad is not None]

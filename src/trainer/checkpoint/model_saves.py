@@ -1,0 +1,106 @@
+"""`ModelSaves`: the model's weights alone, on their own schedule and retention.
+
+A full checkpoint (`CheckpointManager`) holds everything a resume needs, sharded as trained.
+A model-only save is for evaluating or serving a step while training goes on (fairseq2's
+model checkpoints): `OUTPUT_DIR/models/step_N/model.safetensors`, full tensors under the
+model's canonical names (no DDP/FSDP/compile prefixes), loadable with
+`model.load_state_dict(safetensors.torch.load_file(path))`; for a transformers model the
+directory is also a HF model directory (`config.json`, `generation_config.json`, the
+tokenizer files it was loaded from), ready for `from_pretrained`.
+
+Every rank takes part in gathering the full state (FSDP2 shards); rank 0 writes it to a
+temporary directory, renames it to `step_N` (a crash leaves no half save under that name)
+and deletes all but the newest `keep_last_n`. Its outcome is shared, so every rank returns
+or raises alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from gangs import Gangs, on_rank0
+from trainer.checkpoint.manifest import fsync_dir
+from trainer.checkpoint.model_files import hf_model_of, write_model_files
+from trainer.run_dir import HF_FILES, MODEL_FILE, parse_step_dir, step_dir_name
+
+log = logging.getLogger("gangtrain")
+
+
+class ModelSaves:
+    """Model-only saves under `path` (`RunDir.models`), keeping the newest `keep_last_n`
+    (None: all)."""
+
+    def __init__(self, path: Path, gangs: Gangs, keep_last_n: int | None = None) -> None:
+        self.path = Path(path)
+        self.gangs = gangs
+        self.keep_last_n = keep_last_n
+        self.last_step: int | None = None  # saved by this run
+
+    def steps(self) -> list[int]:
+        """The complete model-only saves on disk, ascending."""
+        if not self.path.is_dir():
+            return []
+        found = (parse_step_dir(p.name) for p in self.path.iterdir()
+                 if (p / MODEL_FILE).is_file())
+        return sorted(step for step in found if step is not None)
+
+    def step_dir(self, step_nr: int) -> Path:
+        return self.path / step_dir_name(step_nr)
+
+    def save(self, step_nr: int, model: nn.Module) -> Path:
+        """Save `model`'s weights as step `step_nr` (collective); returns its directory."""
+        # Full tensors on the CPU, gathered from every rank's shards (rank 0 keeps them).
+        state = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        is_hf = hf_model_of(model) is not None
+        on_rank0(self.gangs.root, lambda: self._write(step_nr, model, state, is_hf),
+                 f"saving the model of step {step_nr}", OSError)
+        self.last_step = step_nr
+        return self.step_dir(step_nr)
+
+    def _write(self, step_nr: int, model: nn.Module, state: dict[str, Any],
+               is_hf: bool) -> None:
+        """Rank 0: write, rename, apply retention."""
+        tmp = self.path / f".tmp_{step_dir_name(step_nr)}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(_unshared(state, keep_aliases=not is_hf), tmp / MODEL_FILE,
+                  metadata={"format": "pt"})  # transformers reads the format
+        if is_hf:  # config, generation config, tokenizer: beside the weights
+            write_model_files(model, tmp)
+            for file in (tmp / HF_FILES).iterdir():
+                os.replace(file, tmp / file.name)
+            (tmp / HF_FILES).rmdir()
+        final = self.step_dir(step_nr)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(self.path)
+        if self.keep_last_n is not None:
+            for old in self.steps()[:-self.keep_last_n]:
+                log.info("retention: deleting model save %s", self.step_dir(old))
+                shutil.rmtree(self.step_dir(old), ignore_errors=True)
+
+
+def _unshared(state: dict[str, Any], keep_aliases: bool) -> dict[str, Any]:
+    """safetensors refuses tensors that share memory (tied weights): an alias is cloned
+    (`keep_aliases`), or left out (a HF model ties it again when loaded)."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            if keep_aliases:
+                out[name] = tensor.clone()
+            continue
+        seen.add(key)
+        out[name] = tensor.contiguous()
+    return out

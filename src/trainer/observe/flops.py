@@ -1,0 +1,77 @@
+"""FLOPs for any model: counted once, on the first step, with torch's `FlopCounterMode`.
+
+A unit that states its cost (`flops_per_target`) is taken at its word; any other model's
+forward and backward over the first step's micro-batches run under
+`torch.utils.flop_counter.FlopCounterMode` (every matmul, convolution and attention op torch
+dispatches, whatever the module), and the count over that step's local targets is the
+figure every later publish uses (`SystemMetrics`: `tflops_per_s`, `mfu`). The count is of
+this rank's work (FSDP2 gathers full weights before computing, so it is the model's). One
+host read of the first step's target count, at the first publish; the counting mode slows
+that step only.
+
+Where no peak is known (a CPU), `measured_matmul_peak` times a square matmul once per
+process: the MFU against it is published as `mfu_of_measured_matmul`, never as `mfu`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import FlopCounterMode
+
+
+class FirstStepFlops:
+    """`counting()` around the first step's forward and backward; `flops_per_target` after.
+    `stated`: the unit's own figure (nothing is counted then); `enabled=False` counts
+    nothing (a compiled model: the counter would see the graph, not the ops)."""
+
+    def __init__(self, stated: float | None, enabled: bool = True) -> None:
+        self._flops_per_target = stated
+        self.pending = stated is None and enabled  # the count is still to take
+        self._counted: tuple[float, Tensor | int] | None = None  # (FLOPs, local targets)
+
+    @contextlib.contextmanager
+    def counting(self, result: list[Any]) -> Iterator[None]:
+        """Count the FLOPs of what runs inside, the first time; the caller appends the
+        local target count of that work to `result`."""
+        if not self.pending:
+            yield
+            return
+        self.pending = False
+        counter = FlopCounterMode(display=False)
+        with counter:
+            yield
+        if result:
+            self._counted = (float(counter.get_total_flops()), result[0])
+
+    @property
+    def flops_per_target(self) -> float | None:
+        """The stated or counted FLOPs per target; None before the count (or without one).
+        Read at publish time: a device count is read to the host then, once."""
+        if self._counted is not None:
+            flops, count = self._counted
+            self._counted = None
+            count = float(count)  # the one host read, at the first publish
+            if count > 0:
+                self._flops_per_target = flops / count
+        return self._flops_per_target
+
+
+@functools.cache
+def measured_matmul_peak(dtype: torch.dtype, size: int = 512, budget_s: float = 0.05) -> float:
+    """FLOP/s of a `size`x`size` matmul in `dtype` on this CPU, timed for about `budget_s`
+    once per process (a lower bound of the peak: loaded machines measure less)."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up: threads, kernels
+    runs, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < budget_s or runs == 0:
+        torch.mm(a, b)
+        runs += 1
+    return 2.0 * size**3 * runs / elapsed
