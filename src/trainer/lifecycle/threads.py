@@ -25,7 +25,7 @@ The count, in this order:
 Choosing: the first step (allocator, lazy set-up) is not timed; then each step runs on the
 next candidate in turn, timed on the host clock (CPU ops are synchronous: no device sync), for
 up to `MAX_ROUNDS` rounds, fewer when one candidate's slowest step beats every other's fastest
-by `CLEAR_MARGIN`. The median step decides. Rank 0 decides for every rank (one broadcast a
+by `CLEAR_MARGINS`. The median step decides. Rank 0 decides for every rank (one broadcast a
 round, at the same step on every rank), so ranks agree. Afterwards the loop runs exactly as
 before: no clock, no call. The choice goes into the checkpoints' rank state, so a resumed run
 keeps it instead of choosing again; a run that ends before it chose gets its starting count
@@ -37,6 +37,7 @@ runs.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -56,9 +57,10 @@ T = TypeVar("T")
 
 MAX_ROUNDS = 3
 """Timed steps per candidate, at most."""
-CLEAR_MARGIN = 1.5
-"""After two rounds, a candidate whose slowest step is this much faster than every other
-candidate's fastest wins at once."""
+CLEAR_MARGINS = {1: 3.0, 2: 1.5}
+"""After this many rounds, a candidate whose slowest step is this much faster than every other
+candidate's fastest wins at once (on the 2-vCPU VM the tiny LM's steps on 2 threads took 25-50x
+those on 1: each extra round there costs a second or two)."""
 WARMUP_STEPS = 1
 """Untimed steps before the first timed one."""
 
@@ -210,9 +212,10 @@ class IntraOpThreads:
         rounds = len(self.samples[self.candidates[0]])
         medians = {n: statistics.median(s) for n, s in self.samples.items()}
         fastest = min(self.candidates, key=lambda n: medians[n])
-        clear = all(max(self.samples[fastest]) * CLEAR_MARGIN < min(s)
+        margin = CLEAR_MARGINS.get(rounds, math.inf)
+        clear = all(max(self.samples[fastest]) * margin < min(s)
                     for n, s in self.samples.items() if n != fastest)
-        if rounds < MAX_ROUNDS and not (rounds >= 2 and clear):
+        if rounds < MAX_ROUNDS and not clear:
             return None
         return fastest, {n: round(m * 1e3, 3) for n, m in medians.items()}
 
