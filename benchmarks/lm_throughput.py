@@ -10,8 +10,8 @@
 the default path (the trainer's ``num_threads: auto``), ``num_threads: 1`` and ``num_threads``
 = all of this process's cores, each with at least as many untimed warm-up steps as auto
 takes to choose, and prints each one's steady step time, its whole run (auto's choosing
-included) and its ratio to the faster fixed count (``--repeats``: medians of that many runs
-of each, taken in rotating order).
+included) and its ratio to the faster fixed count of the same repeat (``--repeats``: medians
+of that many runs of each, taken in rotating order).
 
 The model, optimizer (AdamW as the recipe builds it, fused by default) and trainer settings
 (dtype, gradient clipping, publish interval) come from a preset of `recipes.lm.config`,
@@ -204,13 +204,17 @@ def main(argv: list[str] | None = None) -> int:
                 if timing is None:
                     return 1
                 runs[label].append(timing)
-        step = {label: statistics.median(t[0] for t in ts) for label, ts in runs.items()}
-        fastest = min(step["1 thread"], step["all cores"])
+        # Ratios within a repeat (runs next to each other), then their median: a loaded
+        # machine drifts more between repeats than within one.
+        fastest = [min(one[0], every[0]) for one, every in zip(runs["1 thread"],
+                                                               runs["all cores"])]
         for label, timings in runs.items():
+            ratio = statistics.median(t[0] / f for t, f in zip(timings, fastest))
+            step_ms = statistics.median(t[0] for t in timings) * 1e3
             whole = statistics.median(t[1] for t in timings)
-            print(f"threads {preset} {label}: {step[label] * 1e3:.1f} ms/step (median of "
-                  f"{len(timings)} runs), whole run {whole:.1f} s, ratio to the faster fixed "
-                  f"count {step[label] / fastest:.2f}", flush=True)
+            print(f"threads {preset} {label}: {step_ms:.1f} ms/step, whole run {whole:.1f} s, "
+                  f"ratio to the faster fixed count {ratio:.2f} (medians of {len(timings)} "
+                  f"runs)", flush=True)
     return 0
 
 
