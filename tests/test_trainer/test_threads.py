@@ -95,13 +95,20 @@ def test_a_resumed_run_goes_on_with_the_runs_choice(auto):
     assert resumed["configs"]["step_15"]["num_threads"] == 2
 
 
+def test_evaluate_runs_on_the_count_the_run_chose(auto):
+    results, stderr = auto
+    assert results["slow_on_2"]["run_config"]["num_threads"] == 1
+    assert results["evaluate"]["threads_after"] == 1  # the process was on 2 before it
+    assert "threads: 1 (auto, as the run chose)" in stderr
+
+
 def test_the_users_set_num_threads_is_never_overridden(auto, probes):
     results, stderr = auto
-    # torch.set_num_threads(1) after the import; 1 thread made slow: auto would take 2.
-    assert results["user_after"]["threads_after"] == 1
+    # torch.set_num_threads(2) after the import; 2 threads made slow: auto would take 1.
+    assert results["user_after"]["threads_after"] == 2
     assert results["user_after"]["run_config"] is None
     assert results["user_after"]["published"] == []
-    assert "threads: 1 (the user's (torch.set_num_threads(1)))" in stderr
+    assert "threads: 2 (the user's (torch.set_num_threads(2)))" in stderr
     # ... and before the import.
     before, stderr = probes["before"]
     assert before["before"]["threads_after"] == 1 and before["before"]["published"] == []

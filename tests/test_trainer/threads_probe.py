@@ -4,9 +4,10 @@ process, whose step is made slow for real on one thread count.
     python threads_probe.py MODE OUT
 
 Modes: `auto` (two auto runs, the first slow on 2 threads, the second slow on 1; a resumed
-run; then the user's `torch.set_num_threads(1)` after the import, slow on 1), `env` (run
-with OMP_NUM_THREADS=2 set by the caller, slow on 2), `before` (`torch.set_num_threads(1)`
-before gangtrain is imported, slow on 1). Prints one `RESULT {json}` line per run.
+run; `evaluate` of the first run's checkpoint; then the user's `torch.set_num_threads(2)`
+after the import, slow on 2), `env` (run with OMP_NUM_THREADS=2 set by the caller, slow on
+2), `before` (`torch.set_num_threads(1)` before gangtrain is imported, slow on 1). Prints one
+`RESULT {json}` line per run.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import yaml  # noqa: E402
 from torch import nn  # noqa: E402
 
 from trainer import Trainer  # noqa: E402
+from trainer.evaluate import evaluate  # noqa: E402
+from trainer.lifecycle.threads import set_threads  # noqa: E402
 from trainer.observe.recorders import read_jsonl  # noqa: E402
-from units import MetricBag, TrainUnit  # noqa: E402
+from units import EvalUnit, MetricBag, TrainUnit  # noqa: E402
 
 SLOW_S = 0.05  # a step on the slow count sleeps this long; the others take a few ms
 
@@ -48,6 +51,19 @@ class SlowOn(TrainUnit):
             time.sleep(SLOW_S)
         x, y = batch
         return F.mse_loss(self._model(x).squeeze(-1), y, reduction="sum"), y.numel()
+
+
+class Loss(EvalUnit):
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    def __call__(self, batch, metrics: MetricBag) -> None:
+        x, y = batch
+        metrics.update_sum("loss", F.mse_loss(self._model(x).squeeze(-1), y, reduction="sum"))
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,8 +99,14 @@ def main() -> None:
         train(out / "slow_on_1", slow_count=1)
         # Resumed: the run's choice (2) is kept, not timed again, though 2 is slow now.
         train(out / "slow_on_1", slow_count=2, steps=15, resume=True)
-        torch.set_num_threads(1)  # the user's, after the import
-        train(out / "user_after", slow_count=1)
+        # evaluate takes the count the run chose (1), whatever the process has now.
+        set_threads(2)
+        evaluate([Loss(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)))],
+                 [batches(2)], output_dir=out / "slow_on_2", checkpoint="last")
+        print("RESULT " + json.dumps({"out": "evaluate", "threads_after": torch.get_num_threads()}))
+        # The user's, after the import, even the count torch had at the start.
+        torch.set_num_threads(2)
+        train(out / "user_after", slow_count=2)
     elif mode == "env":
         train(out / "env", slow_count=2)
     elif mode == "before":

@@ -85,8 +85,8 @@ def users_choice() -> str | None:
         if value and not (name == "OMP_NUM_THREADS" and _torchruns_own(value)):
             return f"{name}={value}"
     now = torch.get_num_threads()
-    if now == _set_by_us:
-        return None
+    if _set_by_us is not None:  # any other count was set since gangtrain set this one
+        return None if now == _set_by_us else f"torch.set_num_threads({now})"
     if now != _AT_IMPORT:
         return f"torch.set_num_threads({now})"
     if _AT_IMPORT not in _torch_default_counts():
