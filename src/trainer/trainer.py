@@ -314,7 +314,7 @@ class Trainer(Generic[BatchT]):
                 self._train_step(batches)
             elif self.threads.time_step(self._train_step, batches, self.state.step_nr,
                                         self.gangs.root):  # num_threads="auto": just chosen
-                self._record_threads()
+                self._record_threads(publish=True)
             self.recorder.advance(self.state.step_nr)
             if self._profiler is not None:
                 self._profiler.step()
@@ -372,20 +372,24 @@ class Trainer(Generic[BatchT]):
         values.update(self.system.publish(self.optimizer, window.num_steps,
                                           values.get("num_targets", 0.0)))
         values["epoch"] = self.data.epoch_nr
-        values.update(self.threads.take_published())  # auto's choice, once
         if self.scaler is not None:
             values["loss_scale"] = self.scaler.scale
         self.recorder.record("train", self.state.step_nr, values)
         self._last_published = values
         self.metrics.reset()
 
-    def _record_threads(self) -> None:
-        """Auto's thread choice into the config kept beside each later checkpoint."""
+    def _record_threads(self, publish: bool = False) -> None:
+        """Auto's thread choice into the config kept beside each later checkpoint, and when
+        just made, into metrics/threads.jsonl (not the train records: timings differ from
+        run to run, and a resumed run's records equal an uninterrupted one's)."""
         record = self.threads.record()
-        if record is not None:
-            self.run_config["threads"] = record
-            if self.checkpoints is not None:
-                self.checkpoints.set_config(self.run_config)
+        if record is None:
+            return
+        self.run_config["threads"] = record
+        if self.checkpoints is not None:
+            self.checkpoints.set_config(self.run_config)
+        if publish:
+            self.recorder.record("threads", self.state.step_nr, self.threads.published())
 
     def _validate(self, scheduled: bool = True) -> bool:
         """Validate, record the metrics and the score; True when the early stopper (rank 0,

@@ -75,8 +75,9 @@ def test_auto_keeps_the_faster_count_logs_publishes_and_records_it(auto):
         slow = config["median_step_ms"][str(3 - count)]
         assert slow >= 50 and slow > config["median_step_ms"][str(count)], result
         assert 3 <= config["chosen_at_step"] <= 7  # a warm-up step, then 1-3 rounds
-        # Published once, in the train metrics of the first publish after the choice.
-        assert [p["num_threads"] for p in result["published"]] == [count], result
+        # Published once, at the step it was chosen (metrics/threads.jsonl).
+        assert [(p["step"], p["num_threads"]) for p in result["published"]] == [
+            (config["chosen_at_step"], count)], result
     # Logged once per run, naming both timings.
     assert any(line.endswith(f"chosen at step {results['slow_on_2']['run_config']['chosen_at_step']})")
                and "ms on 1" in line and "ms on 2" in line and "threads: 1 (auto" in line

@@ -81,13 +81,14 @@ def train(out: Path, slow_count: int, steps: int = 10, resume: bool = False) -> 
                       max_num_steps=steps, checkpoint_every_n_steps=5,
                       publish_metrics_every_n_steps=5, progress=False, resume=resume)
     trainer.run()
-    published = [{k: v for k, v in record.items() if "thread" in k}
-                 for record in read_jsonl(out / "metrics" / "train.jsonl")]
+    threads_file = out / "metrics" / "threads.jsonl"
+    published = read_jsonl(threads_file) if threads_file.exists() else []
+    assert not any("num_threads" in r for r in read_jsonl(out / "metrics" / "train.jsonl"))
     configs = {path.parent.name: yaml.safe_load(path.read_text()).get("threads")
                for path in sorted(out.glob("checkpoints/step_*/config.yaml"))}
     print("RESULT " + json.dumps({
         "out": out.name, "threads_after": torch.get_num_threads(),
-        "published": [p for p in published if p], "configs": configs,
+        "published": published, "configs": configs,
         "run_config": trainer.run_config.get("threads"),
         "trainer_setting": trainer.run_config["trainer"]["num_threads"]}), flush=True)
 

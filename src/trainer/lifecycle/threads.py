@@ -152,7 +152,6 @@ class IntraOpThreads:
         self.medians: dict[int, float] = {}  # median step ms by count, once chosen
         self.choosing = False
         self._steps_seen = 0
-        self._to_publish: dict[str, float] = {}
         user = users_choice()
         if device.type != "cpu":
             self.reason = f"left as it is on {device.type}"
@@ -224,13 +223,11 @@ class IntraOpThreads:
         self.chosen, self.chosen_at, self.medians = count, step_nr, medians
         self.choosing = False
         self.reason = "auto"
-        self._to_publish = {"num_threads": float(count)} | {
-            f"step_ms_on_{n}_threads": ms for n, ms in medians.items()}
 
-    def take_published(self) -> dict[str, float]:
-        """The choice as metrics, once (at the first publish after it), else nothing."""
-        values, self._to_publish = self._to_publish, {}
-        return values
+    def published(self) -> dict[str, float]:
+        """The choice as metrics: the count and the median step on each candidate."""
+        return {"num_threads": float(self.chosen or 0)} | {
+            f"step_ms_on_{n}_threads": ms for n, ms in self.medians.items()}
 
     def record(self) -> dict[str, Any] | None:
         """The choice for the run's config (`threads:` of each later checkpoint's
@@ -255,7 +252,6 @@ class IntraOpThreads:
         count = state.get("chosen")
         if self.choosing and count in self.candidates:
             self._adopt(count, state.get("chosen_at"), dict(state.get("median_step_ms", {})))
-            self._to_publish = {}
             log.info("intra-op CPU threads: %d (auto, as the run chose at step %s)", count,
                      self.chosen_at)
 
