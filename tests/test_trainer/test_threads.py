@@ -141,3 +141,61 @@ def test_num_threads_is_validated_at_construction(tmp_path):
         with pytest.raises(ValueError, match="num_threads"):
             Trainer(Unit(), [], torch.optim.SGD(Unit.model.parameters(), lr=0.1),
                     output_dir=tmp_path, num_threads=bad)
+
+
+def test_the_share_of_the_cores_per_rank_and_less_the_loaders_workers(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert available_cores() == 8 and available_cores(num_workers=3) == 5
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's ranks on this node
+    assert available_cores() == 2 and available_cores(num_workers=1) == 1
+    assert available_cores(num_workers=5) == 1  # never below one
+
+
+def test_torchruns_own_omp_num_threads_is_not_taken_for_the_users(monkeypatch):
+    from trainer.lifecycle import threads
+
+    monkeypatch.setattr(threads, "_set_by_us", None)  # restored after the test
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun exports 1 for several ranks
+    assert not (threads.users_choice() or "").startswith("OMP_NUM_THREADS")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # ... never for one: this 1 is the user's
+    assert threads.users_choice() == "OMP_NUM_THREADS=1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert threads.users_choice() == "OMP_NUM_THREADS=2"
+
+
+def test_the_trainer_leaves_a_core_to_each_loader_worker(monkeypatch, tmp_path):
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from trainer import Trainer
+    from trainer.lifecycle import threads
+    from units import TrainUnit
+
+    class Unit(TrainUnit):
+        model = nn.Linear(2, 1)
+
+        def __call__(self, batch, metrics):
+            return self.model(batch).sum(), 1
+
+    monkeypatch.setattr(threads, "_set_by_us", None)
+    monkeypatch.setattr(threads, "users_choice", lambda: None)  # as in a fresh process
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    before = torch.get_num_threads()
+    try:
+        loader = DataLoader(torch.zeros(4, 2), batch_size=2, num_workers=1)
+        trainer = Trainer(Unit(), loader, torch.optim.SGD(Unit.model.parameters(), lr=0.1),
+                          output_dir=tmp_path, max_num_steps=1)
+        # 2 cores, one for the worker: one candidate, set at once, nothing to time.
+        assert trainer.threads.candidates == (1,) and not trainer.threads.choosing
+        assert torch.get_num_threads() == 1
+        two = Trainer(Unit(), [torch.zeros(2, 2)], torch.optim.SGD(Unit.model.parameters(),
+                      lr=0.1), output_dir=tmp_path / "two", max_num_steps=1)
+        assert two.threads.candidates == (1, 2) and two.threads.choosing
+    finally:
+        torch.set_num_threads(before)

@@ -175,7 +175,7 @@ class IntraOpThreads:
             gang.broadcast_objects(plan, source_rank=0)
             self.choosing, self.candidates = plan[0]
         self.samples = {count: [] for count in self.candidates}
-        if not self.choosing:
+        if device.type == "cpu" and not self.choosing:
             log.info("intra-op CPU threads: %d (%s)", torch.get_num_threads(), self.reason)
 
     def time_step(self, step: Callable[[T], None], batches: T, step_nr: int,
