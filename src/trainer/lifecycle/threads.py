@@ -10,9 +10,10 @@ core. No fixed default fits both.
 The count, in this order:
 - not the CPU (CUDA): left as it is.
 - the user chose it: `OMP_NUM_THREADS` or `MKL_NUM_THREADS` in the environment, or a
-  `torch.set_num_threads` call (the count differs from torch's own default, or from the count
-  it had when gangtrain was imported and from any gangtrain set since). Kept, never
-  overridden. torchrun exports `OMP_NUM_THREADS=1` itself when it starts several local ranks
+  `torch.set_num_threads` call: a count other than the last one gangtrain set, or, before
+  gangtrain set any, other than torch's at gangtrain's import or none of torch's own defaults
+  (a call that sets torch's default count before gangtrain sets any cannot be told from the
+  default). Kept, never overridden. torchrun exports `OMP_NUM_THREADS=1` itself when it starts several local ranks
   and the variable is unset; that "1" cannot be told from a user's and counts as torchrun's
   (set `num_threads: 1` to insist on one).
 - an int: that count.
@@ -27,11 +28,13 @@ next candidate in turn, timed on the host clock (CPU ops are synchronous: no dev
 up to `MAX_ROUNDS` rounds, fewer when one candidate's slowest step beats every other's fastest
 by `CLEAR_MARGINS`. The median step decides. Rank 0 decides for every rank (one broadcast a
 round, at the same step on every rank), so ranks agree. Afterwards the loop runs exactly as
-before: no clock, no call. The choice goes into the checkpoints' rank state, so a resumed run
-keeps it instead of choosing again; a run that ends before it chose gets its starting count
-back. Timings vary from run to run, so two runs may choose differently, and a different
-thread count may change float results in the last bits: set an int for bitwise repeatable
-runs.
+before: no clock, no call. The trainer logs the choice with both timings, publishes it once
+(`metrics/threads.jsonl`) and keeps it in the config beside later checkpoints (`threads:`);
+it goes into the checkpoints' rank state too, so a resumed run keeps it instead of choosing
+again (and `evaluate` uses the count recorded beside its checkpoint). A run that ends before
+it chose gets its starting count back. Timings vary from run to run, so two runs may choose
+differently, and another thread count may change float results in the last bits: set an int
+for bitwise repeatable runs.
 """
 
 from __future__ import annotations
