@@ -144,8 +144,9 @@ def evaluate(
     if error is not None:
         raise UserError(error)
     step_dir = checkpoints.step_dir(step_nr)
-    recorded = (read_step_config(step_dir) or {}).get("threads") or {}
-    threads_for_evaluation(num_threads, gangs.device, recorded.get("num_threads"))
+    threads = (read_step_config(step_dir) or {}).get("threads")  # what the run chose
+    threads_for_evaluation(num_threads, gangs.device,
+                           threads.get("num_threads") if isinstance(threads, dict) else None)
 
     for model in _distinct_models(valid_units):
         _load_model(step_dir, model, gangs)
