@@ -2,7 +2,16 @@
 
     .venv/bin/python -m benchmarks.lm_throughput [--preset cpu] [--steps 20] [--warmup 3]
         [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--compile] [--data synthetic|real]
-        [--set model.dim=256 ...]
+        [--threads N] [--set model.dim=256 ...]
+    .venv/bin/python -m benchmarks.lm_throughput --compare-threads [--repeats 3] \
+        --preset tiny --preset cpu
+
+``--compare-threads`` (CPU) runs each preset three times in this process, one after the other:
+the default path (the trainer's ``num_threads: auto``), ``num_threads: 1`` and ``num_threads``
+= all of this process's cores, each with at least as many untimed warm-up steps as auto
+takes to choose, and prints each one's steady step time, its whole run (auto's choosing
+included) and its ratio to the faster fixed count of the same repeat (``--repeats``: medians
+of that many runs of each, taken in rotating order).
 
 The model, optimizer (AdamW as the recipe builds it, fused by default) and trainer settings
 (dtype, gradient clipping, publish interval) come from a preset of `recipes.lm.config`,
@@ -24,6 +33,7 @@ import argparse
 import gc
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +45,7 @@ from recipes.lm.config import PRESETS, LMConfig
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
 from trainer.cli import load_config
 from trainer.errors import UserError
+from trainer.lifecycle.threads import MAX_ROUNDS, WARMUP_STEPS, available_cores
 from trainer.observe.system_metrics import peak_flops as device_peak_flops
 from units.causal_lm import CausalLMUnit
 
@@ -81,9 +92,12 @@ class SyntheticReader:
         self.timed_from = timed_from
         self.device = device
         self.started: float | None = None
+        self.first: float | None = None  # when the first batch was drawn
 
     def __iter__(self) -> Iterator[Batch]:
         for i in range(self.num_batches):
+            if i == 0:
+                self.first = time.perf_counter()
             if i == self.timed_from:
                 _synchronize(self.device)
                 self.started = time.perf_counter()
@@ -101,6 +115,8 @@ class DeviceReader(SyntheticReader):
     def __iter__(self) -> Iterator[Batch]:
         for i in range(self.num_batches):
             batch = next(self.batches)
+            if i == 0:
+                self.first = time.perf_counter()
             if i == self.timed_from:
                 _synchronize(self.device)
                 self.started = time.perf_counter()
@@ -134,7 +150,8 @@ def _real_batches(config: LMConfig) -> Iterator[Batch]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    parser.add_argument("--preset", dest="presets", action="append", choices=sorted(PRESETS),
+                        help="the recipe's preset (default cpu; repeat for several)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="config override, as the recipe's --set")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
@@ -144,8 +161,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default: the preset's trainer.dtype")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--data", choices=("synthetic", "real"), default="synthetic")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="the trainer's num_threads (0: its default, auto)")
+    parser.add_argument("--compare-threads", action="store_true",
+                        help="default vs 1 thread vs all cores, each preset (CPU)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="--compare-threads: runs of each path (medians)")
     args = parser.parse_args(argv)
+    args.presets = args.presets or ["cpu"]
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     return args
@@ -153,18 +176,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    try:
-        config = load_config(LMConfig, PRESETS, args.preset, overrides=args.overrides)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+    if args.compare_threads and device.type != "cpu":
+        print("error: --compare-threads is for the CPU", file=sys.stderr)
         return 2
+    for preset in args.presets:
+        try:
+            config = load_config(LMConfig, PRESETS, preset, overrides=args.overrides)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        if not args.compare_threads:
+            if run_once(args, preset, config, device, args.threads or "auto") is None:
+                return 1
+            continue
+        # At least auto's choosing steps untimed in every run: the ratios are of the steady step.
+        args.warmup = max(args.warmup, WARMUP_STEPS + MAX_ROUNDS * 2)
+        paths = [("default", "auto"), ("1 thread", 1), ("all cores", available_cores())]
+        runs: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in paths}
+        for repeat in range(args.repeats):  # each repeat in another order: drift spreads out
+            for label, setting in paths[repeat % 3:] + paths[:repeat % 3]:
+                timing = run_once(args, preset, config, device, setting)
+                if timing is None:
+                    return 1
+                runs[label].append(timing)
+        # Ratios within a repeat (runs next to each other), then their median: a loaded
+        # machine drifts more between repeats than within one.
+        fastest = [min(one[0], every[0]) for one, every in zip(runs["1 thread"],
+                                                               runs["all cores"])]
+        for label, timings in runs.items():
+            ratio = statistics.median(t[0] / f for t, f in zip(timings, fastest))
+            step_ms = statistics.median(t[0] for t in timings) * 1e3
+            whole = statistics.median(t[1] for t in timings)
+            print(f"threads {preset} {label}: {step_ms:.1f} ms/step, whole run {whole:.1f} s, "
+                  f"ratio to the faster fixed count {ratio:.2f} (medians of {len(timings)} "
+                  f"runs)", flush=True)
+    return 0
+
+
+def run_once(args: argparse.Namespace, preset: str, config: LMConfig, device: torch.device,
+             num_threads: int | str) -> tuple[float, float] | None:
+    """Train `preset` once and print its figures; (seconds a timed step, seconds of the
+    whole run), or None after printing an error."""
     dtype = args.dtype or config.trainer.dtype
 
     from gangs import FakeGang, setup_gangs
@@ -190,15 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint_every_n_steps": None, "keep_last_n_checkpoints": None,
         "keep_best_n_checkpoints": None, "score_metric": None, "early_stopper": None,
         "dtype": dtype, "compile_model": args.compile or config.trainer.compile_model,
-        "progress": False, "wandb_project": None,
+        "progress": False, "wandb_project": None, "num_threads": num_threads,
     })
     tokens_per_step = d.batch_size * d.seq_len * trainer_config.num_accumulate
-    print(f"lm {args.preset}: {num_parameters(model) / 1e6:.2f}M parameters, "
+    print(f"lm {preset}: {num_parameters(model) / 1e6:.2f}M parameters, "
           f"{tokens_per_step} tokens a step ({d.batch_size} x {d.seq_len}"
           f"{f' x {trainer_config.num_accumulate}' if trainer_config.num_accumulate > 1 else ''}"
           f"), {dtype}, {'compiled' if trainer_config.compile_model else 'eager'}, "
           f"AdamW(fused={o.fused}), {args.data} data, device {device}"
-          f"{'' if device.type == 'cuda' else f' ({torch.get_num_threads()} threads)'}",
+          f"{'' if device.type == 'cuda' else f', num_threads {num_threads}'}",
           flush=True)
 
     gc.collect()
@@ -212,33 +269,34 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.run()
         _synchronize(device)
         ended = time.perf_counter()
-    if result.num_steps != num_batches or reader.started is None:
+    if result.num_steps != num_batches or reader.started is None or reader.first is None:
         print(f"error: the trainer ran {result.num_steps} of {num_batches} steps "
               f"({result.stop_reason})", file=sys.stderr)
-        return 1
+        return None
 
     elapsed = ended - reader.started
     tokens_per_s = args.steps * tokens_per_step / elapsed
     achieved = tokens_per_s * flops_per_token(gpt_config)
     loss = result.last_metrics.get("loss", float("nan"))
-    print(f"throughput {args.preset} ({args.steps} steps after {args.warmup} warm-up): "
+    threads = "" if device.type == "cuda" else f", {torch.get_num_threads()} threads"
+    print(f"throughput {preset} ({args.steps} steps after {args.warmup} warm-up{threads}): "
           f"{tokens_per_s:,.0f} tokens/s, {elapsed / args.steps * 1e3:.1f} ms/step, "
           f"model {achieved / 1e12:.3g} TFLOP/s, last loss {loss:.3f}", flush=True)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**30
-        print(f"memory {args.preset}: peak allocated {peak:.2f} GiB "
+        print(f"memory {preset}: peak allocated {peak:.2f} GiB "
               f"(torch.cuda.max_memory_allocated)", flush=True)
         name, peak_rate = peak_flops(device, dtype)
         if peak_rate is None:
-            print(f"mfu {args.preset}: unknown peak for '{name}' ({dtype})", flush=True)
+            print(f"mfu {preset}: unknown peak for '{name}' ({dtype})", flush=True)
         else:
-            print(f"mfu {args.preset}: {achieved / peak_rate:.1%} of {name} {dtype} dense peak "
+            print(f"mfu {preset}: {achieved / peak_rate:.1%} of {name} {dtype} dense peak "
                   f"{peak_rate / 1e12:.0f} TFLOP/s", flush=True)
     else:
         peak = _peak_rss_mib()
-        print(f"memory {args.preset}: peak RSS {peak:.0f} MiB, growth during training "
+        print(f"memory {preset}: peak RSS {peak:.0f} MiB, growth during training "
               f"{max(0.0, peak - rss_before):.0f} MiB", flush=True)
-    return 0
+    return elapsed / args.steps, ended - reader.first
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ from trainer.checkpoint.adapters import check_base
 from trainer.checkpoint.directory import CheckpointDir
 from trainer.checkpoint.loading import entries_held_elsewhere, load_dcp, require_verified
 from trainer.checkpoint.model_files import hf_model_of
+from trainer.checkpoint.run_config import read_step_config
 from trainer.checkpoint.state import model_optim_state, set_model_optim_state
 from trainer.default_gangs import default_gangs
 from trainer.errors import UserError
+from trainer.lifecycle.threads import threads_for_evaluation
 from trainer.observe.console_log import show_on_console
 from trainer.observe.recorders import ConsoleRecorder, JsonlRecorder
 from trainer.run_dir import RunDir, parse_step_dir, step_dir_name
@@ -106,12 +108,14 @@ def evaluate(
     gangs: Gangs | None = None,
     checkpoint: str | int = "best",
     console: Console | None = None,
+    num_threads: int | str = "auto",
 ) -> dict[str, float]:
     """Validate the checkpoint ``checkpoint`` of the run in ``output_dir`` (see the module
     docstring); returns ``{"<unit name>/<metric>": value}``. Collective: call it on every
     rank. ``gangs``: default the torchrun world under torchrun (the metrics synced over its
     ranks, one line in eval.jsonl), else one process. ``console``: where rank 0 prints the
-    metrics (default: stdout)."""
+    metrics (default: stdout). ``num_threads``: intra-op CPU threads as the Trainer's
+    setting; "auto" takes the count the run chose (the checkpoint's config.yaml)."""
     output_dir = Path(output_dir)
     gangs = default_gangs(gangs, valid_units[0].model if valid_units else None, "evaluate")
     show_on_console(gangs.root.rank)
@@ -140,6 +144,9 @@ def evaluate(
     if error is not None:
         raise UserError(error)
     step_dir = checkpoints.step_dir(step_nr)
+    threads = (read_step_config(step_dir) or {}).get("threads")  # what the run chose
+    threads_for_evaluation(num_threads, gangs.device,
+                           threads.get("num_threads") if isinstance(threads, dict) else None)
 
     for model in _distinct_models(valid_units):
         _load_model(step_dir, model, gangs)

@@ -18,6 +18,7 @@ from trainer.hints import did_you_mean
 from trainer.observe.profiler import ProfilerConfig
 
 Precision = Literal["fp32", "bf16", "fp16"]
+Threads = int | Literal["auto"]
 
 
 class TrainerSettings(BaseModel):
@@ -91,6 +92,12 @@ class TrainerSettings(BaseModel):
         "torch.autograd.detect_anomaly around the run (slow; for debugging)."))
     compile_model: bool = Field(False, description=(
         "torch.compile the unit's model (the module inside DDP, never the wrapper)."))
+    num_threads: Threads = Field("auto", description=(
+        "Intra-op CPU threads. 'auto': the first steps are timed on 1 thread and on this "
+        "process's share of the cores, alternating, and the faster is kept (logged, "
+        "published once, kept in later checkpoints). An int sets it. OMP_NUM_THREADS or a "
+        "torch.set_num_threads call of the user always wins. No effect on CUDA; see "
+        "trainer.lifecycle.threads."))
     seed: int | None = Field(2, description=(
         "Seed of torch, numpy and random (plus the rank). None: leave them as they are."))
     # -- output ------------------------------------------------------------------------
@@ -127,6 +134,12 @@ class TrainerSettings(BaseModel):
         "Which checkpoint a resume starts from: 'last' (the newest complete one, what None "
         "does), 'best', 'step_N', or a step directory's path (another run's included). The "
         "data position and RNG come with it; on the command line --resume-from."))
+
+    @model_validator(mode="after")
+    def _check_num_threads(self) -> TrainerSettings:
+        if self.num_threads != "auto" and self.num_threads < 1:
+            raise ValueError(f"num_threads must be 'auto' or >= 1, got {self.num_threads!r}")
+        return self
 
     @model_validator(mode="after")
     def _check_checkpoint_needs(self) -> TrainerSettings:

@@ -44,6 +44,7 @@ from trainer.lifecycle.output_dir import prepare_output_dir
 from trainer.lifecycle.rank_failure import raise_if_a_peer_failed
 from trainer.lifecycle.run_lock import RunLock, hold_run_lock
 from trainer.lifecycle.stop_signal import StopSignal
+from trainer.lifecycle.threads import IntraOpThreads
 from trainer.observe.callbacks import Callback, CallbackList
 from trainer.observe.console_log import show_on_console
 from trainer.observe.flops import FirstStepFlops
@@ -55,7 +56,7 @@ from trainer.run_checks import check_finite_state, check_run
 from trainer.run_dir import RunDir
 from trainer.same_start import check_same_start
 from trainer.score_direction import score_direction
-from trainer.settings import Precision, TrainerSettings, settings_doc, validate_settings
+from trainer.settings import Precision, Threads, TrainerSettings, settings_doc, validate_settings
 from trainer.state.data_position import DataPosition
 from trainer.state.extensions import ExtensionStates
 from trainer.state.seeding import RngState
@@ -154,6 +155,7 @@ class Trainer(Generic[BatchT]):
         max_consecutive_non_finite: int = 0,
         anomaly_detection: bool = False,
         compile_model: bool = False,
+        num_threads: Threads = "auto",
         seed: int | None = 2,
         profiler: ProfilerConfig | None = None,
         publish_metrics_every_n_steps: int = 10,
@@ -245,6 +247,10 @@ class Trainer(Generic[BatchT]):
         self._epoch_open: int | None = None  # the epoch whose on_epoch_start has run
         self._step_start_event = self.callbacks.has("on_step_start")
         self._profiler: StepProfiler | None = None  # built in run(), from the resumed step
+        # Intra-op CPU threads: set now, or ("auto") chosen by timing the first steps.
+        self.threads = IntraOpThreads(
+            s.num_threads, self.device, self.gangs.root, compiled=s.compile_model,
+            num_workers=getattr(data_reader, "num_workers", 0) or 0)
 
         # Forward and backward over a step's micro-batches: each in turn, or a pipeline
         # schedule, or each rank's slice of every sequence (`parallel_axes`); the forward's
@@ -269,7 +275,8 @@ class Trainer(Generic[BatchT]):
     def _states(self) -> dict[str, Any]:
         """Every component whose state a checkpoint holds, by name."""
         states: dict[str, Any] = {"train": self.state, "data": self.data, "rng": self.rng,
-                                  "steps": self.steps, "unit_metrics": self.metrics}
+                                  "steps": self.steps, "unit_metrics": self.metrics,
+                                  "threads": self.threads}
         optional = {"lr_scheduler": self.lr_scheduler, "loss_scaler": self.scaler,
                     "early_stopper": self.early_stopper}  # a plain callable keeps no state
         states.update((name, c) for name, c in optional.items() if hasattr(c, "state_dict"))
@@ -302,6 +309,7 @@ class Trainer(Generic[BatchT]):
                                        error)
                 raise
             finally:
+                self.threads.close()
                 if self._profiler is not None:
                     self._profiler.close()
                 self.recorder.close()
@@ -351,7 +359,11 @@ class Trainer(Generic[BatchT]):
             self.state.step_nr += 1
             if self._step_start_event:
                 self.callbacks.on_step_start(self, batches)
-            self._train_step(batches)
+            if not self.threads.choosing:
+                self._train_step(batches)
+            elif self.threads.time_step(self._train_step, batches, self.state.step_nr,
+                                        self.gangs.root):  # num_threads="auto": just chosen
+                self._record_threads(publish=True)
             self.recorder.advance(self.state.step_nr)
             if self._profiler is not None:
                 self._profiler.step()
@@ -447,6 +459,19 @@ class Trainer(Generic[BatchT]):
         self._last_published = values
         self.metrics.reset()
 
+    def _record_threads(self, publish: bool = False) -> None:
+        """Auto's thread choice into the config kept beside each later checkpoint, and when
+        just made, into metrics/threads.jsonl (not the train records: timings differ from
+        run to run, and a resumed run's records equal an uninterrupted one's)."""
+        record = self.threads.record()
+        if record is None:
+            return
+        self.run_config["threads"] = record
+        if self.checkpoints is not None:
+            self.checkpoints.set_config(self.run_config)
+        if publish:
+            self.recorder.record("threads", self.state.step_nr, self.threads.published())
+
     def _validate(self, scheduled: bool = True) -> bool:
         """Validate, record the metrics and the score; True when the early stopper (rank 0,
         shared with every rank) says stop. Only a `scheduled` validation reaches it: the extra
@@ -534,6 +559,7 @@ class Trainer(Generic[BatchT]):
             for history_step, score in self.state.scheduled_scores():
                 self.early_stopper(history_step, score)
         self.checkpoints.remember_scores(dict(self.state.score_history))
+        self._record_threads()  # a choice the run made before, kept
         self.state.last_saved_step = step_nr
         path = step_dir or self.checkpoints.step_dir(step_nr)
         self.steps.last_good_checkpoint = path

@@ -21,7 +21,10 @@ from processes import kill_tree
 ARGS = ["--preset", "tiny", "--set", "trainer.max_num_steps=24", "--set", "gangs.timeout_s=60",
         "--set", "trainer.checkpoint_every_n_steps=4", "--set", "trainer.validate_every_n_steps=8",
         "--set", "trainer.publish_metrics_every_n_steps=2", "--set", "trainer.progress=false",
-        "--set", "trainer.keep_last_n_checkpoints=2", "--set", "trainer.keep_best_n_checkpoints=null"]
+        "--set", "trainer.keep_last_n_checkpoints=2", "--set", "trainer.keep_best_n_checkpoints=null",
+        # A fixed thread count: num_threads=auto times its first steps, and a run killed while
+        # it chooses may choose at another step, on other threads: equal, not bit for bit.
+        "--set", "trainer.num_threads=1"]
 
 
 def command(out: Path, ranks: int) -> list[str]:

@@ -237,6 +237,12 @@ class CheckpointManager:
         if self.on_commit is not None:
             self.on_commit(job.step_nr, self._disk.step_dir(job.step_nr))
 
+    def set_config(self, config: Mapping[str, Any]) -> None:
+        """The config kept beside checkpoints committed from now on (a run's auto-chosen
+        settings join it once chosen)."""
+        self._config_text = config_text(config)
+        self.config_digest = sha256_of(self._config_text)
+
     def _commit(self, job: PendingSave) -> None:
         """Rank 0: manifest, rename, retention, pointers."""
         tmp = job.tmp_dir

@@ -37,6 +37,8 @@ RESULT_NEUTRAL = (
     "trainer.checkpoint_every_n_steps", "trainer.keep_last_n_checkpoints",
     "trainer.keep_best_n_checkpoints", "trainer.async_checkpoint", "trainer.validate_at_end",
     "gangs.timeout_s",
+    # Intra-op threads change float results in the last bits at most (trainer.lifecycle.threads).
+    "trainer.num_threads", "threads",
 )
 
 
