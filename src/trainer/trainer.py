@@ -236,7 +236,10 @@ class Trainer(Generic[BatchT]):
             s.wandb_project)
         self.system = SystemMetrics(self.device, s.dtype, self.gangs.root.size,
                                     flops_per_target_of(unit))
-        self.flops = FirstStepFlops(self.system.flops_per_target, enabled=not s.compile_model)
+        # torch's counter tracks modules with autograd hooks, which a pipeline schedule's own
+        # autograd.grad calls refuse: under PP only a unit's stated figure is used.
+        self.flops = FirstStepFlops(self.system.flops_per_target,
+                                    enabled=not s.compile_model and self.gangs.pp.size == 1)
         # The events around the optimizer step, wired only where a callback has them.
         if self.callbacks.has("on_before_optimizer_step"):
             self.optimizer_step.before_step = partial(self.callbacks.on_before_optimizer_step,
