@@ -24,7 +24,40 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from trainer import torch_shortcuts
+
+try:  # documented, though it lives in an underscored module
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError:  # pragma: no cover - torch moved it: FlopCounterMode alone
+    TorchDispatchMode = None
+
+
+def _op_counter() -> Any:
+    """A dispatch mode that sums torch's FLOP formulas over the ops run inside it, and
+    nothing else: `FlopCounterMode` also tracks modules with autograd hooks, which change
+    the order gradients accumulate in (the counted step's weights would differ in the last
+    bits from an uncounted one's: a resume that counts at another step would not be exact).
+    The public `FlopCounterMode` where torch has no such mode."""
+    if TorchDispatchMode is None or not torch_shortcuts.enabled():
+        return FlopCounterMode(display=False)
+
+    class OpFlops(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            formula = flop_registry.get(func.overloadpacket)
+            if formula is not None:
+                self.total += formula(*args, **kwargs, out_val=out)
+            return out
+
+        def get_total_flops(self) -> int:
+            return self.total
+
+    return OpFlops()
 
 
 class FirstStepFlops:
@@ -45,7 +78,7 @@ class FirstStepFlops:
             yield
             return
         self.pending = False
-        counter = FlopCounterMode(display=False)
+        counter = _op_counter()
         with counter:
             yield
         if result:
