@@ -25,7 +25,7 @@ import numpy as np
 
 from trainer.errors import UserError
 
-__all__ = ["OverLong", "PackingPlan", "best_fit_decreasing"]
+__all__ = ["OverLong", "PackingPlan", "apply_over_long", "best_fit_decreasing"]
 
 OverLong = Literal["truncate", "drop"]
 
@@ -54,18 +54,25 @@ class PackingPlan:
         return float(self.lengths.sum()) / max(1, self.num_rows * self.capacity)
 
 
+def apply_over_long(lengths: np.ndarray, max_length: int, over_long: OverLong
+                    ) -> tuple[np.ndarray, int]:
+    """(lengths with those above ``max_length`` truncated to it or set to 0 (dropped), by
+    the policy ``over_long``; how many were over)."""
+    if over_long not in ("truncate", "drop"):
+        raise UserError(f"config 'data.over_long' is {over_long!r}: 'truncate' or 'drop'")
+    lengths = np.asarray(lengths, dtype=np.int64).copy()
+    too_long = lengths > max_length
+    lengths[too_long] = max_length if over_long == "truncate" else 0
+    return lengths, int(too_long.sum())
+
+
 def best_fit_decreasing(lengths: np.ndarray, capacity: int,
                         over_long: OverLong = "truncate") -> PackingPlan:
     """Pack examples of ``lengths`` (tokens each) into rows of ``capacity`` tokens (see the
     module docstring). Examples of length 0 are left out."""
     if capacity < 1:
         raise UserError(f"data: rows of {capacity} tokens cannot hold an example")
-    if over_long not in ("truncate", "drop"):
-        raise UserError(f"config 'data.over_long' is {over_long!r}: 'truncate' or 'drop'")
-    lengths = np.asarray(lengths, dtype=np.int64).copy()
-    too_long = lengths > capacity
-    num_over = int(too_long.sum())
-    lengths[too_long] = capacity if over_long == "truncate" else 0
+    lengths, num_over = apply_over_long(lengths, capacity, over_long)
 
     order = np.argsort(-lengths, kind="stable")  # longest first; ties by index: deterministic
     rows: list[list[int]] = []
