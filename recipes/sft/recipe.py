@@ -25,7 +25,6 @@ from data.sft import Tokenized, plan_examples, tokenize_files
 from data.token_batches import BinReader, Bins, EvalBatches
 from gangs import Gangs, setup_gangs, setup_root_gang
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
-from trainer.checkpoint.model_files import hf_model_of
 from trainer.cli import run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate

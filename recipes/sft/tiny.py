@@ -92,8 +92,12 @@ def make_tiny_chat_model(directory: Path | str, hidden_size: int = 64, num_layer
     does) and return it. The same arguments give the same files."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    from transformers import PreTrainedTokenizerFast
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -95,14 +95,15 @@ def _encode_batch(batch: dict[str, list[Any]], encode: Any) -> dict[str, list[An
 
 
 def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, *, name: str,
-                   fmt: str | None = None, fields: Fields = Fields(),
+                   fmt: str | None = None, fields: Fields | None = None,
                    cache_dir: str | Path | None = None, num_proc: int | None = None,
                    setting: str = "data.files") -> Tokenized:
     """Read and tokenise the files (or directories of shards) ``paths`` as one dataset
     (see the module docstring); ``name`` names the tokenizer's model in errors."""
-    import datasets
-    from datasets import Features, Sequence as ArrowSequence, Value
+    from datasets import Features, Value
+    from datasets import Sequence as ArrowSequence
 
+    fields = fields or Fields()
     files = list_data_files(paths, setting)
     records = load_records(files, cache_dir)
     where = ", ".join(map(str, paths))
