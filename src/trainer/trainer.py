@@ -36,6 +36,7 @@ from trainer.checkpoint import CheckpointManager
 from trainer.checkpoint.model_saves import ModelSaves
 from trainer.checkpoint.resume_point import resume_point
 from trainer.checkpoint.run_config import warn_if_changed
+from trainer.data_checks import check_data_reader
 from trainer.default_gangs import default_gangs
 from trainer.early_stoppers import EarlyStopper
 from trainer.errors import UserError
@@ -206,6 +207,7 @@ class Trainer(Generic[BatchT]):
 
         # The components that hold the run's state (checkpointed by name, `_states`).
         self.state = TrainState()
+        check_data_reader(data_reader, self.gangs.dp)  # one sample a step; every rank alike
         self.data = DataPosition(data_reader, s.max_num_data_epochs, self.gangs.dp)
         self.metrics = MetricBag(self.device)
         self.steps = StepLog(s.max_consecutive_non_finite, self.gangs.dp, type(unit).__name__)
