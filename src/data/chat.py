@@ -35,25 +35,26 @@ from typing import Any
 
 from trainer.errors import UserError
 
-__all__ = ["ChatEncoder", "encode_prompt_completion", "encode_text", "normalise_messages"]
+__all__ = ["ChatEncoder", "encode_prompt_completion", "encode_text", "normalise_messages",
+           "special_tokens"]
 
 Encoded = tuple[list[int], list[int]]
 
 
-def _special(tokenizer: Any) -> tuple[list[int], list[int]]:
+def special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
     """([bos] or [], [eos] or []): GPT-2 style tokenizers with bos == eos get the eos only."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     return ([bos] if bos is not None and bos != eos else []), ([eos] if eos is not None else [])
 
 
 def encode_text(tokenizer: Any, text: str) -> Encoded:
-    prefix, suffix = _special(tokenizer)
+    prefix, suffix = special_tokens(tokenizer)
     ids = prefix + tokenizer(text, add_special_tokens=False)["input_ids"] + suffix
     return ids, [1] * len(ids)
 
 
 def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str) -> Encoded:
-    prefix, suffix = _special(tokenizer)
+    prefix, suffix = special_tokens(tokenizer)
     head = prefix + tokenizer(prompt, add_special_tokens=False)["input_ids"]
     tail = tokenizer(completion, add_special_tokens=False)["input_ids"] + suffix
     return head + tail, [0] * len(head) + [1] * len(tail)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from data.chat import ChatEncoder, encode_prompt_completion, encode_text
+from data.chat import ChatEncoder, encode_prompt_completion, special_tokens
 from data.example_packing import OverLong
 from data.formats import Fields, detect_format, list_data_files, load_records
 from data.token_batches import Bins, plan_bins
@@ -63,11 +63,10 @@ def tokenizer_digest(tokenizer: Any) -> str:
 
 
 def _encoder(fmt: str, fields: Fields, tokenizer: Any, name: str):  # noqa: ANN202
+    """The function `map` calls on a batch of records (see `_encode_batch`)."""
     chat = ChatEncoder(tokenizer, name) if fmt == "chat" else None
 
     def encode(record: dict[str, Any]) -> tuple[list[int], list[int]]:
-        if fmt == "text":
-            return encode_text(tokenizer, record[fields.text])
         if fmt == "chat":
             assert chat is not None
             return chat(record[fields.messages])
@@ -78,15 +77,22 @@ def _encoder(fmt: str, fields: Fields, tokenizer: Any, name: str):  # noqa: ANN2
         conversation = ChatEncoder(tokenizer, name) if chat is None else chat
         return conversation([*prompt, *completion], train_from=len(prompt))
 
-    return encode
+    def encode_batch(batch: dict[str, list[Any]]) -> list[tuple[list[int], list[int]]]:
+        if fmt == "text":  # one call for the batch: the fast tokenizer runs it in parallel
+            prefix, suffix = special_tokens(tokenizer)
+            ids = tokenizer(batch[fields.text], add_special_tokens=False)["input_ids"]
+            return [(prefix + x + suffix, [1] * (len(x) + len(prefix) + len(suffix)))
+                    for x in ids]
+        size = len(next(iter(batch.values())))
+        return [encode({k: v[i] for k, v in batch.items()}) for i in range(size)]
+
+    return encode_batch
 
 
 def _encode_batch(batch: dict[str, list[Any]], encode: Any) -> dict[str, list[Any]]:
-    size = len(next(iter(batch.values())))
     out: dict[str, list[Any]] = {"input_ids": [], "trained": [], "length": [],
                                  "num_targets": []}
-    for i in range(size):
-        ids, trained = encode({k: v[i] for k, v in batch.items()})
+    for ids, trained in encode(batch):
         out["input_ids"].append(ids)
         out["trained"].append(trained)
         out["length"].append(len(ids))
