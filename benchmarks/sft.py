@@ -1,0 +1,225 @@
+"""Supervised fine-tuning data path: packing, throughput, tokenising, memory on a large file.
+
+    .venv/bin/python -m benchmarks.sft [--steps 12] [--rss-gb 1.0] [--skip-rss]
+
+Prints, in one run:
+
+1. packing efficiency (non-pad tokens / tokens) of best-fit decreasing into rows of 2048 on
+   a realistic length mix (log-normal, median ~200 tokens, a long tail to 4096, as chat sets
+   such as ShareGPT have), beside padding each batch of 8 to its longest;
+2. trained tokens/s of a small Llama (4 layers, width 128) fed packed rows against padded
+   batches of the same examples (the same model, optimizer and loop; the ratio is the point);
+3. tokenising throughput (tokens/s) of conversations with the chat template and masks,
+   cold (empty cache) and cached (a second run's `tokenize_files`);
+4. peak RSS of `python -m recipes.sft` training a few steps on a JSONL of ``--rss-gb`` GB
+   made in /tmp (tokenised on the way, into a cache), against the file's size; then the
+   same command again on the cached data: its wall time, start to end;
+5. TRL's SFTTrainer on the same model and data when `trl` is installed (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.example_packing import best_fit_decreasing
+from data.sft import tokenize_files
+from data.token_batches import BinReader, plan_bins
+from recipes.sft.tiny import chat_conversations, make_tiny_chat_model
+from units.causal_lm import CausalLMUnit
+from units.metrics import MetricBag
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def length_mix(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(200), 0.9, n).astype(int), 16, 4096)
+
+
+def packing_efficiency() -> None:
+    lengths = length_mix(20000)
+    start = time.perf_counter()
+    plan = best_fit_decreasing(lengths, 2048)
+    took = time.perf_counter() - start
+    order = np.random.default_rng(1).permutation(len(lengths))
+    clipped = np.minimum(lengths, 2048)
+    padded = sum(clipped[order[i : i + 8]].max() * len(order[i : i + 8])
+                 for i in range(0, len(order), 8))
+    print(f"packing: 20,000 examples (median {int(np.median(lengths))}, mean "
+          f"{lengths.mean():.0f}, max {lengths.max()} tokens) into rows of 2048: "
+          f"{plan.num_rows:,} rows, efficiency {plan.efficiency():.4f} "
+          f"({plan.num_truncated} truncated; best-fit decreasing took {took:.2f} s); padding "
+          f"batches of 8 to the longest: efficiency {clipped.sum() / padded:.3f}")
+
+
+def tiny_llama(vocab: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        attn_implementation="sdpa"))
+
+
+def trained_tokens_per_s(steps: int) -> None:
+    from datasets import Dataset
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(120), 0.7, 4000).astype(int), 16, 512)
+    ids = [rng.integers(1, 500, n).tolist() for n in lengths]
+    # Half of each example trained (a prompt, then an answer), as chat data has.
+    trained = [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths]
+    dataset = Dataset.from_dict({"input_ids": ids, "trained": trained})
+    results = {}
+    for layout, batch_size in (("padded", 8), ("packed", 4)):
+        bins = plan_bins(lengths, layout, 512)
+        reader = iter(BinReader(dataset, bins, batch_size, pad_id=0, seed=0))
+        model = tiny_llama(512)
+        unit = CausalLMUnit(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        targets, tokens, elapsed = 0, 0, 0.0
+        for step in range(steps + 2):
+            batch = next(reader)
+            start = time.perf_counter()
+            loss, n = unit(batch, MetricBag())
+            (loss / n).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step >= 2:  # the first two warm up
+                elapsed += time.perf_counter() - start
+                targets += int(n)
+                tokens += batch["input_ids"].numel()
+        results[layout] = targets / elapsed
+        print(f"{layout}: {targets / elapsed:,.0f} trained tokens/s ({targets:,} trained of "
+              f"{tokens:,} tokens in {steps} steps of {batch_size} rows, {elapsed:.1f} s)")
+    print(f"packed / padded trained tokens/s: {results['packed'] / results['padded']:.2f}x "
+          "(target >= 1.5x)")
+
+
+def tokenising_throughput(model_dir: Path, work: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = work / "chat.jsonl"
+    with path.open("w") as f:
+        for messages in chat_conversations(20000, seed=5):
+            f.write(json.dumps({"messages": messages}) + "\n")
+    cache = work / "tok_cache"
+    for num_proc, label in ((None, "cold, 1 process"), (2, "cold, 2 processes")):
+        shutil.rmtree(cache, ignore_errors=True)
+        start = time.perf_counter()
+        t = tokenize_files([path], tokenizer, name="tiny", cache_dir=cache, num_proc=num_proc)
+        took = time.perf_counter() - start
+        print(f"tokenising 20,000 conversations ({int(t.lengths.sum()):,} tokens, chat "
+              f"template and masks), {label}: {t.lengths.sum() / took:,.0f} tokens/s "
+              f"({took:.1f} s, reading the JSONL included)")
+    start = time.perf_counter()
+    t = tokenize_files([path], tokenizer, name="tiny", cache_dir=cache)
+    took = time.perf_counter() - start
+    print(f"the same, cached: {took:.2f} s ({t.lengths.sum() / took:,.0f} tokens/s)")
+
+
+def write_big_jsonl(path: Path, gigabytes: float) -> int:
+    """Text records of ~600 bytes of arithmetic sentences, up to `gigabytes`; the size."""
+    rng = random.Random(0)
+    words = ("plus", "minus", "times")
+    target = int(gigabytes * 1e9)
+    size = 0
+    with path.open("w") as f:
+        while size < target:
+            lines = []
+            for _ in range(1000):
+                sentences = []
+                for _ in range(18):
+                    a, b = rng.randint(0, 99), rng.randint(0, 99)
+                    sentences.append(f"What is {a} {rng.choice(words)} {b}?")
+                lines.append(json.dumps({"text": " ".join(sentences)}) + "\n")
+            chunk = "".join(lines)
+            f.write(chunk)
+            size += len(chunk)
+    return size
+
+
+def peak_rss(model_dir: Path, work: Path, gigabytes: float) -> None:
+    big = work / "big.jsonl"
+    start = time.perf_counter()
+    size = write_big_jsonl(big, gigabytes)
+    print(f"wrote {big} ({size / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s")
+    valid = work / "valid.jsonl"
+    valid.write_text("".join(json.dumps({"text": f"What is {i} plus {i}?"}) + "\n"
+                             for i in range(64)))
+    cache = work / "rss_cache"
+    command = [sys.executable, "-m", "recipes.sft", str(work / "out"), "--preset", "tiny",
+               "--set", f"model.path={model_dir}", "--set", f"data.files=[{big}]",
+               "--set", f"data.valid_files=[{valid}]", "--set", f"data.cache_dir={cache}",
+               "--set", "trainer.max_num_steps=5", "--set", "trainer.validate_every_n_steps=5",
+               "--set", "trainer.checkpoint_every_n_steps=5", "--no-resume"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    for label in ("first run (tokenising into the cache)", "second run (cached)"):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        start = time.perf_counter()
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        took = time.perf_counter() - start
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        if proc.returncode != 0:
+            print(proc.stdout[-2000:], proc.stderr[-4000:])
+            raise SystemExit(f"the recipe failed: exit {proc.returncode}")
+        summary = next((line for line in proc.stdout.splitlines()
+                        if line.startswith("data train")), "")
+        if rss <= before:
+            note = "(not above an earlier child's peak)"
+        else:
+            note = f"= {rss * 1024 / size:.2f} x the file"
+        print(f"{label}: {took:.0f} s wall, peak RSS {rss / 2**20:.2f} GiB {note}; {summary}")
+    print(f"JSONL {size / 2**30:.2f} GiB")
+
+
+def trl_comparison() -> None:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("TRL: not installed, comparison skipped")
+        return
+    print("TRL: installed, but its comparison is not written yet")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sft")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rss-gb", type=float, default=1.0)
+    parser.add_argument("--skip-rss", action="store_true")
+    args = parser.parse_args()
+    # One thread: on this kind of VM two OpenMP threads make small ops many times slower.
+    torch.set_num_threads(1)
+    from datasets import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    packing_efficiency()
+    trained_tokens_per_s(args.steps)
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        work = Path(tmp)
+        model_dir = make_tiny_chat_model(work / "model")
+        tokenising_throughput(model_dir, work)
+        if not args.skip_rss:
+            peak_rss(model_dir, work, args.rss_gb)
+    trl_comparison()
+
+
+if __name__ == "__main__":
+    main()
