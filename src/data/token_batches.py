@@ -75,7 +75,8 @@ class Bins:
         kind = {"packed": f"rows of {self.seq_len} tokens ({100 * self.efficiency():.1f}% "
                           "filled)",
                 "padding_free": "padding-free token-budget rows",
-                "padded": "padded groups"}[self.layout]
+                "padded": "groups of examples padded together (one example each without "
+                          "data.max_tokens)"}[self.layout]
         return f"{len(self):,} {kind}, {self.num_tokens:,} tokens; {over}"
 
 
