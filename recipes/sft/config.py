@@ -1,17 +1,17 @@
 """The `recipes.sft` config: sections model, data, optimizer, lr_scheduler (warm-up and
-cosine decay), trainer, gangs. Adapters (a `lora` section) plug in beside `model`."""
+cosine decay, `trainer.lr_schedules`), trainer, gangs. Adapters (a `lora` section) plug in
+beside `model`."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import Field, PositiveInt
 
+from trainer.config.sections import LRSchedulerSection, Section
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+_Section = Section
 
 
 class ModelSection(_Section):
@@ -75,12 +75,6 @@ class OptimizerSection(AdamWConfig):
     weight_decay: float = Field(default=0.0, ge=0)
 
 
-class LRSchedulerSection(_Section):
-    warmup_steps: int = Field(default=20, ge=0)
-    final_lr_scale: float = Field(default=0.1, ge=0, le=1)
-    """Cosine decay from lr to lr * final_lr_scale at trainer.max_num_steps."""
-
-
 class GangsSection(_Section):
     tp_size: PositiveInt = 1
     """Tensor parallelism over this many ranks, from the model's own plan."""
@@ -93,7 +87,7 @@ class SFTConfig(_Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     optimizer: OptimizerSection = OptimizerSection()
-    lr_scheduler: LRSchedulerSection = LRSchedulerSection()
+    lr_scheduler: LRSchedulerSection = LRSchedulerSection(warmup_steps=20)
     trainer: TrainerConfig = TrainerConfig(
         max_num_steps=1000,
         validate_every_n_steps=100,

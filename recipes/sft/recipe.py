@@ -7,36 +7,33 @@ at the end the best checkpoint is exported to `OUTPUT_DIR/hf/` with the tokenize
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
 from data.formats import Fields
 from data.mixing import hold_out, mix
 from data.sft import Tokenized, plan_examples, tokenize_files
 from data.token_batches import BinReader, Bins, EvalBatches
-from gangs import Gangs, setup_gangs, setup_root_gang
+from gangs import Gangs
+from parallel import check_hsdp
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
-from trainer.cli import run_recipe
+from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import load_pretrained
+from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
+from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
-__all__ = ["HF_EXPORT_DIR", "cli", "eval_main", "load_tokenizer", "main", "prepare_data"]
-
-HF_EXPORT_DIR = "hf"
-
+__all__ = ["cli", "eval_main", "load_tokenizer", "main", "prepare_data"]
 
 @dataclass
 class SFTData:
@@ -183,15 +180,15 @@ class _Setup:
 def _setup(config: SFTConfig, train: bool) -> _Setup:
     configure_logging()
     hf_config = _check_model(config)
-    if config.gangs.dp_shard_size is not None and config.trainer.data_parallel != "fsdp":
-        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs trainer.data_parallel=fsdp")
-    tokenizer = load_tokenizer(config)
-    root = setup_root_gang(timeout=timedelta(seconds=config.gangs.timeout_s))
     try:
-        gangs = setup_gangs(root, config.gangs.tp_size, 1, config.gangs.dp_shard_size)
-    except ValueError as ex:
-        raise UserError(f"config 'gangs': {ex}") from None
-    console = Console(stderr=False, soft_wrap=True) if root.rank == 0 else None
+        check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
+    except ValueError:
+        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
+                        "trainer.data_parallel=fsdp") from None
+    tokenizer = load_tokenizer(config)
+    gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size, 1,
+                                  config.gangs.dp_shard_size)
+    root = gangs.root
     # Rank 0 reads and tokenises into the cache first; the others then read the cache
     # rather than all converting the same files at once.
     if root.rank == 0:
@@ -213,33 +210,18 @@ def _setup(config: SFTConfig, train: bool) -> _Setup:
                   CausalLMEvalUnit(model, token_accuracy=True))
 
 
-def _schedule(optimizer: Any, config: SFTConfig) -> LambdaLR:
-    warmup = config.lr_scheduler.warmup_steps
-    total = config.trainer.max_num_steps or 0
-    final = config.lr_scheduler.final_lr_scale
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if total <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / (total - warmup))
-        return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return LambdaLR(optimizer, factor)
-
-
 def main(config: SFTConfig, output_dir: Path, resume: bool) -> int:
     s = _setup(config, train=True)
     optimizer = config.optimizer.build(s.model)
     trainer = config.trainer.build(
         CausalLMUnit(s.model), s.data.train, optimizer, output_dir=output_dir, gangs=s.gangs,
-        lr_scheduler=_schedule(optimizer, config), valid_units=[s.valid_unit],
+        lr_scheduler=warmup_cosine(optimizer, config.lr_scheduler, config.trainer.max_num_steps),
+        valid_units=[s.valid_unit],
         valid_data_readers=[s.data.valid], resume=resume,
         run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
-    exported = output_dir / HF_EXPORT_DIR
+    exported = RunDir(output_dir).hf
     if s.console:
         if exported.is_dir():  # the tokenizer as this run used it, chat template included
             s.tokenizer.save_pretrained(exported)

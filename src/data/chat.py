@@ -33,7 +33,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from trainer.errors import UserError
+from gangs.errors import UserError
 
 __all__ = ["ChatEncoder", "encode_prompt_completion", "encode_text", "normalise_messages",
            "special_tokens"]

@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from trainer.errors import UserError
+from gangs.errors import UserError
 
 __all__ = ["OverLong", "PackingPlan", "apply_over_long", "best_fit_decreasing"]
 

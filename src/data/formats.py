@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from trainer.errors import UserError
+from gangs.errors import UserError
 
 __all__ = ["FORMATS", "DataFormat", "Fields", "detect_format", "list_data_files",
            "load_records"]

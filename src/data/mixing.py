@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trainer.errors import UserError
+from gangs.errors import UserError
 
 __all__ = ["hold_out", "mix"]
 

@@ -30,7 +30,7 @@ from data.chat import ChatEncoder, encode_prompt_completion, special_tokens
 from data.example_packing import OverLong
 from data.formats import Fields, detect_format, list_data_files, load_records
 from data.token_batches import Bins, plan_bins
-from trainer.errors import UserError
+from gangs.errors import UserError
 
 __all__ = ["ENCODING_VERSION", "Tokenized", "plan_examples", "tokenize_files",
            "tokenizer_digest"]

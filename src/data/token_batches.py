@@ -31,8 +31,8 @@ import torch
 
 from data.collate import Example, packed_batch, padded_batch
 from data.example_packing import OverLong, apply_over_long, best_fit_decreasing
-from trainer.errors import UserError
-from trainer.state.global_batches import GlobalBatchReader  # data.global_batches after #34
+from data.global_batches import GlobalBatchReader
+from gangs.errors import UserError
 
 __all__ = ["Bins", "BinReader", "EvalBatches", "Layout", "plan_bins"]
 

@@ -201,13 +201,13 @@ class Trainer(Generic[BatchT]):
         self.lower_better = score_direction(s.lower_better, s.score_metric, valid_units)
         if hasattr(early_stopper, "follow"):  # a built-in judges in the trainer's direction
             early_stopper.follow(self.lower_better)
+        check_data_reader(data_reader, self.gangs.dp)  # one sample a step; every rank alike
         self.run_lock = RunLock(self.output_dir)  # one live run per directory
         prepare_output_dir(self.output_dir, resume=resume, overwrite=overwrite,
                            root=self.gangs.root, lock=self.run_lock)
 
         # The components that hold the run's state (checkpointed by name, `_states`).
         self.state = TrainState()
-        check_data_reader(data_reader, self.gangs.dp)  # one sample a step; every rank alike
         self.data = DataPosition(data_reader, s.max_num_data_epochs, self.gangs.dp)
         self.metrics = MetricBag(self.device)
         self.steps = StepLog(s.max_consecutive_non_finite, self.gangs.dp, type(unit).__name__)

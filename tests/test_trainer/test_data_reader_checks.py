@@ -8,12 +8,12 @@ from functools import partial
 
 import pytest
 import torch
+from parallel import data_parallel
 from ranks import run_ranks
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from gangs import setup_gangs, setup_root_gang
-from gangs.parallel import data_parallel
 from trainer.errors import UserError
 from trainer.trainer import Trainer
 from units import MetricBag, TrainUnit
