@@ -20,7 +20,7 @@ from data.formats import Fields
 from data.mixing import hold_out, mix
 from data.sft import Tokenized, plan_examples, tokenize_files
 from data.token_batches import BinReader, Bins, EvalBatches
-from gangs import Gangs
+from gangs import Gangs, first_error
 from parallel import check_hsdp
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
 from trainer.cli import recipe_gangs, run_recipe
@@ -190,11 +190,18 @@ def _setup(config: SFTConfig, train: bool) -> _Setup:
                                   config.gangs.dp_shard_size)
     root = gangs.root
     # Rank 0 reads and tokenises into the cache first; the others then read the cache
-    # rather than all converting the same files at once.
+    # rather than all converting the same files at once. A mistake found on rank 0 (a bad
+    # file, a template that cannot be masked) is raised on every rank, none left waiting.
+    data, message = None, None
     if root.rank == 0:
-        data = prepare_data(config, tokenizer, gangs.dp.rank, gangs.dp.size, train)
-    root.barrier()
-    if root.rank != 0:
+        try:
+            data = prepare_data(config, tokenizer, gangs.dp.rank, gangs.dp.size, train)
+        except UserError as error:
+            message = str(error)
+    message = first_error(root, message)
+    if message is not None:
+        raise UserError(message)
+    if data is None:
         data = prepare_data(config, tokenizer, gangs.dp.rank, gangs.dp.size, train)
     if console:
         for line in data.summary:
