@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data.mixing import hold_out
 from data.sft import tokenize_files
+from recipes.sft.recipe import cli
 from recipes.sft.tiny import (
     CHATML_TEMPLATE_WITH_GENERATION,
     chat_conversations,
@@ -159,8 +160,7 @@ def test_sft_learns_and_eval_only_is_the_assistant_nll_by_hand(straight, tiny):
     best_step = min(valid, key=valid.get)
     assert valid[best_step] < before / count - 2.0, (before / count, valid)  # 5.8 -> 1.8
 
-    proc = run_module("recipes.sft", *sft_args(straight, tiny, "--eval-only"))
-    assert proc.returncode == 0, describe(proc)
+    assert cli(list(map(str, sft_args(straight, tiny, "--eval-only")))) == 0  # in-process
     [record] = read_jsonl(straight / "metrics" / "eval.jsonl")
     assert record["step"] == best_step
     exported = AutoModelForCausalLM.from_pretrained(straight / "hf")
@@ -219,7 +219,8 @@ def test_fsdp2_and_tp2_track_one_process(straight, tiny, tmp_path):
             assert losses.keys() == reference.keys()
             gap = max(abs(losses[s] - reference[s]) / reference[s] for s in reference)
             print(f"{name} {section}: largest relative gap to one process {gap:.1e}")
-            assert gap < 1e-5, (name, section, losses, reference)
+            # Measured 3.7e-8 to 6.3e-8 (FSDP2 and TP2, train and valid).
+            assert gap < 1e-6, (name, section, losses, reference)
 
 
 # -------------------------------------------------------------------------------------------
@@ -249,25 +250,22 @@ def test_killed_run_resumes_bit_for_bit(straight, tiny, tmp_path):
 # Mistakes: exit 2, one clear `error:` line, no traceback
 
 
-def test_user_mistakes_are_one_clear_line(tiny, tmp_path):
-    model, chat, _ = tiny
-    procs = run_all({
-        "text_field_on_chat": ["recipes.sft", *sft_args(tmp_path / "o1", tiny, "--set",
-                               "data.format=text", "--set", "data.text_field=messages")],
-        "seq_len_beyond_context": ["recipes.sft", *sft_args(tmp_path / "o2", tiny, "--set",
-                                   "data.seq_len=4096")],
-        "missing_file": ["recipes.sft", *sft_args(tmp_path / "o3", tiny, "--set",
-                         f"data.files=[{tmp_path / 'gone.jsonl'}]")],
-    })
-    expected = {
-        "text_field_on_chat": "field 'messages' (data.text_field) of the first record holds "
-                              "messages, format text needs text: 'messages' holds "
-                              "conversations, read them with data.format=chat",
-        "seq_len_beyond_context": "error: config 'data.seq_len' (4096) is beyond the model's "
-                                  "context: max_position_embeddings=256",
-        "missing_file": f"no such file or directory: '{tmp_path / 'gone.jsonl'}'",
+def test_user_mistakes_are_one_clear_line(tiny, tmp_path, capsys):
+    """Run in this process (`cli` is the command line as a function): exit 2, one `error:`
+    line on stderr."""
+    cases = {
+        "text_field_on_chat": (["--set", "data.format=text", "--set", "data.text_field=messages"],
+                               "field 'messages' (data.text_field) of the first record holds "
+                               "messages, format text needs text: 'messages' holds "
+                               "conversations, read them with data.format=chat"),
+        "seq_len_beyond_context": (["--set", "data.seq_len=4096"],
+                                   "error: config 'data.seq_len' (4096) is beyond the model's "
+                                   "context: max_position_embeddings=256"),
+        "missing_file": (["--set", f"data.files=[{tmp_path / 'gone.jsonl'}]"],
+                         f"no such file or directory: '{tmp_path / 'gone.jsonl'}'"),
     }
-    for name, proc in procs.items():
-        assert proc.returncode == 2, f"{name}: {describe(proc)}"
-        assert "Traceback" not in proc.stderr, f"{name}: {describe(proc)}"
-        assert expected[name] in proc.stderr, f"{name}: {describe(proc)}"
+    for name, (extra, expected) in cases.items():
+        code = cli(list(map(str, sft_args(tmp_path / name, tiny, *extra))))
+        err = capsys.readouterr().err
+        assert code == 2, f"{name}: {err}"
+        assert "Traceback" not in err and expected in err, f"{name}: {err}"
