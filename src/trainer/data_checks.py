@@ -30,8 +30,7 @@ def _is_map_style(reader: Any) -> bool:
     if isinstance(reader, Dataset) and not isinstance(reader, IterableDataset):
         return True
     # Hugging Face datasets.Dataset (not a torch Dataset); checked without importing it.
-    return type(reader).__module__.startswith("datasets.") and hasattr(reader, "column_names") \
-        and hasattr(reader, "__getitem__")
+    return type(reader).__module__ == "datasets.arrow_dataset"
 
 
 def _digest(batch: Any) -> torch.Tensor:

@@ -8,12 +8,12 @@ from functools import partial
 
 import pytest
 import torch
-from parallel import data_parallel
 from ranks import run_ranks
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from gangs import setup_gangs, setup_root_gang
+from parallel import data_parallel
 from trainer.errors import UserError
 from trainer.trainer import Trainer
 from units import MetricBag, TrainUnit
@@ -47,6 +47,13 @@ def test_a_map_style_dataset_is_refused(tmp_path):
         Trainer(Regression(model), TensorDataset(x, x.sum(-1)),
                 torch.optim.SGD(model.parameters(), lr=0.1), output_dir=tmp_path,
                 max_num_steps=2, progress=False)
+    from datasets import Dataset
+
+    rows = Dataset.from_dict({"x": x.tolist()})
+    with pytest.raises(UserError, match="data_reader is a map-style dataset \\(Dataset\\)"):
+        Trainer(Regression(model), rows, torch.optim.SGD(model.parameters(), lr=0.1),
+                output_dir=tmp_path / "hf", max_num_steps=2, progress=False)
+    assert not (tmp_path / "hf").exists()  # refused before anything is written
 
 
 def train_on_two_ranks(out: str, shard: bool) -> str:
