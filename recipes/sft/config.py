@@ -1,6 +1,5 @@
 """The `recipes.sft` config: sections model, data, optimizer, lr_scheduler (warm-up and
-cosine decay, `trainer.lr_schedules`), trainer, gangs. Adapters (a `lora` section) plug in
-beside `model`."""
+cosine decay, `trainer.lr_schedules`), trainer, gangs, lora (adapters, off by default)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveInt
 
-from trainer.config.sections import LRSchedulerSection, Section
+from trainer.config.sections import LoraSection, LRSchedulerSection, Section
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 
 _Section = Section
@@ -100,6 +99,7 @@ class SFTConfig(_Section):
         data_parallel="fsdp",
     )
     gangs: GangsSection = GangsSection()
+    lora: LoraSection = LoraSection()
 
 
 # Settings a resumed run may not change: the model and what a data position means.
@@ -107,7 +107,7 @@ RESUME_GUARD = ("model.path", "data.files", "data.weights", "data.format", "data
                 "data.prompt_field", "data.completion_field", "data.messages_field",
                 "data.chat_template", "data.seq_len", "data.packing", "data.padding",
                 "data.over_long", "data.batch_size", "data.max_tokens", "data.valid_fraction",
-                "data.split_seed", "data.shuffle_seed")
+                "data.split_seed", "data.shuffle_seed", *LoraSection.RESUME_GUARD)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {

@@ -142,7 +142,8 @@ def load_model(config: SFTConfig, gangs: Gangs) -> nn.Module:
     """The pretrained model, ready for the Trainer (built on meta, TP by its own plan,
     wrapped over DP, each rank reading its slices of the weights)."""
     return load_pretrained(config.model.path, gangs, data_parallel=config.trainer.data_parallel,
-                           activation_checkpointing=config.model.activation_checkpointing)
+                           activation_checkpointing=config.model.activation_checkpointing,
+                           **config.lora.load_options(config.trainer.seed))
 
 
 def _check_model(config: SFTConfig) -> Any:
