@@ -66,14 +66,35 @@ def apply_over_long(lengths: np.ndarray, max_length: int, over_long: OverLong
     return lengths, int(too_long.sum())
 
 
+WINDOW = 65536
+"""Examples packed together at most: a dataset is packed window by window (in index order),
+so the planning's Python objects stay bounded (a few MB) however many examples there are;
+the rows' fill is the same to a fraction of a percent at this size."""
+
+
 def best_fit_decreasing(lengths: np.ndarray, capacity: int,
-                        over_long: OverLong = "truncate") -> PackingPlan:
+                        over_long: OverLong = "truncate", window: int = WINDOW) -> PackingPlan:
     """Pack examples of ``lengths`` (tokens each) into rows of ``capacity`` tokens (see the
-    module docstring). Examples of length 0 are left out."""
+    module docstring), ``window`` examples at a time. Examples of length 0 are left out."""
     if capacity < 1:
         raise UserError(f"data: rows of {capacity} tokens cannot hold an example")
     lengths, num_over = apply_over_long(lengths, capacity, over_long)
+    flats, counts = [], []
+    for begin in range(0, len(lengths), window):
+        flat, row_sizes = _pack_window(lengths[begin : begin + window], capacity)
+        flats.append(flat + begin)
+        counts.append(row_sizes)
+    sizes = np.concatenate(counts) if counts else np.empty(0, dtype=np.int64)
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    starts[1:] = np.cumsum(sizes)
+    flat = np.concatenate(flats) if flats else np.empty(0, dtype=np.int64)
+    return PackingPlan(flat, starts, lengths, capacity,
+                       num_truncated=num_over if over_long == "truncate" else 0,
+                       num_dropped=num_over if over_long == "drop" else 0)
 
+
+def _pack_window(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """(example indices row after row, examples per row) of one window."""
     order = np.argsort(-lengths, kind="stable")  # longest first; ties by index: deterministic
     rows: list[list[int]] = []
     by_room: dict[int, list[int]] = {}  # room left -> rows with that room
@@ -99,9 +120,6 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int,
                 by_room[room] = []
                 bisect.insort(rooms, room)
             by_room[room].append(row)
-    starts = np.zeros(len(rows) + 1, dtype=np.int64)
-    starts[1:] = np.cumsum([len(r) for r in rows])
-    flat = np.fromiter((i for r in rows for i in r), dtype=np.int64, count=int(starts[-1]))
-    return PackingPlan(flat, starts, lengths, capacity,
-                       num_truncated=num_over if over_long == "truncate" else 0,
-                       num_dropped=num_over if over_long == "drop" else 0)
+    sizes = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    flat = np.fromiter((i for r in rows for i in r), dtype=np.int64, count=int(sizes.sum()))
+    return flat, sizes

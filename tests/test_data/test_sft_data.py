@@ -137,6 +137,10 @@ def test_best_fit_decreasing_packs_every_example_once_and_counts_over_long():
     dropped = best_fit_decreasing(lengths, 512, over_long="drop")
     assert dropped.num_dropped == plan.num_truncated
     assert len(dropped.examples) == len(lengths) - dropped.num_dropped
+    # Packed window by window (bounded planning memory): every example once, as full.
+    windowed = best_fit_decreasing(lengths, 512, window=1000)
+    assert np.array_equal(np.sort(windowed.examples), np.arange(len(lengths)))
+    assert windowed.efficiency() > 0.95
     # Never more rows than first-fit in arrival order would need.
     assert plan.num_rows <= _first_fit_rows(np.minimum(lengths, 512), 512)
 
