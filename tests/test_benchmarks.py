@@ -80,3 +80,15 @@ def test_overhead_ab_switches_a_piece_per_window_and_puts_it_back(capsys):
     # Steps 11-20 and 31-40 are the B windows of each of the two runs (warm-up and measured).
     assert published == [20, 40, 20, 40]
     assert re.search(r"test_publish +B - A +[-+]\d+\.\d us a step \(runs", capsys.readouterr().out)
+
+
+def test_sft_benchmark_prints_its_figures():
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.sft", "--steps", "1", "--skip-rss",
+         "--conversations", "100"],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    for pattern in (r"packing: .* efficiency 0\.9\d+", r"packed / padded trained tokens/s: "
+                    r"\d+\.\d+x", r"cold, 1 process: [\d,]+ tokens/s",
+                    r"the same, cached: \d+\.\d+ s", r"TRL: "):
+        assert re.search(pattern, out), (pattern, out)

@@ -99,6 +99,12 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
 
     model = load_model(config, gangs)
     hf_config = hf_model_of(model).config  # type: ignore[union-attr]  # load_model's
+    context = getattr(hf_config, "max_position_embeddings", None) \
+        or getattr(hf_config, "n_positions", None)
+    if context is not None and d.seq_len > context:
+        raise UserError(f"config 'data.seq_len' ({d.seq_len}) is beyond the model's context: "
+                        f"max_position_embeddings={context} in "
+                        f"{Path(str(config.model.path)) / 'config.json'}; lower data.seq_len")
     if tokens.numel() and int(tokens.max()) >= hf_config.vocab_size:
         raise UserError(f"config 'model.path': the tokenizer of '{config.model.path}' gives "
                         f"token {int(tokens.max())}, beyond the model's vocab_size "

@@ -54,10 +54,8 @@ def _read_jsonl(file: Path, text_field: str) -> list[str]:
                 raise UserError(f"data file '{file}' line {line_nr} is not JSON: {ex}") from None
             text = record.get(text_field) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise UserError(
-                    f"data file '{file}' line {line_nr} has no string field '{text_field}' "
-                    "(set data.text_field to the field that holds the text)"
-                )
+                raise UserError(f"data file '{file}' line {line_nr} has no string field "
+                                f"'{text_field}' ({_advice(record, text_field)})")
             texts.append(text)
     return texts
 
@@ -77,3 +75,20 @@ def tokenize_documents(documents: Sequence[str], tokenizer: Any,
         for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
             pieces.append(torch.tensor(prefix + ids + suffix, dtype=torch.int32))
     return torch.cat(pieces)
+
+
+def _advice(record: Any, text_field: str) -> str:
+    """What to do about a record whose `text_field` is not text: conversations and
+    prompt/completion pairs are the SFT recipe's formats; other fields are named."""
+    if not isinstance(record, dict):
+        return "each line must be a JSON object"
+    value = record.get(text_field)
+    if isinstance(value, list) and value and isinstance(value[0], dict) and "role" in value[0]:
+        return (f"'{text_field}' holds conversations: train on them with recipes.sft, which "
+                "applies the chat template and trains on the assistant's turns")
+    if "messages" in record or {"prompt", "completion"} <= set(record):
+        return ("the records are conversations or prompt/completion pairs: train on them "
+                "with recipes.sft")
+    strings = sorted(k for k, v in record.items() if isinstance(v, str))
+    return (f"set data.text_field to the field that holds the text; this record's text "
+            f"fields: {strings}")

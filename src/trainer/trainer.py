@@ -36,6 +36,7 @@ from trainer.checkpoint import CheckpointManager
 from trainer.checkpoint.model_saves import ModelSaves
 from trainer.checkpoint.resume_point import resume_point
 from trainer.checkpoint.run_config import warn_if_changed
+from trainer.data_checks import check_data_reader
 from trainer.default_gangs import default_gangs
 from trainer.early_stoppers import EarlyStopper
 from trainer.errors import UserError
@@ -200,6 +201,7 @@ class Trainer(Generic[BatchT]):
         self.lower_better = score_direction(s.lower_better, s.score_metric, valid_units)
         if hasattr(early_stopper, "follow"):  # a built-in judges in the trainer's direction
             early_stopper.follow(self.lower_better)
+        check_data_reader(data_reader, self.gangs.dp)  # one sample a step; every rank alike
         self.run_lock = RunLock(self.output_dir)  # one live run per directory
         prepare_output_dir(self.output_dir, resume=resume, overwrite=overwrite,
                            root=self.gangs.root, lock=self.run_lock)

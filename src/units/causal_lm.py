@@ -6,6 +6,7 @@ mean, so it is not used: the unit sums, the trainer divides by the global target
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -27,8 +28,16 @@ LMBatch = Mapping[str, Tensor]
   input ids) are shifted here, as HF models do; positions whose attention mask is 0 and
   labels equal to the ignore index (-100 by default) are not targets.
 
-An `attention_mask` is handed to the model (`model(input_ids, attention_mask=...)`).
+Every other key is a model keyword and is handed to the model as it is
+(`model(input_ids, attention_mask=..., position_ids=..., ...)`): `position_ids` restarting at
+0 for each example of a packed row is what confines attention to each example (Hugging Face
+models find the examples from them; so does the LM recipe's GPT). A model whose `forward`
+takes `use_cache` is called with `use_cache=False`: training never reuses a KV cache, and
+transformers looks for packed examples in `position_ids` only without one.
 """
+
+_TARGET_KEYS = ("target_ids", "labels")
+"""Batch keys that are targets, not model inputs."""
 
 
 def output_logits(output: Any) -> Tensor:
@@ -57,17 +66,43 @@ def lm_targets(batch: LMBatch, pad_idx: int) -> tuple[Tensor, bool]:
     return labels[:, 1:], True
 
 
-def lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int) -> tuple[Tensor, Tensor]:
-    """(summed NLL in nats, number of targets), targets equal to `pad_idx` (the ignore
-    index) excluded; see `LMBatch` for the two batch forms."""
+def takes_use_cache(model: nn.Module) -> bool:
+    """Whether the model under any DDP / `torch.compile` wrappers has a `forward` that
+    takes `use_cache` (Hugging Face causal LMs)."""
+    seen = model
+    for _ in range(4):  # DDP(compile(model)) at most nests so deep
+        inner = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            break
+        seen = inner
+    try:
+        return "use_cache" in inspect.signature(seen.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature: pass nothing extra
+        return False
+
+
+def lm_logits(model: nn.Module, batch: LMBatch, pad_idx: int,
+              use_cache_keyword: bool = False) -> tuple[Tensor, Tensor]:
+    """(logits [b, t', vocab], their targets [b, t']) of a batch (see `LMBatch` for the two
+    forms): every key but the targets goes to the model; `use_cache_keyword` adds
+    `use_cache=False`."""
     if "input_ids" not in batch:
         raise ValueError(f"a causal LM batch needs 'input_ids'; this one has {sorted(batch)}")
-    keywords = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
-    output = model(batch["input_ids"], **keywords)
-    logits = output_logits(output)
+    keywords = {k: v for k, v in batch.items() if k != "input_ids" and k not in _TARGET_KEYS}
+    if use_cache_keyword:
+        keywords["use_cache"] = False
+    logits = output_logits(model(batch["input_ids"], **keywords))
     targets, shift = lm_targets(batch, pad_idx)
     if shift:
         logits = logits[:, :-1]
+    return logits, targets
+
+
+def lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int,
+            use_cache_keyword: bool = False) -> tuple[Tensor, Tensor]:
+    """(summed NLL in nats, number of targets), targets equal to `pad_idx` (the ignore
+    index) excluded; see `lm_logits`."""
+    logits, targets = lm_logits(model, batch, pad_idx, use_cache_keyword)
     loss = F.cross_entropy(
         logits.flatten(0, -2).float(), targets.flatten(), ignore_index=pad_idx, reduction="sum"
     )
@@ -104,13 +139,14 @@ class CausalLMUnit(TrainUnit[LMBatch]):
         self.bytes_per_token = bytes_per_token
         self.moe_aux_loss_weight = moe_aux_loss_weight
         self._moe = [m for _, m in moe_layers(model)]
+        self._use_cache_keyword = takes_use_cache(model)
 
     @property
     def model(self) -> nn.Module:
         return self._model
 
     def __call__(self, batch: LMBatch, metrics: MetricBag) -> tuple[Tensor, Tensor]:
-        loss, num_targets = lm_loss(self._model, batch, self.pad_idx)
+        loss, num_targets = lm_loss(self._model, batch, self.pad_idx, self._use_cache_keyword)
         if self._moe:
             loss = loss + self._moe_step(metrics, num_targets)
         return loss, num_targets
@@ -132,7 +168,8 @@ class CausalLMUnit(TrainUnit[LMBatch]):
 
 class CausalLMEvalUnit(EvalUnit[LMBatch]):
     """Records the mean NLL (`loss`, weighted by target count) and perplexity; models and
-    batches as `CausalLMUnit`."""
+    batches as `CausalLMUnit`. `token_accuracy=True` adds `accuracy`: the share of targets
+    whose most likely token (argmax of the logits) is the target."""
 
     metric_names = ("loss", "perplexity", "bits_per_byte")
 
@@ -142,13 +179,16 @@ class CausalLMEvalUnit(EvalUnit[LMBatch]):
         name: str = "valid",
         pad_idx: int = -100,
         bytes_per_token: float | None = None,
+        token_accuracy: bool = False,
     ) -> None:
         self._model = model
         self.name = name
         self.pad_idx = pad_idx
         self.bytes_per_token = bytes_per_token
-        if bytes_per_token is None:
-            self.metric_names = ("loss", "perplexity")
+        self.token_accuracy = token_accuracy
+        names = ("loss", "perplexity") if bytes_per_token is None else self.metric_names
+        self.metric_names = (*names, "accuracy") if token_accuracy else names
+        self._use_cache_keyword = takes_use_cache(model)
 
     @property
     def model(self) -> nn.Module:
@@ -156,8 +196,15 @@ class CausalLMEvalUnit(EvalUnit[LMBatch]):
 
     @torch.inference_mode()
     def __call__(self, batch: LMBatch, metrics: MetricBag) -> None:
-        loss, num_targets = lm_loss(self._model, batch, self.pad_idx)
+        logits, targets = lm_logits(self._model, batch, self.pad_idx, self._use_cache_keyword)
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
+                               ignore_index=self.pad_idx, reduction="sum")
+        trained = targets != self.pad_idx
+        num_targets = trained.sum()
         metrics.update_total("loss", loss, num_targets)
+        if self.token_accuracy:
+            correct = (logits.argmax(-1) == targets) & trained
+            metrics.update_total("accuracy", correct.sum(), num_targets)
 
     def derive_metrics(self, values: dict[str, float]) -> None:
         derive_lm_metrics(values, self.bytes_per_token)

@@ -170,9 +170,12 @@ def train_with_trainer(ep_size: int, data_parallel: str):
             return model
 
         def __call__(self, batch, metrics):
-            return lm_loss(model, {k: v[rank::dp] for k, v in batch.items()}, -100)
+            return lm_loss(model, batch, -100)
 
-    Trainer(ShardUnit(), global_batches(), opt, output_dir=tempfile.mkdtemp(), gangs=gangs,
+    # Each rank its rows of every global batch (the Trainer refuses one list that every DP
+    # rank holds whole).
+    shards = [{k: v[rank::dp] for k, v in b.items()} for b in global_batches()]
+    Trainer(ShardUnit(), shards, opt, output_dir=tempfile.mkdtemp(), gangs=gangs,
             recorders=[], max_num_steps=NUM_STEPS, seed=None).run()
     inner = getattr(model, "module", model)
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()

@@ -223,6 +223,8 @@ def test_user_mistakes_are_one_clear_line(tiny, tmp_path):
     no_text = tmp_path / "no_text.jsonl"
     no_text.write_text('{"text": "fine"}\n{"body": "no text field"}\n', encoding="utf-8")
     files_arg = f"data.files=[{files[0]}]"
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     # The tiny model with the tokenizer of a larger vocabulary (512 tokens, the model 384).
     foreign = shutil.copytree(model, tmp_path / "foreign")
     bigger = make_tiny_model(tmp_path / "bigger", vocab_size=512)
@@ -239,6 +241,11 @@ def test_user_mistakes_are_one_clear_line(tiny, tmp_path):
                           f"data.files=[{no_text}]")],
         "foreign_tokenizer": ["recipes.finetune", *finetune_args(tmp_path / "o5", tiny, "--set",
                               f"model.path={foreign}")],
+        "seq_len_beyond_context": ["recipes.finetune", *finetune_args(
+            tmp_path / "o6", tiny, "--set", "data.seq_len=1024")],
+        "messages_as_text": ["recipes.finetune", *finetune_args(
+            tmp_path / "o7", tiny, "--set", f"data.files=[{chat}]",
+            "--set", "data.text_field=messages")],
     })
     expected = {
         "no_model_path": "error: config 'model.path' is not set",
@@ -247,6 +254,10 @@ def test_user_mistakes_are_one_clear_line(tiny, tmp_path):
         "no_text_field": f"error: data file '{no_text}' line 2 has no string field 'text'",
         "foreign_tokenizer": f"error: config 'model.path': the tokenizer of '{foreign}' gives "
                              "token 511, beyond the model's vocab_size 384",
+        "seq_len_beyond_context": "error: config 'data.seq_len' (1024) is beyond the model's "
+                                  "context: max_position_embeddings=256",
+        "messages_as_text": f"error: data file '{chat}' line 1 has no string field 'messages' "
+                            "('messages' holds conversations: train on them with recipes.sft",
     }
     for name, proc in procs.items():
         assert proc.returncode == 2, f"{name}: {describe(proc)}"

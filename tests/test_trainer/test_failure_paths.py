@@ -306,7 +306,8 @@ def _stopper_fails_on_rank_0():
     def broken_stopper(step_nr, score):
         raise ZeroDivisionError("division by zero in my stopper")
 
-    trainer = Trainer(TokenUnit(model), batches(10), torch.optim.AdamW(model.parameters()),
+    trainer = Trainer(TokenUnit(model), batches(10, seed=5 + gangs.dp.rank),
+                      torch.optim.AdamW(model.parameters()),
                       output_dir=tempfile.mkdtemp(), gangs=gangs, recorders=[],
                       valid_units=[Score()], valid_data_readers=[[None]],
                       score_metric="valid/loss", validate_every_n_steps=2,
@@ -344,7 +345,8 @@ def _unit_fails_on_rank_1():
     gangs = setup_gangs(setup_root_gang())
     model = data_parallel(make_model(), gangs)
     unit = FailsOnRank(model, gangs.root.rank, 3)
-    trainer = Trainer(unit, batches(10), torch.optim.AdamW(model.parameters()),
+    trainer = Trainer(unit, batches(10, seed=5 + gangs.dp.rank),
+                      torch.optim.AdamW(model.parameters()),
                       output_dir=os.environ["FAILURE_TEST_DIR"], gangs=gangs, recorders=[],
                       max_num_steps=8)
     started = time.monotonic()

@@ -39,8 +39,8 @@ class InjectingUnit(TokenUnit):
         return loss, n
 
 
-def batches(n=12):
-    s = make_samples(2 * n, seed=5)
+def batches(n=12, seed=5):
+    s = make_samples(2 * n, seed=seed)
     return [collate(s[i : i + 2]) for i in range(0, 2 * n, 2)]
 
 
@@ -57,7 +57,7 @@ def _fp16_overflow_on_rank_1():
     model = data_parallel(make_model(), gangs)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     unit = InjectingUnit(model, at_steps={3}, factor=math.inf, rank=gangs.root.rank, on_rank=1)
-    trainer = Trainer(unit, batches(), opt, output_dir=tempfile.mkdtemp(), gangs=gangs,
+    trainer = Trainer(unit, batches(seed=5 + gangs.dp.rank), opt, output_dir=tempfile.mkdtemp(), gangs=gangs,
                       dtype="fp16", fp16_loss_scale=(1024.0, 1e-4), fp16_loss_scale_window=4,
                       max_num_steps=2, recorders=[])
     scales, snaps = [], {}
@@ -142,7 +142,7 @@ def _nan_on_rank_1(max_consecutive_non_finite):
     model = data_parallel(make_model(), gangs)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     unit = InjectingUnit(model, at_steps={4}, factor=math.nan, rank=gangs.root.rank, on_rank=1)
-    trainer = Trainer(unit, batches(), opt, output_dir=tempfile.mkdtemp(), gangs=gangs,
+    trainer = Trainer(unit, batches(seed=5 + gangs.dp.rank), opt, output_dir=tempfile.mkdtemp(), gangs=gangs,
                       max_num_steps=8, recorders=[],
                       max_consecutive_non_finite=max_consecutive_non_finite)
     try:

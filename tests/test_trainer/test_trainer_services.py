@@ -59,7 +59,9 @@ def make_trainer(out, scores=None, model=None, gangs=None, **kwargs):
         valid = dict(valid_units=[ScriptedEval(model, scores)], valid_data_readers=[[None]])
         kwargs.setdefault("score_metric", "valid/loss")
     kwargs.setdefault("recorders", [])
-    return Trainer(TokenUnit(model), reader(), opt, output_dir=out, gangs=gangs, **valid,
+    # Each DP rank its own batches (the Trainer refuses a list every rank holds whole).
+    data = reader(seed=3 + (gangs.dp.rank if gangs is not None else 0))
+    return Trainer(TokenUnit(model), data, opt, output_dir=out, gangs=gangs, **valid,
                    **kwargs)
 
 

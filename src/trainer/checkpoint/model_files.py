@@ -5,7 +5,9 @@ the files the run started from:
     step_{N}/hf/    config.json, generation_config.json, and the tokenizer files of the
                     directory the model was loaded from (`config.name_or_path`), if any;
                     with LoRA adapters also adapter_config.json and lora_base.json
-                    (`trainer.checkpoint.adapters`)
+                    (`trainer.checkpoint.adapters`); the loaded directory's
+                    generation_config.json is copied as it is (a model built from
+                    config.json derives one that lacks the chat's stop tokens)
 
 Written by rank 0 into the save's temporary directory, so the manifest checksums them and
 they appear with the rest of the step, atomically. A model that is not a transformers
@@ -25,6 +27,8 @@ from trainer.checkpoint.adapters import write_adapter_files
 from trainer.run_dir import HF_FILES
 
 __all__ = ["HF_FILES", "TOKENIZER_FILES", "hf_model_of", "write_model_files"]
+
+GENERATION_CONFIG = "generation_config.json"
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -58,12 +62,18 @@ def write_model_files(model: nn.Module, step_dir: Path) -> None:
     target = Path(step_dir) / HF_FILES
     target.mkdir(parents=True, exist_ok=True)
     hf_model.config.save_pretrained(target)
-    generation_config = getattr(hf_model, "generation_config", None)
-    if generation_config is not None:
-        generation_config.save_pretrained(target)
     write_adapter_files(model, hf_model, target)
     source = Path(str(hf_model.config.name_or_path or ""))
-    if source.is_dir() and source.resolve() != target.resolve():
+    from_source = source.is_dir() and source.resolve() != target.resolve()
+    if from_source and (source / GENERATION_CONFIG).is_file():
+        # The pretrained model's own file: it carries the stop tokens of a chat (ChatML's
+        # <|im_end|>), which a model built from config.json alone derives wrongly.
+        shutil.copyfile(source / GENERATION_CONFIG, target / GENERATION_CONFIG)
+    else:
+        generation_config = getattr(hf_model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(target)
+    if from_source:
         for name in TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copyfile(source / name, target / name)

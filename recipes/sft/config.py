@@ -1,0 +1,126 @@
+"""The `recipes.sft` config: sections model, data, optimizer, lr_scheduler (warm-up and
+cosine decay, `trainer.lr_schedules`), trainer, gangs, lora (adapters, off by default)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, PositiveInt
+
+from trainer.config.sections import LoraSection, LRSchedulerSection, Section
+from trainer.config.trainer_config import AdamWConfig, TrainerConfig
+
+_Section = Section
+
+
+class ModelSection(_Section):
+    path: str | None = None
+    """A local Hugging Face model directory: config.json, safetensors weights, tokenizer
+    files (with a chat template for conversations), generation_config.json. Required."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward: less memory, about a
+    third more compute."""
+
+
+class DataSection(_Section):
+    files: list[str] = []
+    """Training data: JSONL, JSON or Parquet files, or directories of them (shards). Each
+    entry is one dataset (see `weights`). Required."""
+    valid_files: list[str] = []
+    """Validation data, read like `files`; empty: `valid_fraction` of `files` held out."""
+    weights: list[float] | None = None
+    """Mixing weights, one per entry of `files`: each dataset contributes its weight's share
+    of the examples (repeated or cut to it). null: every example once."""
+    format: Literal["text", "prompt_completion", "chat"] | None = None
+    """null: detected from the records' fields (`messages`: chat; `prompt` and `completion`:
+    prompt_completion; `text`: text)."""
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    chat_template: str | None = None
+    """A Jinja chat template file replacing the tokenizer's own (exported with the model);
+    null: the tokenizer's."""
+    seq_len: PositiveInt = 2048
+    """Tokens per row (packed) or per example at most; no more than the model's context."""
+    packing: bool = True
+    """Pack whole examples into rows of seq_len (best-fit decreasing), attention confined to
+    each example; false: `padding`."""
+    padding: Literal["longest", "free"] = "longest"
+    """Without packing: pad each batch to its longest example (attention_mask), or put a
+    micro-batch's examples one after the other in one row, no padding (needs max_tokens)."""
+    over_long: Literal["truncate", "drop"] = "truncate"
+    """An example longer than seq_len: keep its first seq_len tokens, or leave it out
+    (either is counted in the log)."""
+    batch_size: PositiveInt = 16
+    """The GLOBAL micro-batch in rows (packed) or examples (padded), across DP ranks."""
+    max_tokens: PositiveInt | None = None
+    """A token budget per micro-batch and rank instead of batch_size: padded batches of
+    examples of similar length (n x longest <= max_tokens), or padding-free rows."""
+    valid_batch_size: PositiveInt = 16
+    valid_fraction: float = Field(default=0.05, gt=0, lt=1)
+    split_seed: int = 0
+    shuffle_seed: int = 0
+    cache_dir: str | None = None
+    """Where `datasets` keeps the Arrow copies of the files and the tokenised tables;
+    null: its own cache (HF_DATASETS_CACHE)."""
+    num_workers: PositiveInt | None = None
+    """Processes that tokenise (datasets' num_proc); null: this one."""
+
+
+class OptimizerSection(AdamWConfig):
+    lr: float = Field(default=2e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(default=0.0, ge=0)
+
+
+class GangsSection(_Section):
+    tp_size: PositiveInt = 1
+    """Tensor parallelism over this many ranks, from the model's own plan."""
+    dp_shard_size: PositiveInt | None = None
+    """HSDP: FSDP2 shards over groups of this many DP ranks; needs data_parallel=fsdp."""
+    timeout_s: PositiveInt = 600
+
+
+class SFTConfig(_Section):
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    lr_scheduler: LRSchedulerSection = LRSchedulerSection(warmup_steps=20)
+    trainer: TrainerConfig = TrainerConfig(
+        max_num_steps=1000,
+        validate_every_n_steps=100,
+        checkpoint_every_n_steps=100,
+        keep_last_n_checkpoints=1,
+        keep_best_n_checkpoints=1,
+        score_metric="valid/loss",
+        max_gradient_norm=1.0,
+        dtype="bf16",
+        data_parallel="fsdp",
+    )
+    gangs: GangsSection = GangsSection()
+    lora: LoraSection = LoraSection()
+
+
+# Settings a resumed run may not change: the model and what a data position means.
+RESUME_GUARD = ("model.path", "data.files", "data.weights", "data.format", "data.text_field",
+                "data.prompt_field", "data.completion_field", "data.messages_field",
+                "data.chat_template", "data.seq_len", "data.packing", "data.padding",
+                "data.over_long", "data.batch_size", "data.max_tokens", "data.valid_fraction",
+                "data.split_seed", "data.shuffle_seed", *LoraSection.RESUME_GUARD)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {
+        "_doc": "rows of 2048 tokens, global batch 16, bf16, FSDP2, 1000 steps",
+    },
+    "tiny": {
+        "_doc": "seconds on a CPU, for tests and the docs: rows of 256, 60 steps, fp32",
+        "data": {"seq_len": 256, "batch_size": 4, "valid_batch_size": 8,
+                 "valid_fraction": 0.1},
+        "optimizer": {"lr": 3e-3},
+        "lr_scheduler": {"warmup_steps": 5},
+        "trainer": {"max_num_steps": 60, "validate_every_n_steps": 20,
+                    "checkpoint_every_n_steps": 20, "publish_metrics_every_n_steps": 10,
+                    "dtype": "fp32", "progress": False},
+    },
+}
