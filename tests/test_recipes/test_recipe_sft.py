@@ -231,11 +231,6 @@ def command(out: Path, tiny) -> list[str]:
     return [sys.executable, "-m", "recipes.sft", *map(str, sft_args(out, tiny))]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "bitwise before main's 5631581 (i-threads, #41); on that base a resumed SFT run differs "
-    "from the straight one in the last bits from the first step after the resume (loss "
-    "2.8745438712 vs 2.8745439802 at step 30, OMP_NUM_THREADS=1 in both), while "
-    "recipes.finetune still resumes bit for bit: open, see the report of #35"))
 def test_killed_run_resumes_bit_for_bit(straight, tiny, tmp_path):
     killed = tmp_path / "killed"
     hits = kill_repeatedly(command(killed, tiny), killed / "checkpoints", 2, random.Random(0),
