@@ -23,7 +23,7 @@ from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import hf_model_of, load_pretrained
-from trainer.hf.hf_config import read_hf_config
+from trainer.hf.hf_config import check_model_dir
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
@@ -73,7 +73,7 @@ class _Setup:
 def _setup(config: FinetuneConfig, train: bool) -> _Setup:
     configure_logging()  # on rank 0 only: every line once
     # The user's mistakes first, before any process group or model.
-    _check_model_path(config.model.path)
+    check_model_dir(config.model.path, config.data.seq_len)
     try:
         check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
     except ValueError:
@@ -99,12 +99,6 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
 
     model = load_model(config, gangs)
     hf_config = hf_model_of(model).config  # type: ignore[union-attr]  # load_model's
-    context = getattr(hf_config, "max_position_embeddings", None) \
-        or getattr(hf_config, "n_positions", None)
-    if context is not None and d.seq_len > context:
-        raise UserError(f"config 'data.seq_len' ({d.seq_len}) is beyond the model's context: "
-                        f"max_position_embeddings={context} in "
-                        f"{Path(str(config.model.path)) / 'config.json'}; lower data.seq_len")
     if tokens.numel() and int(tokens.max()) >= hf_config.vocab_size:
         raise UserError(f"config 'model.path': the tokenizer of '{config.model.path}' gives "
                         f"token {int(tokens.max())}, beyond the model's vocab_size "
@@ -150,17 +144,6 @@ def cli(argv: Sequence[str] | None = None) -> int:
     return run_recipe(FinetuneConfig, PRESETS, main, argv, prog="python -m recipes.finetune",
                       default_preset="default", resume_guard=RESUME_GUARD,
                       eval_main=eval_main)
-
-
-def _check_model_path(path: str | None) -> None:
-    if path is None:
-        raise UserError("config 'model.path' is not set: give the Hugging Face model "
-                        "directory to fine-tune, e.g. --set model.path=/models/llama")
-    if not (Path(path) / "config.json").is_file():
-        reason = "has no config.json" if Path(path).is_dir() else "does not exist"
-        raise UserError(f"config 'model.path': '{path}' {reason}: it must be a local Hugging "
-                        "Face model directory (config.json, safetensors, tokenizer files)")
-    read_hf_config(Path(path))  # a damaged config.json named before the tokenizer reads it
 
 
 def _tokenizer(path: str) -> Any:

@@ -27,6 +27,7 @@ from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import load_pretrained
+from trainer.hf.hf_config import check_model_dir
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
@@ -146,28 +147,6 @@ def load_model(config: SFTConfig, gangs: Gangs) -> nn.Module:
                            **config.lora.load_options(config.trainer.seed))
 
 
-def _check_model(config: SFTConfig) -> Any:
-    """The model's config, after the checks that need no process group."""
-    path = config.model.path
-    if path is None:
-        raise UserError("config 'model.path' is not set: give the Hugging Face model "
-                        "directory to fine-tune, e.g. --set model.path=/models/qwen")
-    if not (Path(path) / "config.json").is_file():
-        reason = "has no config.json" if Path(path).is_dir() else "does not exist"
-        raise UserError(f"config 'model.path': '{path}' {reason}: it must be a local Hugging "
-                        "Face model directory (config.json, safetensors, tokenizer files)")
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    context = getattr(hf_config, "max_position_embeddings", None) \
-        or getattr(hf_config, "n_positions", None)
-    if context is not None and config.data.seq_len > context:
-        raise UserError(f"config 'data.seq_len' ({config.data.seq_len}) is beyond the model's "
-                        f"context: max_position_embeddings={context} in "
-                        f"{Path(path) / 'config.json'}; lower data.seq_len")
-    return hf_config
-
-
 @dataclass
 class _Setup:
     gangs: Gangs
@@ -180,7 +159,7 @@ class _Setup:
 
 def _setup(config: SFTConfig, train: bool) -> _Setup:
     configure_logging()
-    hf_config = _check_model(config)
+    hf_config = check_model_dir(config.model.path, config.data.seq_len)
     try:
         check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
     except ValueError:

@@ -10,7 +10,7 @@ from typing import Any
 
 from trainer.errors import UserError
 
-__all__ = ["read_hf_config"]
+__all__ = ["check_model_dir", "read_hf_config"]
 
 
 def read_hf_config(directory: Path) -> Any:
@@ -43,3 +43,24 @@ def read_hf_config(directory: Path) -> Any:
         # A value the config class refuses: transformers' own first line names it.
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"{path} is not a valid {model_type} config: {first}") from None
+
+
+def check_model_dir(path: str | None, seq_len: int) -> Any:
+    """The `PretrainedConfig` of the recipe setting `model.path`, after the checks a user's
+    mistake fails: not set, not a model directory, a damaged config.json, and a `data.seq_len`
+    beyond the model's context (whose position table it would index past)."""
+    if path is None:
+        raise UserError("config 'model.path' is not set: give the Hugging Face model "
+                        "directory to fine-tune, e.g. --set model.path=/models/llama")
+    if not (Path(path) / "config.json").is_file():
+        reason = "has no config.json" if Path(path).is_dir() else "does not exist"
+        raise UserError(f"config 'model.path': '{path}' {reason}: it must be a local Hugging "
+                        "Face model directory (config.json, safetensors, tokenizer files)")
+    hf_config = read_hf_config(Path(path))
+    context = (getattr(hf_config, "max_position_embeddings", None)
+               or getattr(hf_config, "n_positions", None))
+    if context is not None and seq_len > context:
+        raise UserError(f"config 'data.seq_len' ({seq_len}) is beyond the model's context: "
+                        f"max_position_embeddings={context} in {Path(path) / 'config.json'}; "
+                        "lower data.seq_len")
+    return hf_config
