@@ -145,7 +145,8 @@ def _trainer_on_two_ranks(out: str) -> str:
     gangs = setup_gangs(setup_root_gang())
     model = data_parallel(make_model(), gangs)
     try:
-        Trainer(RegressionUnit(model), make_batches(2), torch.optim.SGD(model.parameters(), lr=0.1),
+        batches = make_batches(4)[gangs.dp.rank::gangs.dp.size]  # each rank its own share
+        Trainer(RegressionUnit(model), batches, torch.optim.SGD(model.parameters(), lr=0.1),
                 output_dir=out, gangs=gangs, max_num_steps=2, recorders=[], progress=False)
     except UserError as error:
         return str(error)

@@ -168,6 +168,10 @@ class CheckpointDir:
         """`last` and `best` name the given step directories; a pointer to None is removed."""
         for name, step_nr in (("last", last_step), ("best", best_step)):
             path = self.path / name
+            if path.is_dir() and not path.is_symlink():
+                # A copy of the run whose copier followed the symlink (`cp -r`): a whole step
+                # directory under the pointer's name, never read as a step; a pointer again.
+                shutil.rmtree(path)
             if step_nr is None:
                 path.unlink(missing_ok=True)
                 continue
