@@ -102,8 +102,11 @@ def measured_matmul_peak(dtype: torch.dtype, size: int = 512, budget_s: float = 
     """FLOP/s of a `size`x`size` matmul in `dtype` on this CPU, once per process: the fastest
     of single matmuls timed for about `budget_s` (the fastest, as another process taking the
     core only ever slows one down; still a lower bound of the peak)."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    # Its own generator: drawing from the global one would change the run's random stream
+    # (dropout masks) by whether and when the peak was measured.
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(dtype)
+    b = torch.randn(size, size, generator=generator).to(dtype)
     torch.mm(a, b)  # warm-up: threads, kernels
     fastest, start = math.inf, time.perf_counter()
     while time.perf_counter() - start < budget_s or fastest == math.inf:
