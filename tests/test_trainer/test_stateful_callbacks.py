@@ -18,7 +18,7 @@ TESTS = Path(__file__).resolve().parents[1]
 ARGS = ["--preset", "tiny", "--set", "trainer.max_num_steps=12", "--set", "gangs.timeout_s=60",
         "--set", "trainer.checkpoint_every_n_steps=4", "--set", "trainer.validate_every_n_steps=8",
         "--set", "trainer.publish_metrics_every_n_steps=2", "--set", "trainer.progress=false",
-        "--set", "trainer.keep_last_n_checkpoints=2",
+        "--set", "trainer.keep_last_n_checkpoints=2", "--set", "trainer.num_threads=1",
         "--set", "trainer.keep_best_n_checkpoints=null",
         "--set", "trainer.callbacks=[{name: 'ema_callback:WeightEMA'}]"]
 

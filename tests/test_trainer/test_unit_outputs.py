@@ -41,8 +41,10 @@ class BadCount(TokenUnit):
                                   else torch.float32)
 
 
-def trainer_of(unit, out, **kwargs):
-    return Trainer(unit, batches(), torch.optim.AdamW(unit.model.parameters(), lr=0.01),
+def trainer_of(unit, out, gangs=None, **kwargs):
+    data = batches() if gangs is None else batches()[gangs.dp.rank::gangs.dp.size]
+    return Trainer(unit, data, torch.optim.AdamW(unit.model.parameters(), lr=0.01),
+                   gangs=gangs,
                    output_dir=out, max_num_steps=10, publish_metrics_every_n_steps=5,
                    checkpoint_every_n_steps=5, recorders=[JsonlRecorder(out)], progress=False,
                    **kwargs)
