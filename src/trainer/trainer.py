@@ -238,8 +238,8 @@ class Trainer(Generic[BatchT]):
             s.wandb_project)
         self.system = SystemMetrics(self.device, s.dtype, self.gangs.root.size,
                                     flops_per_target_of(unit))
-        # torch's counter tracks modules with autograd hooks, which a pipeline schedule's own
-        # autograd.grad calls refuse: under PP only a unit's stated figure is used.
+        # Under PP only a unit's stated figure is used: the public fallback counter's autograd
+        # hooks are refused by the schedule's own autograd.grad calls.
         self.flops = FirstStepFlops(self.system.flops_per_target,
                                     enabled=not s.compile_model and self.gangs.pp.size == 1)
         # The events around the optimizer step, wired only where a callback has them.
