@@ -45,6 +45,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from parallel.pipeline import gradient_norm_over, pipeline_model
     from recipes.lm.model import GPT, GPTConfig
+    from recipes.lm.spec import GPT_SPEC
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -58,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     inputs, targets = ids[:, :-1], ids[:, 1:]
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     group = dist.group.WORLD
-    pipe = pipeline_model(model, group, loss_fn=summed_loss, num_microbatches=m,
+    pipe = pipeline_model(model, group, spec=GPT_SPEC, loss_fn=summed_loss, num_microbatches=m,
                           schedule=args.schedule)
 
     def baseline_step() -> None:

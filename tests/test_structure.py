@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gangs", "layers", "parallel", "data", "units", "trainer", "recipes")
+PACKAGES = ("gangs", "layers", "parallel", "data", "units", "models", "trainer", "recipes")
 
 
 def module_files() -> dict[str, Path]:
@@ -111,9 +111,11 @@ PART_IMPORTS = {"run_dir": set()} | {part: deps | {"run_dir"} for part, deps in 
 PART_IMPORTS["face"] = set(PART_IMPORTS)
 # What the other packages may import: arrows point down to gangs.
 PACKAGE_IMPORTS = {"gangs": set(), "layers": {"gangs"}, "parallel": {"gangs", "layers"},
-                   "data": {"gangs"}, "units": {"gangs", "layers"},
-                   "trainer": {"units", "gangs", "parallel", "layers", "data"},
-                   "recipes": {"trainer", "units", "gangs", "parallel", "layers", "data"}}
+                   "data": {"gangs"}, "units": {"gangs", "layers", "data"},
+                   "models": {"gangs", "layers", "parallel"},
+                   "trainer": {"units", "gangs", "parallel", "layers", "data", "models"},
+                   "recipes": {"trainer", "units", "gangs", "parallel", "layers", "data",
+                               "models"}}
 
 
 def part_of(module: str) -> str:

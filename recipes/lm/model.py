@@ -80,7 +80,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.dim, bias=False)
         self.wv = nn.Linear(config.dim, config.dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
-        # Context parallelism (`parallel.context.enable_context_parallel`): x is this rank's
+        # Context parallelism (`recipes.lm.spec.GPTSpec.attend_over`): x is this rank's
         # slice of each row, and attention runs over the whole row through this group.
         self.cp_group: ProcessGroup | None = None
 

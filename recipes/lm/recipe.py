@@ -12,7 +12,6 @@ from rich.console import Console
 
 from gangs import Gangs
 from parallel import check_hsdp, plan
-from parallel.context import enable_context_parallel
 from parallel.materialize import materialize, seeded_init
 from parallel.pipeline import PipelinedModel, pipeline_model
 from recipes.lm.config import LMConfig
@@ -25,6 +24,7 @@ from recipes.lm.data import (
     split_files,
 )
 from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
+from recipes.lm.spec import GPT_SPEC
 from trainer.cli import recipe_gangs
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
@@ -104,7 +104,7 @@ def _setup(config: LMConfig, train: bool) -> _Setup:
         model = build_model(gpt_config, gangs, config.trainer.data_parallel,
                             config.trainer.seed)
         if gangs.cp.size > 1:  # attention over the whole row, each rank holding a slice
-            enable_context_parallel(model, gangs.cp.as_process_group())
+            GPT_SPEC.attend_over(model, gangs.cp.as_process_group())
         valid_unit = CausalLMEvalUnit(model, bytes_per_token=1)
     if console:
         console.print(f"model: {num_parameters(model):,} parameters on this rank, "
@@ -182,7 +182,8 @@ def build_pipelined_model(gpt_config: GPTConfig, gangs: Gangs, seed: int, *,
         materialize(model, device, seeded_init(seed, rule))
 
     def split(model: torch.nn.Module) -> PipelinedModel:
-        return pipeline_model(model, gangs.pp.as_process_group(), loss_fn=summed_lm_loss,
+        return pipeline_model(model, gangs.pp.as_process_group(), spec=GPT_SPEC,
+                              loss_fn=summed_lm_loss,
                               num_microbatches=num_microbatches, schedule=schedule,
                               boundaries=boundaries, device=gangs.device)
 

@@ -5,10 +5,14 @@
 - `data`, `fsdp`, `blocks`: DDP or FSDP2/HSDP over `gangs.dp`, per repeated block;
 - `expert`: expert parameters left out of DDP/FSDP2 and reduced over `gangs.expert_dp`;
 - `materialize`: fill a model built on meta, each rank its own slices;
-- `tensor`: optimizer groups for models mixing plain tensors and DTensors.
+- `tensor`: optimizer groups for models mixing plain tensors and DTensors;
+- `spec`: `ModelSpec`, what a model family tells the generic layers;
+- `pipeline`, `pipeline_stages`: pipeline schedules over `gangs.pp`, stages cut by the spec;
+- `context`: Ulysses context parallelism over `gangs.cp`, installed by the spec.
 
-Tensor-parallel plans are model-specific and live with the model (e.g.
-`recipes.lm.parallelize`, `trainer.hf.tensor_parallel`). Imports `gangs` and `layers` only."""
+Everything model-specific (TP plans, pipeline stages, attention) lives with the model's
+family (`recipes.lm.spec`, `models.hf`); nothing here names a family or a model attribute.
+Imports `gangs` and `layers` only."""
 
 from parallel.data import data_parallel, is_data_parallel
 from parallel.expert import ddp_ignored_names, reduce_expert_gradients

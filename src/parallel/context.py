@@ -21,16 +21,17 @@ over DP, and parameters' gradients are summed over `cp` (fold `cp` into the grad
 reduction group, as torchtitan's ``dp_shard_cp``).
 
 `ulysses_attention(q, k, v, group, position_ids=...)` is the kernel; models call it through
-their attention seam: `register_hf_attention()` adds it to transformers' attention
-registry (``config._attn_implementation = "gangtrain_ulysses"``), and the LM recipe's GPT
-takes it as its attention function.
+their attention seam, installed by their family's spec (`parallel.spec.ModelSpec.attend_over`:
+transformers' attention interface for HF models, `models.hf.attention`; the LM recipe's GPT
+takes it as its attention function), which marks the model (`mark_context_parallel`) so that
+validation can switch it back to whole sequences (`whole_sequences`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
@@ -39,19 +40,14 @@ from torch import Tensor, nn
 from torch.distributed.nn.functional import all_to_all_single
 
 __all__ = [
-    "HF_ATTENTION_NAME",
     "document_mask",
-    "enable_context_parallel",
     "gather_sequence",
-    "register_hf_attention",
+    "mark_context_parallel",
     "shard_sequence",
     "ulysses_attention",
     "uses_context_parallel",
     "whole_sequences",
 ]
-
-HF_ATTENTION_NAME = "gangtrain_ulysses"
-
 
 def shard_sequence(tensor: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
     """This rank's contiguous slice of `tensor` along `dim` (the sequence): rank r of a group
@@ -155,29 +151,19 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def enable_context_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Make every attention module of `model` that has a `cp_group` attribute (the LM
-    recipe's GPT) attend over `group` with `ulysses_attention`."""
-    found = False
-    for module in model.modules():
-        if hasattr(module, "cp_group"):
-            module.cp_group = group
-            found = True
-    if not found:
-        raise ValueError(f"{type(model).__name__} has no attention that takes a cp group "
-                         "(a `cp_group` attribute); for Hugging Face models use "
-                         "register_hf_attention")
+_SWITCHES: WeakKeyDictionary[nn.Module, Callable[[bool], None]] = WeakKeyDictionary()
+
+
+def mark_context_parallel(model: nn.Module, switch: Callable[[bool], None]) -> None:
+    """Record that `model` attends over a cp group (a family's spec calls this from its
+    `attend_over`): ``switch(False)`` makes it attend within each rank's own rows,
+    ``switch(True)`` over the group again."""
+    _SWITCHES[model] = switch
 
 
 def uses_context_parallel(model: nn.Module) -> bool:
-    """Whether `model` attends through this module (GPT `cp_group`, or HF registration)."""
-    for module in model.modules():
-        if getattr(module, "cp_group", None) is not None:
-            return True
-        config = getattr(module, "config", None)
-        if getattr(config, "_attn_implementation", None) == HF_ATTENTION_NAME:
-            return True
-    return False
+    """Whether `model` (or a module it wraps) was made to attend over a cp group."""
+    return any(module in _SWITCHES for module in model.modules())
 
 
 @contextlib.contextmanager
@@ -185,53 +171,11 @@ def whole_sequences(model: nn.Module) -> Iterator[None]:
     """Attention within each rank's own rows for the block, as without context parallelism:
     for validation, where every cp rank reads and scores whole sequences (exact, and the
     ranks agree; the sequence is not split there)."""
-    saved: list[tuple[Any, str, Any]] = []
-    for module in model.modules():
-        if getattr(module, "cp_group", None) is not None:
-            saved.append((module, "cp_group", module.cp_group))
-            module.cp_group = None
-        config = getattr(module, "config", None)
-        if (getattr(config, "_attn_implementation", None) == HF_ATTENTION_NAME
-                and not any(obj is config for obj, _, _ in saved)):
-            saved.append((config, "_attn_implementation", HF_ATTENTION_NAME))
-            config._attn_implementation = "sdpa"  # noqa: SLF001 (transformers' own switch)
+    switches = [_SWITCHES[m] for m in model.modules() if m in _SWITCHES]
+    for switch in switches:
+        switch(False)
     try:
         yield
     finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-
-
-# -- Hugging Face models -------------------------------------------------------------------
-
-_HF_GROUPS: dict[int, dist.ProcessGroup | None] = {}
-
-
-def register_hf_attention(model: Any, group: dist.ProcessGroup | None) -> None:
-    """Make a transformers model (Llama-style: its attention goes through
-    `ALL_ATTENTION_FUNCTIONS`) attend with `ulysses_attention` over `group`. Its inputs must
-    then be this rank's slice of each row (`shard_sequence`) with `position_ids` given: the
-    model sees only a slice and would number it from 0."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(HF_ATTENTION_NAME, _hf_attention)
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = HF_ATTENTION_NAME  # noqa: SLF001 (transformers' own switch)
-    _HF_GROUPS[id(model.config)] = group
-
-
-def _hf_attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
-                  attention_mask: Tensor | None, *, scaling: float | None = None,
-                  dropout: float = 0.0, position_ids: Tensor | None = None,
-                  **kwargs: Any) -> tuple[Tensor, None]:
-    """transformers' attention signature; the mask it built for the local slice is not used
-    (the document mask comes from the gathered `position_ids`)."""
-    del attention_mask, kwargs
-    group = _HF_GROUPS.get(id(module.config))
-    if position_ids is None:
-        raise ValueError("context-parallel attention needs the position_ids of each slice")
-    out = ulysses_attention(query, key, value, group, position_ids=position_ids.expand(
-        query.shape[0], -1), scale=scaling, dropout_p=dropout)
-    return out.transpose(1, 2).contiguous(), None
+        for switch in switches:
+            switch(True)

@@ -40,7 +40,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
 
-from parallel.pipeline_stages import build_stage, layer_split, merge_stages, model_family
+from parallel.pipeline_stages import build_stage, layer_split, merge_stages
+from parallel.spec import ModelSpec
 
 __all__ = [
     "SCHEDULES",
@@ -72,9 +73,8 @@ def stage_indices(schedule: str, pp_rank: int, pp_size: int, stages_per_rank: in
     return [pp_rank + i * pp_size for i in range(stages_per_rank)]
 
 
-def num_layers(model: nn.Module) -> int:
-    family = model_family(model)
-    return len(model.layers if family == "gpt" else model.model.layers)
+def num_layers(spec: ModelSpec, model: nn.Module) -> int:
+    return len(spec.decoder_layers(model))
 
 
 def _check_schedule(schedule: str, stages_per_rank: int | None) -> int:
@@ -159,6 +159,7 @@ def pipeline_model(
     model: nn.Module,
     group: dist.ProcessGroup,
     *,
+    spec: ModelSpec,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     num_microbatches: int,
     schedule: str = "1f1b",
@@ -166,14 +167,14 @@ def pipeline_model(
     boundaries: Sequence[int] | None = None,
     device: torch.device | None = None,
 ) -> PipelinedModel:
-    """Cut `model` into stages, keep this rank's, and build the schedule over `group` (the
-    pp group). `loss_fn(output, target)` must return the SUMMED loss."""
+    """Cut `model` into stages (as its family's `spec` says), keep this rank's, and build
+    the schedule over `group` (the pp group). `loss_fn(output, target)` must return the SUMMED loss."""
     stages_per_rank = _check_schedule(schedule, stages_per_rank)
     pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
     num_stages = pp_size * stages_per_rank
-    split = layer_split(num_layers(model), num_stages, boundaries)
+    split = layer_split(num_layers(spec, model), num_stages, boundaries)
     indices = stage_indices(schedule, pp_rank, pp_size, stages_per_rank)
-    modules = [build_stage(model, split, i) for i in indices]
+    modules = [build_stage(spec, model, split, i) for i in indices]
     device = device or next(model.parameters()).device
     stages = [PipelineStage(m, i, num_stages, device, group=group)
               for m, i in zip(modules, indices)]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from data.collate import IGNORE_INDEX
 from layers.moe import moe_layers
 from units.metrics import MetricBag
 from units.unit import EvalUnit, TrainUnit
@@ -64,6 +65,30 @@ def lm_targets(batch: LMBatch, pad_idx: int) -> tuple[Tensor, bool]:
     if mask is not None:
         labels = labels.masked_fill(mask == 0, pad_idx)
     return labels[:, 1:], True
+
+
+def sequence_batch(batch: LMBatch, pad_idx: int = IGNORE_INDEX) -> dict[str, Tensor]:
+    """The batch as ``{"input_ids", "target_ids", "position_ids", ...}`` (every value
+    ``[b, t]``), ready to be cut along the sequence: an HF-style batch is pre-shifted
+    (`target_ids`, the last position unscored), because shifting after the cut would lose
+    the target at each slice boundary; `position_ids` (0..t-1) are added when missing, since
+    a slice must know where it starts; an `attention_mask` is folded into the targets and
+    dropped (padding must be on the right, where causal attention keeps it from every real
+    token)."""
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        raise ValueError("context parallelism takes causal-LM batches: a mapping with "
+                         f"'input_ids'; got {type(batch).__name__}")
+    out = {k: v for k, v in batch.items() if k not in ("labels", "attention_mask")}
+    ids = batch["input_ids"]
+    if "target_ids" not in batch:
+        labels = batch.get("labels", ids)
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            labels = labels.masked_fill(mask == 0, pad_idx)
+        out["target_ids"] = F.pad(labels[:, 1:], (0, 1), value=pad_idx)
+    if "position_ids" not in out:
+        out["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return out
 
 
 def takes_use_cache(model: nn.Module) -> bool:
@@ -130,7 +155,7 @@ class CausalLMUnit(TrainUnit[LMBatch]):
     """
 
     def __init__(
-        self, model: nn.Module, pad_idx: int = -100, bytes_per_token: float | None = None,
+        self, model: nn.Module, pad_idx: int = IGNORE_INDEX, bytes_per_token: float | None = None,
         moe_aux_loss_weight: float = 0.0, flops_per_target: float | None = None,
     ) -> None:
         self._model = model
@@ -144,6 +169,9 @@ class CausalLMUnit(TrainUnit[LMBatch]):
     @property
     def model(self) -> nn.Module:
         return self._model
+
+    def sequence_batch(self, batch: LMBatch) -> dict[str, Tensor]:
+        return sequence_batch(batch, self.pad_idx)
 
     def __call__(self, batch: LMBatch, metrics: MetricBag) -> tuple[Tensor, Tensor]:
         loss, num_targets = lm_loss(self._model, batch, self.pad_idx, self._use_cache_keyword)
@@ -177,7 +205,7 @@ class CausalLMEvalUnit(EvalUnit[LMBatch]):
         self,
         model: nn.Module,
         name: str = "valid",
-        pad_idx: int = -100,
+        pad_idx: int = IGNORE_INDEX,
         bytes_per_token: float | None = None,
         token_accuracy: bool = False,
     ) -> None:

@@ -17,15 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from data.collate import IGNORE_INDEX
 from units.causal_lm import derive_lm_metrics, lm_targets
 from units.metrics import MetricBag
 from units.unit import EvalUnit, TrainUnit
 
 if TYPE_CHECKING:
     from parallel.pipeline import PipelinedModel
-
-IGNORE_INDEX = -100
-
 
 def summed_lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Cross-entropy SUMMED over the targets that are not `IGNORE_INDEX` (fp32)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Generic, TypeVar
 
 from torch import Tensor, nn
@@ -35,6 +35,14 @@ class TrainUnit(ABC, Generic[BatchT]):
     @abstractmethod
     def __call__(self, batch: BatchT, metrics: MetricBag) -> tuple[Tensor, int | Tensor | None]:
         """Forward one micro-batch; record unit-specific metrics into `metrics`."""
+
+    def sequence_batch(self, batch: BatchT) -> Mapping[str, Tensor]:
+        """The batch as tensors ``[b, t, ...]`` that can be cut along the sequence (dim 1),
+        each slice still scoring what it holds: what context parallelism shards. A unit
+        whose batches cannot be cut so does not override this."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not say how its batch is cut along the sequence "
+            "(TrainUnit.sequence_batch), which context parallelism needs")
 
     def set_step_nr(self, step_nr: int) -> None:  # noqa: B027  (optional hook)
         """Called before each step with the step number about to run (1-based)."""

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
 
-from parallel.context import document_mask, register_hf_attention, shard_sequence, ulysses_attention
+from models.hf.attention import register_hf_attention
+from parallel.context import document_mask, shard_sequence, ulysses_attention
 
 T, B, HEADS, KV_HEADS, D = 256, 2, 4, 2, 8
 

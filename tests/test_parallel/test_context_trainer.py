@@ -14,8 +14,8 @@ import torch
 from ranks import run_ranks
 
 from gangs import FakeGang, setup_gangs, setup_root_gang
-from parallel.context import enable_context_parallel
 from recipes.lm.model import GPT, GPTConfig
+from recipes.lm.spec import GPT_SPEC
 from trainer.observe.recorders.base import MetricRecorder
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMUnit
@@ -61,7 +61,7 @@ def train(packed: bool, cp_size: int = 1):
     torch.manual_seed(0)
     model = GPT(CONFIG)
     if cp_size > 1:
-        enable_context_parallel(model, gangs.cp.as_process_group())
+        GPT_SPEC.attend_over(model, gangs.cp.as_process_group())
     recorder = ListRecorder()
     with tempfile.TemporaryDirectory() as out:
         Trainer(CausalLMUnit(model), batches(packed),

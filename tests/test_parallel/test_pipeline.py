@@ -12,9 +12,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
 
+from models.hf import spec_for
 from parallel.pipeline import available_schedules, gradient_norm_over, pipeline_model
 from parallel.pipeline_stages import build_stage, layer_split, merge_stages
 from recipes.lm.model import GPT, GPTConfig
+from recipes.lm.spec import GPT_SPEC
 
 VOCAB, SEQ, MICRO, ACC, STEPS = 64, 16, 2, 4, 30
 MAX_NORM = 0.5
@@ -79,8 +81,10 @@ def reference(build) -> tuple[list[float], list[float], dict[str, torch.Tensor]]
 
 
 def pipelined(build, schedule: str):
+    spec = spec_for(build()) if build is llama else GPT_SPEC
+
     def rank_fn():
-        pipe = pipeline_model(build(), dist.group.WORLD, loss_fn=summed_loss,
+        pipe = pipeline_model(build(), dist.group.WORLD, spec=spec, loss_fn=summed_loss,
                               num_microbatches=ACC, schedule=schedule)
         params = list(pipe.model.parameters())
         optimizer = torch.optim.AdamW(params, lr=LR)
@@ -142,11 +146,11 @@ def test_layer_split_by_count_and_by_boundaries():
 def test_stages_keep_whole_model_names_and_refuse_tied_embeddings():
     model = gpt()
     split = layer_split(4, 4)
-    merged = merge_stages([build_stage(model, split, i) for i in (0, 2)])
+    merged = merge_stages([build_stage(GPT_SPEC, model, split, i) for i in (0, 2)])
     names = {n for n, _ in merged.named_parameters()}
     assert "tok_embeddings.weight" in names and "layers.2.attention.wq.weight" in names
     assert not any(n.startswith(("layers.1.", "layers.3.", "output")) for n in names)
     torch.manual_seed(0)
     tied = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, dim=32, num_layers=4, num_heads=2))
     with pytest.raises(ValueError, match="tie_embeddings=false"):
-        build_stage(tied, split, 0)
+        build_stage(GPT_SPEC, tied, split, 0)

@@ -18,6 +18,7 @@ from gangs import setup_gangs, setup_root_gang
 from parallel.pipeline import available_schedules, pipeline_model
 from recipes.lm.model import GPT, GPTConfig
 from recipes.lm.parallelize import gpt_tensor_parallel
+from recipes.lm.spec import GPT_SPEC
 from trainer.observe.recorders.base import MetricRecorder
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMUnit
@@ -72,7 +73,8 @@ def train(output_dir: str, *, pp_size: int = 1, tp_size: int = 1, schedule: str 
         model = gpt()
         if tp_size > 1:  # the build plan's order: tensor parallel, then the pipeline split
             gpt_tensor_parallel(model, gangs)
-        pipe = pipeline_model(model, gangs.pp.as_process_group(), loss_fn=summed_lm_loss,
+        pipe = pipeline_model(model, gangs.pp.as_process_group(), spec=GPT_SPEC,
+                              loss_fn=summed_lm_loss,
                               num_microbatches=ACC, schedule=schedule)
         unit, model = PipelineLMUnit(pipe), pipe.model
     else:

@@ -31,12 +31,12 @@ from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
 from layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
+from models.hf.tensor_parallel import apply_tp_plan
 from parallel import plan
 from parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
 from trainer.hf.hf_config import read_hf_config
 from trainer.hf.safetensors_files import WeightFiles
-from trainer.hf.tensor_parallel import apply_tp_plan
 
 __all__ = ["build_on_meta", "load_pretrained", "tensor_aliases"]
 

@@ -8,21 +8,16 @@ parameter gradients of its slice only: all three are summed over `cp` here, so t
 the optimizer step sees is what one process holding the whole sequence would have (DP's
 averaging and the division by the global target count follow as usual).
 
-Batches are the stock causal-LM ones (`units.causal_lm.LMBatch`). An HF-style batch is
-turned into the pre-shifted form first (`target_ids`, the last position unscored), because
-shifting after the split would lose the target at each slice boundary; `position_ids` are
-added (0..t-1) when the batch has none, since a slice must know where it starts. An
-`attention_mask` is folded into the targets and dropped: padding must be on the right,
-where causal attention keeps it from every real token.
+The unit says how its batch is cut along the sequence (`TrainUnit.sequence_batch`: for the
+causal-LM units, pre-shifted targets and explicit positions); this seam cuts what it returns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from gangs import Gang, ReduceOperation
@@ -35,15 +30,15 @@ class ContextParallelStep:
     loss, count and gradients over `cp` (see the module docstring)."""
 
     def __init__(self, inner: ForwardBackward[Any], cp: Gang, params: list[Tensor],
-                 pad_idx: int = -100) -> None:
+                 sequence_batch: Callable[[Any], Mapping[str, Tensor]]) -> None:
         self.inner = inner
         self.cp = cp
         self.params = [p for p in params if p.requires_grad]
-        self.pad_idx = pad_idx
+        self.sequence_batch = sequence_batch
 
     def __call__(self, batches: list[Any], step_nr: int) -> StepGradients:
         group = self.cp.as_process_group()
-        sliced = [{k: shard_sequence(v, group) for k, v in pre_shifted(b, self.pad_idx).items()}
+        sliced = [{k: shard_sequence(v, group) for k, v in self.sequence_batch(b).items()}
                   for b in batches]
         local = self.inner(sliced, step_nr)
         assert not local.normalised, "a context-parallel step cannot start from the mean"
@@ -67,21 +62,3 @@ class ContextParallelStep:
             p.grad = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
 
-
-def pre_shifted(batch: Mapping[str, Tensor], pad_idx: int) -> dict[str, Tensor]:
-    """The batch as ``{"input_ids", "target_ids", "position_ids", ...}`` (every value
-    ``[b, t]``), ready to be cut along the sequence."""
-    if not isinstance(batch, Mapping) or "input_ids" not in batch:
-        raise ValueError("context parallelism takes causal-LM batches: a mapping with "
-                         f"'input_ids'; got {type(batch).__name__}")
-    out = {k: v for k, v in batch.items() if k not in ("labels", "attention_mask")}
-    ids = batch["input_ids"]
-    if "target_ids" not in batch:
-        labels = batch.get("labels", ids)
-        mask = batch.get("attention_mask")
-        if mask is not None:
-            labels = labels.masked_fill(mask == 0, pad_idx)
-        out["target_ids"] = F.pad(labels[:, 1:], (0, 1), value=pad_idx)
-    if "position_ids" not in out:
-        out["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    return out

@@ -54,10 +54,13 @@ def check_layout(unit: TrainUnit[Any], gangs: Gangs, *, num_accumulate: int, dty
                          "give the Trainer the gangs the pipeline was built on")
     if cp > 1 and not uses_context_parallel(unit.model):
         raise ValueError(
-            f"gangs with cp_size {cp} need a model that attends over the cp gang "
-            "(parallel.context: enable_context_parallel(model, gangs.cp) for the LM "
-            "recipe's GPT, register_hf_attention for Hugging Face models); "
+            f"gangs with cp_size {cp} need a model that attends over the cp gang (its "
+            "family's spec: spec.attend_over(model, gangs.cp.as_process_group())); "
             f"{type(unit.model).__name__} would attend within each rank's slice only")
+    if cp > 1 and type(unit).sequence_batch is TrainUnit.sequence_batch:
+        raise ValueError(
+            f"gangs with cp_size {cp}: {type(unit).__name__} does not say how its batch is "
+            "cut along the sequence (TrainUnit.sequence_batch)")
 
 
 def build_seam(unit: TrainUnit[Any], gangs: Gangs, metrics: MetricBag,
@@ -74,7 +77,7 @@ def build_seam(unit: TrainUnit[Any], gangs: Gangs, metrics: MetricBag,
         scaler, may_seed_mean=gangs.dp.size == 1 and gangs.cp.size == 1)
     if gangs.cp.size > 1:
         return ContextParallelStep(loop, gangs.cp, list(unit.model.parameters()),
-                                   pad_idx=getattr(unit, "pad_idx", -100))
+                                   unit.sequence_batch)
     return loop
 
 

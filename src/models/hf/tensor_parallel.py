@@ -29,8 +29,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from gangs.errors import UserError
 from layers.lora import lora_settings_of, split_adapters
-from trainer.errors import UserError
 
 __all__ = ["STYLES", "apply_tp_plan", "tp_plan_of"]
 
