@@ -6,9 +6,10 @@
 - A list or tuple of batches that is the same on every data-parallel rank (each rank handed
   the whole list) trains every batch once per rank: the run sees the data `dp_size` times
   per epoch and its gradients average identical batches. Refused when the first batch is the
-  same on every rank, saying how to shard it (`batches[dp_rank::dp_size]`). Readers of other
-  kinds (a DataLoader with a `DistributedSampler`, a `GlobalBatchReader`) choose each rank's
-  share themselves and are not drawn from here.
+  same on every rank, saying how to shard it (`batches[dp_rank::dp_size]`), at
+  construction: a list is read without being drawn from.
+- Any other reader is checked at its first batch, when training draws it
+  (`trainer.state.first_batches`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.data import Dataset, IterableDataset
 from gangs import Gang, host_gang
 from gangs.fake import FakeGang
 from trainer.errors import UserError
+from trainer.state.first_batches import DIGEST_SIZE, batch_digest
 
 __all__ = ["check_data_reader"]
 
@@ -31,28 +33,6 @@ def _is_map_style(reader: Any) -> bool:
         return True
     # Hugging Face datasets.Dataset (not a torch Dataset); checked without importing it.
     return type(reader).__module__ == "datasets.arrow_dataset"
-
-
-def _digest(batch: Any) -> torch.Tensor:
-    """A few numbers that differ between different batches (sums and sizes of its
-    tensors), the same for equal ones."""
-    values: list[float] = []
-
-    def visit(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().to("cpu", torch.float64)
-            values.extend([float(t.numel()), float(t.sum()), float((t * t).sum())])
-        elif isinstance(x, dict):
-            for key in sorted(x, key=str):
-                visit(x[key])
-        elif isinstance(x, (list, tuple)):
-            for item in x:
-                visit(item)
-        elif isinstance(x, (int, float)):
-            values.append(float(x))
-
-    visit(batch)
-    return torch.tensor(values[:64] + [0.0] * (64 - len(values[:64])), dtype=torch.float64)
 
 
 def check_data_reader(reader: Iterable[Any], dp: Gang) -> None:
@@ -69,8 +49,8 @@ def check_data_reader(reader: Iterable[Any], dp: Gang) -> None:
             or isinstance(reader, (str, bytes)):
         return  # a FakeGang's ranks are one process: the same data by construction
     gang = host_gang(dp)
-    mine = _digest(reader[0]) if len(reader) else torch.zeros(64, dtype=torch.float64)
-    everyone = torch.zeros(gang.size, 64, dtype=torch.float64)
+    mine = batch_digest(reader[0]) if len(reader) else torch.zeros(DIGEST_SIZE, dtype=torch.float64)
+    everyone = torch.zeros(gang.size, DIGEST_SIZE, dtype=torch.float64)
     gang.all_gather(everyone, mine)
     if len(reader) and bool((everyone == everyone[0]).all()):
         raise UserError(
@@ -79,3 +59,4 @@ def check_data_reader(reader: Iterable[Any], dp: Gang) -> None:
             f"({dp.size} times per epoch). Give each rank its share, e.g. "
             "batches[gangs.dp.rank::gangs.dp.size], or use a reader that shards "
             "(data.GlobalBatchReader, a DataLoader with a DistributedSampler)")
+

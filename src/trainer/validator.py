@@ -75,7 +75,10 @@ class Validator:
             unit.model.eval()
             count = 0
             try:
-                with torch.inference_mode():
+                # no_grad, not inference_mode: tensors made under inference_mode (FSDP2's
+                # unsharded parameters, TP's redistributed ones, rotary caches) stay inference
+                # tensors, and the next training step's backward refuses them.
+                with torch.no_grad():
                     for batch in islice(reader, self.max_num_batches):  # None: all
                         unit(to_device(batch, self.gangs.device), metrics)
                         count += 1

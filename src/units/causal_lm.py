@@ -222,7 +222,7 @@ class CausalLMEvalUnit(EvalUnit[LMBatch]):
     def model(self) -> nn.Module:
         return self._model
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: see trainer.validator
     def __call__(self, batch: LMBatch, metrics: MetricBag) -> None:
         logits, targets = lm_logits(self._model, batch, self.pad_idx, self._use_cache_keyword)
         loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),

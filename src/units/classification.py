@@ -47,7 +47,7 @@ class ClassificationEvalUnit(EvalUnit[ClassificationBatch]):
     def model(self) -> nn.Module:
         return self._model
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: see trainer.validator
     def __call__(self, batch: ClassificationBatch, metrics: MetricBag) -> None:
         loss, correct, targets = _forward(self._model, batch)
         metrics.update_total("loss", loss, targets.numel())

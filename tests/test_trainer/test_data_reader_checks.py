@@ -1,6 +1,7 @@
 """Readers that would train silently wrong are refused by the Trainer: a map-style dataset
-(one sample a step) and a list of batches that every DP rank holds whole (every sample
-trained once per rank); a list sharded per rank trains."""
+(one sample a step) and any reader that gives every DP rank the same batches (every sample
+trained once per rank): a list, a DataLoader without a sampler, an IterableDataset, a user
+class. Sharded per rank (a DistributedSampler, a slice), each trains."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from ranks import run_ranks
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from gangs import setup_gangs, setup_root_gang
 from parallel import data_parallel
@@ -56,25 +57,71 @@ def test_a_map_style_dataset_is_refused(tmp_path):
     assert not (tmp_path / "hf").exists()  # refused before anything is written
 
 
-def train_on_two_ranks(out: str, shard: bool) -> str:
-    gangs = setup_gangs(setup_root_gang())
-    model = data_parallel(nn.Linear(3, 1), gangs, "ddp")
+class Stream(IterableDataset):
+    """An IterableDataset of the batches (each rank the whole stream unless `shard`)."""
+
+    def __init__(self, rank: int, size: int, shard: bool) -> None:
+        self.start, self.step = (rank, size) if shard else (0, 1)
+
+    def __iter__(self):
+        yield from batches()[self.start::self.step]
+
+
+class Batches:
+    """A user's reader class: re-iterable, no state_dict."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def reader(kind: str, rank: int, size: int):
     data = batches()
-    if shard:
-        data = data[gangs.dp.rank :: gangs.dp.size]
-    try:
-        result = Trainer(Regression(model), data, torch.optim.SGD(model.parameters(), lr=0.1),
-                         output_dir=out, gangs=gangs, max_num_steps=3, progress=False).run()
-    except UserError as error:
-        return f"refused: {error}"
-    return result.stop_reason
+    x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
+    dataset = TensorDataset(x, y)
+    return {
+        "list": data,
+        "loader": DataLoader(dataset, batch_size=8, shuffle=True,
+                             generator=torch.Generator().manual_seed(0)),
+        "iterable": DataLoader(Stream(rank, size, False), batch_size=None),
+        "user_class": Batches(data),
+        "sharded_list": data[rank::size],
+        "sampled_loader": DataLoader(dataset, batch_size=8, sampler=DistributedSampler(
+            dataset, num_replicas=size, rank=rank, shuffle=True, seed=0)),
+        "sharded_iterable": DataLoader(Stream(rank, size, True), batch_size=None),
+    }[kind]
 
 
-def test_the_same_list_on_every_dp_rank_is_refused_and_a_sharded_one_trains(tmp_path):
-    refused = run_ranks(partial(train_on_two_ranks, str(tmp_path / "same"), False))
-    for message in refused:
-        assert message.startswith("refused: data_reader is a list whose first batch is the "
-                                  "same on all 2 data-parallel ranks"), message
-        assert "batches[gangs.dp.rank::gangs.dp.size]" in message
-    assert run_ranks(partial(train_on_two_ranks, str(tmp_path / "sharded"), True)) == \
-        ["max_num_steps"] * 2
+def train_on_two_ranks(out: str, kinds: list[str]) -> list[str]:
+    """Why each reader's run stopped, or "refused: <message>"."""
+    gangs = setup_gangs(setup_root_gang())
+    outcomes = []
+    for kind in kinds:
+        model = data_parallel(nn.Linear(3, 1), gangs, "ddp")
+        try:
+            result = Trainer(Regression(model), reader(kind, gangs.dp.rank, gangs.dp.size),
+                             torch.optim.SGD(model.parameters(), lr=0.1),
+                             output_dir=f"{out}/{kind}", gangs=gangs, max_num_steps=3,
+                             progress=False).run()
+            outcomes.append(result.stop_reason)
+        except UserError as error:
+            outcomes.append(f"refused: {error}")
+    return outcomes
+
+
+def test_readers_giving_every_dp_rank_the_same_data_are_refused_and_sharded_ones_train(
+        tmp_path):
+    same = ["list", "loader", "iterable", "user_class"]
+    sharded = ["sharded_list", "sampled_loader", "sharded_iterable"]
+    for outcomes in run_ranks(partial(train_on_two_ranks, str(tmp_path), same + sharded)):
+        refused = dict(zip(same, outcomes))
+        assert refused.pop("list").startswith(  # read at construction, not drawn from
+            "refused: data_reader is a list whose first batch is the same on all 2 "
+            "data-parallel ranks"), outcomes
+        for kind, message in refused.items():
+            assert message.startswith("refused: data_reader (") and \
+                "gave the same first batch on all 2 data-parallel ranks" in message, kind
+            assert "DistributedSampler" in message and "sharded_per_rank = True" in message
+        assert outcomes[len(same):] == ["max_num_steps"] * len(sharded), outcomes

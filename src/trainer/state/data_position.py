@@ -28,6 +28,7 @@ from typing import Any, Generic, TypeVar
 from gangs import Gang, any_rank_each, host_gang
 from trainer.errors import UserError
 from trainer.lifecycle.device import to_device
+from trainer.state.first_batches import check_first_batches_differ
 
 log = logging.getLogger("gangtrain")
 
@@ -54,6 +55,7 @@ class DataPosition(Generic[BatchT]):
         self.window_closes_epoch = False
         self.at_boundary = False
         self._stop_at_boundary = False
+        self._first_window = True  # its first batch is compared over DP (first_batches)
 
     @property
     def in_epoch(self) -> bool:
@@ -67,6 +69,9 @@ class DataPosition(Generic[BatchT]):
         the next call starts the next epoch)."""
         self._stop_at_boundary, self.at_boundary = True, False
         batches = self._draw(size)
+        if self._first_window:  # every rank draws its first window at once
+            self._first_window = False
+            check_first_batches_differ(batches[0] if batches else None, self.reader, self.dp)
         boundary, self.at_boundary = self.at_boundary, False
         some_out, some_left, some_boundary, some_not = any_rank_each(
             self.dp, [not batches, bool(batches), boundary, not boundary])
