@@ -8,7 +8,13 @@ waits for the GPU): when any rank's data is over,
 every rank stops at the same step, so no rank waits in a collective the others never enter. The position is
 checkpointable: with a reader that has `state_dict()`/`load_state_dict()` (e.g.
 `StatefulDataLoader`, `data.global_batches.GlobalBatchReader`) a resumed run continues
-mid-epoch exactly, in O(1).
+mid-epoch exactly, in O(1). Any other re-iterable reader (a list, a user class) is resumed
+as HF's Trainer does: the new pass skips the batches the interrupted epoch had drawn, which
+continues exactly where a pass gives the same batches in the same order. A reader whose
+passes differ (its own random stream) says so with `resumable_by_skipping = False`, and a
+DataLoader that shuffles with a `RandomSampler` (its order depends on a generator's state
+at the epoch's start, which the checkpoint does not hold) is taken to say so: the resume is
+then refused mid-epoch, naming the reader, rather than training other batches.
 
 A reader's state is taken to be this DP rank's own (a `StatefulDistributedSampler` counts
 the samples its rank drew), so it means nothing under another DP size or to another DP
@@ -24,6 +30,8 @@ import logging
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import Any, Generic, TypeVar
+
+from torch.utils.data import RandomSampler
 
 from gangs import Gang, any_rank_each, host_gang
 from trainer.errors import UserError
@@ -154,13 +162,23 @@ class DataPosition(Generic[BatchT]):
         self.epoch_nr = state["epoch_nr"]
         self._epoch_batches = state["epoch_batches"]
         self.ended = state["ended"]
-        if "reader" in state and hasattr(self.reader, "load_state_dict"):
+        stateful = "reader" in state and hasattr(self.reader, "load_state_dict")
+        if stateful:
             self.reader.load_state_dict(state["reader"])
-        elif state["in_epoch"]:
-            log.warning("the data reader has no state_dict/load_state_dict: the resumed run "
-                        "starts its epoch from the beginning, not where it was left")
+        elif state["in_epoch"] and (why := _cannot_skip(self.reader)) is not None:
+            self.resume_problem = (
+                f"the run stopped mid-epoch and the data reader ({type(self.reader).__name__}) "
+                f"has no state_dict/load_state_dict; {why}, so skipping the "
+                f"{self._epoch_batches} batches drawn would not find the place. Give it a "
+                "state (e.g. torchdata's StatefulDataLoader, or a DistributedSampler, which "
+                "orders each epoch by set_epoch), or start over (--no-resume)")
+            return
         # Continue the interrupted epoch; a reader that was between epochs starts the next.
         self._iter = self._start_epoch() if state["in_epoch"] else None
+        if self._iter is not None and not stateful and self._epoch_batches:
+            skipped = sum(1 for _ in islice(self._iter, self._epoch_batches))
+            log.info("data reader without a state: skipped the %d batches of epoch %d drawn "
+                     "before the interruption", skipped, self.epoch_nr)
 
     def _start_epoch(self) -> Iterator[BatchT]:
         """A fresh pass over the reader; a sampler that shuffles by epoch (`set_epoch`, e.g.
@@ -171,3 +189,14 @@ class DataPosition(Generic[BatchT]):
                 set_epoch(self.epoch_nr)
                 break
         return iter(self.reader)
+
+
+def _cannot_skip(reader: Any) -> str | None:
+    """Why skipping the batches drawn would not find an interrupted epoch's place, for a
+    reader without a state: its passes differ (declared, or a shuffling DataLoader)."""
+    if getattr(reader, "resumable_by_skipping", True) is False:
+        return "it declares resumable_by_skipping = False"
+    if isinstance(getattr(reader, "sampler", None), RandomSampler):
+        return ("it shuffles with a RandomSampler, whose order comes from a random state "
+                "the checkpoint does not hold")
+    return None
