@@ -128,3 +128,21 @@ def test_manager_keeps_everything_by_default(tmp_path):
     assert mgr.steps() == [1, 2, 3] and mgr.best_step is None
     assert not (tmp_path / "best").exists()
     mgr.close()
+
+
+def test_retention_through_a_symlinked_step_leaves_no_trash(tmp_path):
+    """A step_N a user replaced by a link (moved to another disk): retention removes the
+    link, leaves what it points to, and no `.trash_step_N` stays behind."""
+    gangs = setup_gangs(FakeGang())
+    model, optim = _model_and_optim()
+    run = tmp_path / "checkpoints"
+    mgr = CheckpointManager(run, gangs, keep_last_n=1)
+    mgr.save(1, model, optim, {"step": 1})
+    moved = tmp_path / "other_disk" / "step_1"
+    moved.parent.mkdir()
+    (run / "step_1").rename(moved)
+    (run / "step_1").symlink_to(moved)
+    mgr.save(2, model, optim, {"step": 2})
+    mgr.close()
+    assert sorted(p.name for p in run.iterdir()) == ["last", "step_2"]
+    assert (moved / "manifest.json").exists()

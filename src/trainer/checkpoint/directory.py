@@ -56,7 +56,7 @@ class CheckpointDir:
         for leftover in sorted(self.path.iterdir()):
             if leftover.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
                 log.warning("removing incomplete checkpoint directory %s", leftover)
-                shutil.rmtree(leftover, ignore_errors=True)
+                _remove(leftover)
 
     # --- reading --------------------------------------------------------------------------
 
@@ -138,16 +138,15 @@ class CheckpointDir:
         `finish_deletions` waits for it."""
         self.finish_deletions()
         trash = self.path / f"{_TRASH_PREFIX}{step_nr}"
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove(trash)
         os.rename(self.step_dir(step_nr), trash)
         self._verified.pop(step_nr, None)
         if background:
-            self._deleting = threading.Thread(
-                target=shutil.rmtree, args=(trash, True), name="checkpoint-delete"
-            )
+            self._deleting = threading.Thread(target=_remove, args=(trash,),
+                                              name="checkpoint-delete")
             self._deleting.start()
         else:
-            shutil.rmtree(trash, ignore_errors=True)
+            _remove(trash)
 
     def space_problem(self, needed: int) -> str | None:
         """Why `needed` more bytes do not fit (`free_space_problem`), judged again once a
@@ -203,3 +202,14 @@ def _fingerprint(step_dir: Path) -> tuple[Any, ...]:
         )
     except OSError:
         return ()
+
+
+def _remove(path: Path) -> None:
+    """Remove a checkpoint directory, or the link a user put in its place: the link only
+    (`rmtree` refuses a symlink, and what it points to lies outside the run), saying so."""
+    if path.is_symlink():
+        log.info("removing the link %s; its target %s is left in place", path,
+                 os.readlink(path))
+        path.unlink(missing_ok=True)
+        return
+    shutil.rmtree(path, ignore_errors=True)
