@@ -54,7 +54,7 @@ from trainer.checkpoint.run_config import config_text, record_history
 from trainer.config.errors import format_validation_error
 from trainer.config.loading import PRESET_DOC_KEY, load_config, parse_override
 from trainer.errors import UserError
-from trainer.evaluate import find_checkpoint, parse_checkpoint_choice
+from trainer.evaluate import check_eval_choice, parse_checkpoint_choice
 from trainer.lifecycle.output_dir import clear_previous_run, used_by_another_run
 from trainer.lifecycle.resume_guard import check_resume_config
 from trainer.lifecycle.run_lock import RunLock
@@ -149,7 +149,8 @@ def run_recipe(
     if args.eval_only:
         assert eval_main is not None  # checked above
         try:
-            find_checkpoint(RunDir(output_dir).checkpoints, checkpoint)  # fail before building
+            check_eval_choice(RunDir(output_dir).checkpoints, checkpoint,  # before building
+                              getattr(getattr(config, "model", None), "path", None))
             code = eval_main(config, output_dir, checkpoint)
         except UserError as err:
             return _fail(str(err))

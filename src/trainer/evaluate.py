@@ -10,6 +10,11 @@ validation exactly as training does (`trainer.validator.Validator`), prints the 
 returns them (``{"valid/loss": ...}``). On the checkpoint a score was recorded for, it gives
 that score again.
 
+A run directory with no complete checkpoint yet (a fresh one) scores the pretrained model:
+when the units' model was loaded from a Hugging Face directory (``model.path``) and the
+choice is ``"best"`` or ``"last"``, the model is validated as built, the console says so,
+and the metrics go to eval.jsonl under step 0 (the step `validate_at_start` scores).
+
 Nothing under ``checkpoints/`` is written, renamed or removed, not even the leftovers of an
 interrupted save: a run still training in the same directory may own them. Recipes offer
 the same through ``--eval-only [--checkpoint best|last|step_N]`` (`trainer.cli.run_recipe`).
@@ -44,6 +49,7 @@ from units import EvalUnit
 
 __all__ = [
     "EVAL_SECTION",
+    "check_eval_choice",
     "evaluate",
     "find_checkpoint",
     "parse_checkpoint_choice",
@@ -100,6 +106,29 @@ def find_checkpoint(checkpoint_dir: Path, choice: str | int = "best") -> tuple[i
     return newest, "last"
 
 
+def check_eval_choice(checkpoint_dir: Path, choice: str | int = "best",
+                      pretrained: str | None = None) -> None:
+    """Before building anything: a `UserError` when ``choice`` names no checkpoint of
+    ``checkpoint_dir``; a directory with none is let through for "best" and "last" when the
+    model is loaded from a ``pretrained`` directory (its config's ``model.path``), which
+    `evaluate` then scores."""
+    if pretrained and _pretrained_may_stand_in(checkpoint_dir, choice):
+        return
+    find_checkpoint(checkpoint_dir, choice)
+
+
+def _pretrained_may_stand_in(checkpoint_dir: Path, choice: str | int) -> bool:
+    return (parse_checkpoint_choice(choice) in ("best", "last")
+            and not CheckpointDir(Path(checkpoint_dir)).manifests())
+
+
+def _pretrained_source(units: Sequence[EvalUnit[Any]]) -> str | None:
+    """The directory the units' (first) model was loaded from by transformers, if any."""
+    hf_model = hf_model_of(units[0].model)
+    source = getattr(getattr(hf_model, "config", None), "name_or_path", None)
+    return str(source) if source else None
+
+
 def evaluate(
     valid_units: Sequence[EvalUnit[Any]],
     valid_data_readers: Sequence[Iterable[Any]],
@@ -132,7 +161,10 @@ def evaluate(
 
     # Rank 0 chooses and verifies; every rank then loads the same step (or raises the same).
     answer: list[Any] = [None]
-    if root.rank == 0:
+    pretrained = _pretrained_source(valid_units)
+    if root.rank == 0 and pretrained and _pretrained_may_stand_in(checkpoint_dir, checkpoint):
+        answer = [(0, "pretrained", None)]
+    elif root.rank == 0:
         try:
             step_nr, how = find_checkpoint(checkpoint_dir, checkpoint)
             require_verified(checkpoints.step_dir(step_nr), step_nr)
@@ -144,20 +176,24 @@ def evaluate(
     if error is not None:
         raise UserError(error)
     step_dir = checkpoints.step_dir(step_nr)
-    threads = (read_step_config(step_dir) or {}).get("threads")  # what the run chose
-    threads_for_evaluation(num_threads, gangs.device,
+    threads = (read_step_config(step_dir) or {}).get("threads") if how != "pretrained" else None
+    threads_for_evaluation(num_threads, gangs.device,  # what the run chose, if it ran
                            threads.get("num_threads") if isinstance(threads, dict) else None)
 
-    for model in _distinct_models(valid_units):
-        _load_model(step_dir, model, gangs)
+    if how == "pretrained":
+        title = (f"no checkpoint in {checkpoint_dir} yet: evaluating the pretrained model "
+                 f"{pretrained} (model.path), as loaded")
+    else:
+        for model in _distinct_models(valid_units):
+            _load_model(step_dir, model, gangs)
+        recorded = checkpoints.manifests().get(step_nr, {}).get("score")
+        note = f"; recorded score {recorded!r}" if recorded is not None else ""
+        title = f"evaluating checkpoint {step_dir} ({how}{note})"
     values = validator.run()
 
     if root.rank == 0:
-        recorded = checkpoints.manifests().get(step_nr, {}).get("score")
-        note = f"; recorded score {recorded!r}" if recorded is not None else ""
         printer = ConsoleRecorder(None, console=console, show_progress=False)
-        printer.console.print(f"evaluating checkpoint {step_dir} ({how}{note})",
-                              highlight=False, soft_wrap=True)
+        printer.console.print(title, highlight=False, soft_wrap=True)
         printer.record(EVAL_SECTION, step_nr, values)
         printer.close()
         jsonl = JsonlRecorder(output_dir)
