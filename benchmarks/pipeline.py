@@ -43,7 +43,9 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch.distributed as dist
 
-    from parallel.pipeline import gradient_norm_over, pipeline_model
+    from gangs import ProcessGroupGang
+    from parallel.gradient_norm import gradient_norm
+    from parallel.pipeline import pipeline_model
     from recipes.lm.model import GPT, GPTConfig
     from recipes.lm.spec import GPT_SPEC
 
@@ -66,18 +68,19 @@ def worker(args: argparse.Namespace) -> None:
         for x, y in zip(inputs.chunk(m), targets.chunk(m)):
             summed_loss(whole(x), y).backward()
 
-    runs = {"baseline": (baseline_step, list(whole.parameters()), None),
+    stages = [ProcessGroupGang(group, torch.device("cpu"))]
+    runs = {"baseline": (baseline_step, list(whole.parameters()), []),
             "pipeline": (lambda: pipe.step(inputs, targets), list(pipe.model.parameters()),
-                         group)}
+                         stages)}
     optimizers = {name: torch.optim.AdamW(params, lr=1e-4)
                   for name, (_, params, _) in runs.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.steps):
-        for name, (step, params, norm_group) in runs.items():
+        for name, (step, params, split_over) in runs.items():
             dist.barrier()
             start = time.perf_counter()
             step()
-            gradient_norm_over(params, norm_group, 1.0)
+            gradient_norm(params, 1.0, split_over=split_over)
             optimizers[name].step()
             optimizers[name].zero_grad()
             dist.barrier()

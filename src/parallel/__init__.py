@@ -6,6 +6,7 @@
 - `expert`: expert parameters left out of DDP/FSDP2 and reduced over `gangs.expert_dp`;
 - `materialize`: fill a model built on meta, each rank its own slices;
 - `tensor`: optimizer groups for models mixing plain tensors and DTensors;
+- `gradient_norm`: the global gradient norm (and clipping) over any layout;
 - `spec`: `ModelSpec`, what a model family tells the generic layers;
 - `pipeline`, `pipeline_stages`: pipeline schedules over `gangs.pp`, stages cut by the spec;
 - `context`: Ulysses context parallelism over `gangs.cp`, installed by the spec.

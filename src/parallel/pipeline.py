@@ -25,11 +25,12 @@ trainer divides the gradients once by the step's global target count (every pp r
 same batch, so it counts the targets itself; the count is then summed over DP). The loss,
 which only the last stage sees, is broadcast to every pp rank, so that non-finite checks and
 metrics agree. The gradient norm is taken over every stage's parameters
-(`gradient_norm_over`): squares summed over the pp group.
+(`parallel.gradient_norm` with ``split_over=[pp gang]``): squares summed over the pp group.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,8 +39,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.distributed.tensor import DTensor
 
+from gangs import ProcessGroupGang
+from parallel.gradient_norm import gradient_norm
 from parallel.pipeline_stages import build_stage, layer_split, merge_stages
 from parallel.spec import ModelSpec
 
@@ -196,25 +198,16 @@ def pipeline_model(
 
 def gradient_norm_over(params: list[Tensor], group: dist.ProcessGroup | None,
                        max_norm: float | None = None) -> Tensor:
-    """The L2 norm of the gradients of parameters split over `group` (pipeline stages hold
-    disjoint parameters): this rank's squares (a DTensor's reduced over its own mesh, e.g.
-    tensor parallel shards) summed over the group; clipped to `max_norm` as
-    `torch.nn.utils.clip_grad_norm_` would clip the whole model's."""
-    grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
-    square = torch.zeros(1, dtype=torch.float32, device=device)
-    kinds: dict[object, list[Tensor]] = {}
-    for g in grads:
-        kinds.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    for kind in kinds.values():
-        norm = torch.nn.utils.get_total_norm(kind, foreach=True)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        square += norm.float() ** 2
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(square, group=group)
-    total = square[0].sqrt()
-    if max_norm is not None and grads:
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        torch._foreach_mul_(local, coef.to(local[0].dtype))  # noqa: SLF001
-    return total
+    """Deprecated alias (warns once): `parallel.gradient_norm.gradient_norm(params, max_norm,
+    split_over=[gang of group])`, the one gradient norm of every layout."""
+    if not _warned_norm_over:
+        _warned_norm_over.append(True)
+        warnings.warn("parallel.pipeline.gradient_norm_over is deprecated: use "
+                      "parallel.gradient_norm.gradient_norm(params, max_norm, split_over=[gang])",
+                      FutureWarning, stacklevel=2)
+    split = ([ProcessGroupGang(group, torch.device("cpu"))]
+             if group is not None and dist.get_world_size(group) > 1 else [])
+    return gradient_norm(params, max_norm, split_over=split)
+
+
+_warned_norm_over: list[bool] = []

@@ -12,8 +12,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
 
+from gangs import ProcessGroupGang
 from models.hf import spec_for
-from parallel.pipeline import available_schedules, gradient_norm_over, pipeline_model
+from parallel.gradient_norm import gradient_norm
+from parallel.pipeline import available_schedules, pipeline_model
 from parallel.pipeline_stages import build_stage, layer_split, merge_stages
 from recipes.lm.model import GPT, GPTConfig
 from recipes.lm.spec import GPT_SPEC
@@ -87,6 +89,7 @@ def pipelined(build, schedule: str):
         pipe = pipeline_model(build(), dist.group.WORLD, spec=spec, loss_fn=summed_loss,
                               num_microbatches=ACC, schedule=schedule)
         params = list(pipe.model.parameters())
+        stages = ProcessGroupGang(dist.group.WORLD, torch.device("cpu"))
         optimizer = torch.optim.AdamW(params, lr=LR)
         losses, norms = [], []
         for step in range(STEPS):
@@ -94,7 +97,7 @@ def pipelined(build, schedule: str):
             loss = pipe.step(inputs, targets)
             count = (targets != -100).sum()
             torch._foreach_div_([p.grad for p in params], count.float())
-            norms.append(gradient_norm_over(params, dist.group.WORLD, MAX_NORM).item())
+            norms.append(gradient_norm(params, MAX_NORM, split_over=[stages]).item())
             losses.append((loss / count).item())
             optimizer.step()
             optimizer.zero_grad()

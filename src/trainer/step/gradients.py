@@ -6,7 +6,8 @@ averaged over `dp_size` ranks), so the step's gradient is that of the mean loss 
 target of the global batch, however the targets were spread. A fused optimizer does that
 division inside its kernel (`normalisation_divisor` as its `grad_scale`). When the count is
 known before backward (one process, one micro-batch, a host count), backward itself starts
-from `1 / count` (`mean_seed`), as a hand-written loop's mean loss would: no extra op.
+from `1 / count` (`mean_seed`), as a hand-written loop's mean loss would: no extra op. The
+gradient norm and clipping are `parallel.gradient_norm`'s, the same on every layout.
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gangs import Gang, ReduceOperation
+from parallel.gradient_norm import gradient_norm, local_shards
 from trainer import torch_shortcuts
 from trainer.step.step_call import StepCall
+
+__all__ = ["clip_divisor", "global_target_count", "gradient_norm", "gradient_norm_parts",
+           "mean_seed", "normalisation_divisor", "scale_gradients", "step_with_device_skip",
+           "supports_device_skip"]
 
 
 def global_target_count(local_count: Tensor | int, dp: Gang, device: torch.device) -> Tensor | int:
@@ -37,7 +43,7 @@ def global_target_count(local_count: Tensor | int, dp: Gang, device: torch.devic
 def scale_gradients(grads: list[Tensor], dp_size: int, global_count: Tensor | int) -> None:
     if not grads:
         return
-    grads = _local(grads)
+    grads = local_shards(grads)
     if isinstance(global_count, int):
         if global_count > 0 and global_count != dp_size:
             torch._foreach_mul_(grads, dp_size / global_count)
@@ -46,66 +52,14 @@ def scale_gradients(grads: list[Tensor], dp_size: int, global_count: Tensor | in
     torch._foreach_mul_(grads, factor.to(grads[0].dtype))
 
 
-def gradient_norm(params: list[Tensor], max_norm: float | None,
-                  split_over: Sequence[Gang] = ()) -> Tensor:
-    """Global L2 norm of the gradients, clipping to `max_norm` if given. What each rank holds
-    is declared, not guessed: a DTensor gradient's norm is reduced over its mesh; a plain
-    tensor gradient is a replica on every rank, unless `split_over` names gangs over which
-    the parameters are split (e.g. pipeline stages, each holding its own layers, plain or
-    tensor-parallel): the squared norm of everything this rank holds is then summed over
-    each of those gangs (every rank enters)."""
-    if not params:
-        return torch.zeros(())
-    grads = [p.grad for p in params if p.grad is not None]
-    if not split_over and not any(isinstance(g, DTensor) for g in grads):
-        if max_norm is None:  # the norm alone: no clipping pass over every gradient
-            # get_total_norm's grouping by device and dtype in Python costs as much again.
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # noqa: SLF001 (torch's foreach norm)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    # Tensor/FSDP2/expert parallelism mix plain tensors and DTensors of several meshes, which
-    # one foreach op refuses: norm each kind apart (a DTensor's norm reduced over its mesh),
-    # then combine.
-    groups: dict[object, list[Tensor]] = {}
-    if split_over:  # the plain tensors' collective runs even where a rank holds none
-        groups[None] = []
-    for g in grads:
-        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    norms = []
-    for group in groups.values():
-        norm = (torch.nn.utils.get_total_norm(group, foreach=True) if group
-                else torch.zeros((), device=params[0].device))
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    if split_over:  # DTensor shards (TP) of one stage are no replicas of another's either
-        total = _norm_over(total, split_over)
-    if max_norm is not None:  # as torch.nn.utils.clip_grads_with_norm_, on the local shards
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(_local(grads), coef)
-    return total
-
-
-def _norm_over(norm: Tensor, gangs: Sequence[Gang]) -> Tensor:
-    """The L2 norm of parts whose norms are `norm` on each rank of every gang in `gangs`."""
-    squared = norm.square().reshape(1)
-    for gang in gangs:
-        gang.all_reduce(squared, ReduceOperation.SUM)
-    return squared[0].sqrt().to(norm.dtype)
-
-
 def gradient_norm_parts(params: list[Tensor], split_over: Sequence[Gang] = ()) -> list[Tensor]:
     """Tensors whose root sum of squares is the global L2 norm of the gradients: one op for
     plain replicated tensors (their combination is left to the host read that publishes
-    it); see `gradient_norm` for `split_over`."""
+    it; float64, as `gradient_norm` sums them); see `gradient_norm` for `split_over`."""
     grads = [p.grad for p in params if p.grad is not None]
     if split_over or any(isinstance(g, DTensor) for g in grads):
         return [gradient_norm(params, None, split_over)]
-    return list(torch._foreach_norm(grads)) if grads else []  # noqa: SLF001 (torch's foreach norm)
-
-
-def _local(grads: list[Tensor]) -> list[Tensor]:
-    """The local shards of DTensor gradients (scaling a shard scales the DTensor), so that
-    one foreach op can take gradients of any layout."""
-    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    return list(torch._foreach_norm(grads, 2, dtype=torch.float64)) if grads else []  # noqa: SLF001 (torch's foreach norm)
 
 
 def supports_device_skip(optimizer: Optimizer) -> bool:
