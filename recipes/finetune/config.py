@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, PositiveInt
 
-from trainer.config.sections import LoraSection, LRSchedulerSection, Section
+from trainer.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 
 
@@ -42,16 +42,6 @@ class OptimizerSection(AdamWConfig):
     lr: float = Field(default=2e-5, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=0.0, ge=0)
-
-
-class GangsSection(Section):
-    tp_size: PositiveInt = 1
-    """Tensor parallelism over this many ranks, from the model's own plan (base_model_tp_plan:
-    LLaMA, Qwen, Mistral, ... declare one; GPT-2 does not)."""
-    dp_shard_size: PositiveInt | None = None
-    """HSDP: FSDP2 shards over groups of this many DP ranks (one node) and replicates across
-    them; needs trainer.data_parallel=fsdp. null: shard over every DP rank."""
-    timeout_s: PositiveInt = 600
 
 
 class FinetuneConfig(Section):

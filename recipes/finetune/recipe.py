@@ -16,40 +16,50 @@ from torch import nn
 
 from data import WindowReader, pack_windows, read_documents, split_windows, tokenize_documents
 from gangs import Gangs
-from parallel import check_hsdp
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
 from recipes.finetune.data import eval_batches
 from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
-from trainer.hf import hf_model_of, load_pretrained
+from trainer.hf import hf_model_of
 from trainer.hf.hf_config import check_model_dir
+from trainer.hf.layout import HFLayout, check_layout, load_layout
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from trainer.run_dir import RunDir
-from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
 __all__ = ["cli", "eval_main", "load_model", "main"]
 
 
 def load_model(config: FinetuneConfig, gangs: Gangs) -> nn.Module:
-    """The pretrained model of `config.model.path`, ready for the Trainer: built on meta,
-    tensor-parallel by its own plan over `gangs.tp`, wrapped over DP, each rank reading its
-    slices of the weights; activation checkpointing per block if asked."""
-    kind = config.trainer.data_parallel
+    """The pretrained model of `config.model.path`, ready for the Trainer (`load_layout_of`:
+    the module to train, this rank's stages under pipeline parallelism)."""
+    return load_layout_of(config, gangs).model
+
+
+def load_layout_of(config: FinetuneConfig, gangs: Gangs) -> HFLayout:
+    """The pretrained model as this rank holds it under the gangs' layout, with its units:
+    built on meta, tensor-parallel by its own plan over `gangs.tp`, cut into pipeline stages
+    or attending over the cp gang, wrapped over DP, each rank reading its slices of the
+    weights; activation checkpointing per block if asked."""
     # Activation checkpointing goes on each block before the model is wrapped (DDP, FSDP2,
     # or FSDP2 for DDP x TP), in one process too.
-    model = load_pretrained(config.model.path, gangs, data_parallel=kind,
-                            activation_checkpointing=config.model.activation_checkpointing,
-                            **config.lora.load_options(config.trainer.seed))
-    hf_model = hf_model_of(model)
-    assert hf_model is not None  # load_pretrained builds a transformers model
+    layout = load_layout(config.model.path, gangs,
+                         data_parallel=config.trainer.data_parallel,
+                         num_accumulate=config.trainer.num_accumulate,
+                         pp_schedule=config.gangs.pp_schedule,
+                         pp_boundaries=config.gangs.pp_boundaries,
+                         activation_checkpointing=config.model.activation_checkpointing,
+                         **config.lora.load_options(config.trainer.seed))
+    hf_model = hf_model_of(layout.model)
     # No KV cache: training never reuses it, and a block recomputed in backward would append
     # its keys and values to it a second time. Passed to each forward (it outranks the
     # config), so the config the checkpoints and OUT/hf/ write keeps the pretrained value.
-    hf_model.register_forward_pre_hook(_without_kv_cache, with_kwargs=True)
-    return model
+    # (Pipeline stages pass use_cache=False themselves.)
+    if hf_model is not None:
+        hf_model.register_forward_pre_hook(_without_kv_cache, with_kwargs=True)
+    return layout
 
 
 def _without_kv_cache(module: nn.Module, args: tuple[Any, ...],
@@ -63,8 +73,8 @@ class _Setup:
 
     gangs: Gangs
     console: Console | None
-    model: nn.Module
-    valid_units: list[CausalLMEvalUnit]
+    layout: HFLayout
+    valid_units: list[Any]
     valid_readers: list[Iterable[Any]]
     reader: WindowReader | None  # training data; None when only evaluating
     flops_per_token: float
@@ -73,16 +83,15 @@ class _Setup:
 def _setup(config: FinetuneConfig, train: bool) -> _Setup:
     configure_logging()  # on rank 0 only: every line once
     # The user's mistakes first, before any process group or model.
-    check_model_dir(config.model.path, config.data.seq_len)
-    try:
-        check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
-    except ValueError:
-        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
-                        "trainer.data_parallel=fsdp") from None
+    hf_config = check_model_dir(config.model.path, config.data.seq_len)
+    g = config.gangs
+    g.check(config.trainer.data_parallel)
+    check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
+                 seq_len=config.data.seq_len)
     d = config.data
     documents = read_documents(d.files, d.text_field)
-    gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size, 1,
-                                  config.gangs.dp_shard_size)
+    gangs, console = recipe_gangs(g.timeout_s, g.tp_size, g.ep_size, g.dp_shard_size,
+                                  pp_size=g.pp_size, cp_size=g.cp_size)
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
 
     # Data: every rank tokenises the same documents into the same windows and split.
@@ -97,8 +106,8 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
                       f"{len(train_windows):,} train / {len(valid_windows):,} valid windows "
                       f"of {d.seq_len} tokens")
 
-    model = load_model(config, gangs)
-    hf_config = hf_model_of(model).config  # type: ignore[union-attr]  # load_model's
+    layout = load_layout_of(config, gangs)
+    model = layout.model
     if tokens.numel() and int(tokens.max()) >= hf_config.vocab_size:
         raise UserError(f"config 'model.path': the tokenizer of '{config.model.path}' gives "
                         f"token {int(tokens.max())}, beyond the model's vocab_size "
@@ -108,16 +117,16 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
     if console:
         adapters = f" ({trained:,} trained: LoRA adapters)" if trained < num_params else ""
         console.print(f"model: {config.model.path}, {num_params:,} parameters{adapters}")
-    return _Setup(gangs, console, model, [CausalLMEvalUnit(model)], [valid_reader], reader,
+    return _Setup(gangs, console, layout, [layout.valid_unit()], [valid_reader], reader,
                   _flops_per_token(hf_config, num_params, trained, d.seq_len))
 
 
 def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
     s = _setup(config, train=True)
-    optimizer = config.optimizer.build(s.model)
+    optimizer = config.optimizer.build(s.layout.model)
     scheduler = warmup_cosine(optimizer, config.lr_scheduler, config.trainer.max_num_steps)
     trainer = config.trainer.build(
-        CausalLMUnit(s.model, flops_per_target=s.flops_per_token), s.reader, optimizer,
+        s.layout.train_unit(flops_per_target=s.flops_per_token), s.reader, optimizer,
         output_dir=output_dir, gangs=s.gangs, lr_scheduler=scheduler,
         valid_units=s.valid_units, valid_data_readers=s.valid_readers, resume=resume,
         run_config=config.model_dump(mode="json"),

@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 
 from gangs import Gangs
-from parallel import check_hsdp, plan
+from parallel import plan
 from parallel.materialize import materialize, seeded_init
 from parallel.pipeline import PipelinedModel, pipeline_model
 from recipes.lm.config import LMConfig
@@ -52,11 +52,7 @@ class _Setup:
 
 def _setup(config: LMConfig, train: bool) -> _Setup:
     configure_logging()  # on rank 0 only: every line once
-    try:
-        check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
-    except ValueError:
-        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
-                        "trainer.data_parallel=fsdp") from None
+    config.gangs.check(config.trainer.data_parallel)
     check_pp_cp_config(config)
     g = config.gangs
     gangs, console = recipe_gangs(g.timeout_s, g.tp_size, g.ep_size, g.dp_shard_size,

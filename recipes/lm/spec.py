@@ -59,10 +59,15 @@ class GPTStage(nn.Module):
             self.norm = model.norm
             self.output = model.output
 
-    def forward(self, h: Tensor) -> Tensor:
-        if self.first:  # h: input ids [b, t]
+    def forward(self, h: Tensor, position_ids: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        """`h`: input ids [b, t] (first stage) or hidden states; `position_ids` [b, t]
+        travel with them (the GPT's stages take one causal document per row)."""
+        if self.first:
             positions = torch.arange(h.shape[1], device=h.device)
+            if not bool((position_ids == positions).all()):
+                raise ValueError("the GPT's pipeline stages take one causal document per row "
+                                 "(position_ids 0..t-1); packed rows are not supported")
             h = self.dropout(self.tok_embeddings(h) + self.pos_embeddings(positions))
         for layer in self.layers.values():
             h = layer(h)
-        return self.output(self.norm(h)) if self.last else h
+        return self.output(self.norm(h)) if self.last else (h, position_ids.contiguous())

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveInt
 
-from trainer.config.sections import LoraSection, LRSchedulerSection, Section
+from trainer.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
 from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 
 _Section = Section
@@ -72,14 +72,6 @@ class OptimizerSection(AdamWConfig):
     lr: float = Field(default=2e-5, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=0.0, ge=0)
-
-
-class GangsSection(_Section):
-    tp_size: PositiveInt = 1
-    """Tensor parallelism over this many ranks, from the model's own plan."""
-    dp_shard_size: PositiveInt | None = None
-    """HSDP: FSDP2 shards over groups of this many DP ranks; needs data_parallel=fsdp."""
-    timeout_s: PositiveInt = 600
 
 
 class SFTConfig(_Section):

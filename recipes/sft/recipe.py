@@ -21,18 +21,16 @@ from data.mixing import hold_out, mix
 from data.sft import Tokenized, plan_examples, tokenize_files
 from data.token_batches import BinReader, Bins, EvalBatches
 from gangs import Gangs, first_error
-from parallel import check_hsdp
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
 from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
-from trainer.hf import load_pretrained
 from trainer.hf.hf_config import check_model_dir
+from trainer.hf.layout import HFLayout, check_layout, load_layout
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from trainer.run_dir import RunDir
-from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
 __all__ = ["cli", "eval_main", "load_tokenizer", "main", "prepare_data"]
 
@@ -139,35 +137,47 @@ def _concat(parts: list[Tokenized]) -> Tokenized:
                      np.concatenate([p.num_targets for p in parts]))
 
 
-def load_model(config: SFTConfig, gangs: Gangs) -> nn.Module:
-    """The pretrained model, ready for the Trainer (built on meta, TP by its own plan,
-    wrapped over DP, each rank reading its slices of the weights)."""
-    return load_pretrained(config.model.path, gangs, data_parallel=config.trainer.data_parallel,
-                           activation_checkpointing=config.model.activation_checkpointing,
-                           **config.lora.load_options(config.trainer.seed))
+def load_model(config: SFTConfig, gangs: Gangs) -> HFLayout:
+    """The pretrained model as this rank holds it under the gangs' layout, with its units
+    (built on meta, TP by its own plan, cut into pipeline stages or attending over the cp
+    gang, wrapped over DP, each rank reading its slices of the weights)."""
+    return load_layout(config.model.path, gangs,
+                       data_parallel=config.trainer.data_parallel,
+                       num_accumulate=config.trainer.num_accumulate,
+                       pp_schedule=config.gangs.pp_schedule,
+                       pp_boundaries=config.gangs.pp_boundaries,
+                       activation_checkpointing=config.model.activation_checkpointing,
+                       **config.lora.load_options(config.trainer.seed))
 
 
 @dataclass
 class _Setup:
     gangs: Gangs
     console: Console | None
-    model: nn.Module
+    layout: HFLayout
     tokenizer: Any
     data: SFTData
-    valid_unit: CausalLMEvalUnit
+    valid_unit: Any
+
+    @property
+    def model(self) -> nn.Module:
+        return self.layout.model
 
 
 def _setup(config: SFTConfig, train: bool) -> _Setup:
     configure_logging()
     hf_config = check_model_dir(config.model.path, config.data.seq_len)
-    try:
-        check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
-    except ValueError:
-        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
-                        "trainer.data_parallel=fsdp") from None
+    g = config.gangs
+    g.check(config.trainer.data_parallel)
+    check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
+                 seq_len=config.data.seq_len)
+    if g.pp_size > 1 and not config.data.packing:
+        raise UserError(f"config 'data.packing' is false; with gangs.pp_size {g.pp_size} it "
+                        "must be true: a pipeline schedule runs micro-batches of one shape "
+                        "(packed rows of data.seq_len)")
     tokenizer = load_tokenizer(config)
-    gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size, 1,
-                                  config.gangs.dp_shard_size)
+    gangs, console = recipe_gangs(g.timeout_s, g.tp_size, g.ep_size, g.dp_shard_size,
+                                  pp_size=g.pp_size, cp_size=g.cp_size)
     root = gangs.root
     # Rank 0 reads and tokenises into the cache first; the others then read the cache
     # rather than all converting the same files at once. A mistake found on rank 0 (a bad
@@ -189,19 +199,20 @@ def _setup(config: SFTConfig, train: bool) -> _Setup:
     if len(tokenizer) > hf_config.vocab_size:
         raise UserError(f"the tokenizer of '{config.model.path}' has {len(tokenizer)} tokens, "
                         f"beyond the model's vocab_size {hf_config.vocab_size}")
-    model = load_model(config, gangs)
+    layout = load_model(config, gangs)
     if console:
         console.print(f"model: {config.model.path}, "
-                      f"{sum(p.numel() for p in model.parameters()):,} parameters")
-    return _Setup(gangs, console, model, tokenizer, data,
-                  CausalLMEvalUnit(model, token_accuracy=True))
+                      f"{sum(p.numel() for p in layout.model.parameters()):,} parameters"
+                      f"{' (this rank: its pipeline stages)' if gangs.pp.size > 1 else ''}")
+    return _Setup(gangs, console, layout, tokenizer, data,
+                  layout.valid_unit(token_accuracy=True))
 
 
 def main(config: SFTConfig, output_dir: Path, resume: bool) -> int:
     s = _setup(config, train=True)
     optimizer = config.optimizer.build(s.model)
     trainer = config.trainer.build(
-        CausalLMUnit(s.model), s.data.train, optimizer, output_dir=output_dir, gangs=s.gangs,
+        s.layout.train_unit(), s.data.train, optimizer, output_dir=output_dir, gangs=s.gangs,
         lr_scheduler=warmup_cosine(optimizer, config.lr_scheduler, config.trainer.max_num_steps),
         valid_units=[s.valid_unit],
         valid_data_readers=[s.data.valid], resume=resume,

@@ -14,7 +14,10 @@ Masks: causal by default. With `position_ids` (packed documents, each restarting
 positions), attention is also confined to each document: a position starts a new document
 where its position id is not the previous one's plus one, the rule Hugging Face models use
 for packed sequences. The ids are gathered over the group, so the mask is the one a single
-process would build from the whole row.
+process would build from the whole row. A sliding `window` keeps key j from query i only
+when ``i - window < j`` (transformers' rule); a logit `softcap` scores
+``softcap * tanh(q.k * scale / softcap)`` before the mask (Gemma 2's), computed explicitly
+(sdpa has no soft-capping), softmax in float32 as transformers' eager kernel.
 
 Targets: each rank scores its own slice, so the step's target count is summed over `cp` as
 over DP, and parameters' gradients are summed over `cp` (fold `cp` into the gradient
@@ -72,15 +75,18 @@ def gather_sequence(tensor: Tensor, group: dist.ProcessGroup | None, dim: int = 
     return torch.cat(parts, dim=dim)
 
 
-def document_mask(position_ids: Tensor) -> Tensor:
-    """``[b, 1, t, t]`` bool: query i may attend to key j when j <= i and both lie in the
-    same document; a document starts where a position id is not the previous one plus 1."""
+def document_mask(position_ids: Tensor, window: int | None = None) -> Tensor:
+    """``[b, 1, t, t]`` bool: query i may attend to key j when j <= i, both lie in the
+    same document (one starts where a position id is not the previous one plus 1) and,
+    with a sliding `window`, ``i - j < window``."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     doc = starts.cumsum(dim=1)
     t = position_ids.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-    return (doc[:, :, None] == doc[:, None, :]).logical_and_(causal).unsqueeze(1)
+    allowed = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    if window is not None:
+        allowed = allowed.triu(-(window - 1))
+    return (doc[:, :, None] == doc[:, None, :]).logical_and_(allowed).unsqueeze(1)
 
 
 def ulysses_attention(
@@ -92,13 +98,16 @@ def ulysses_attention(
     position_ids: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of this rank's slice of the sequence against the whole sequence.
 
     `q` ``[b, heads, t_local, d]``, `k`/`v` ``[b, kv_heads, t_local, d]`` (grouped-query:
     kv_heads divides heads); `position_ids` ``[b, t_local]``, this rank's slice, or None for
-    one causal document per row. Returns ``[b, heads, t_local, d]``. The head count must be
-    divisible by the group size (each rank attends for ``heads / cp`` heads)."""
+    one causal document per row; `window` and `softcap` as in the module docstring.
+    Returns ``[b, heads, t_local, d]``. The head count must be divisible by the group size
+    (each rank attends for ``heads / cp`` heads)."""
     size = _size(group)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads:
@@ -118,13 +127,31 @@ def ulysses_attention(
     if q.shape[1] != k.shape[1]:  # grouped-query heads on this rank
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    if position_ids is None:
+    if position_ids is None and window is None and softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                              dropout_p=dropout_p)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(position_ids),
-                                             scale=scale, dropout_p=dropout_p)
+        if position_ids is None:
+            position_ids = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)
+        mask = document_mask(position_ids, window)
+        if softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                 dropout_p=dropout_p)
+        else:
+            out = _softcapped_attention(q, k, v, mask, scale, softcap, dropout_p)
     return _heads_to_sequence(out, group, size) if size > 1 else out
+
+
+def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None,
+                          softcap: float, dropout_p: float) -> Tensor:
+    """Scores soft-capped before the mask, softmax in float32 (transformers' eager order)."""
+    scores = q @ k.transpose(-2, -1) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ v
 
 
 def _sequence_to_heads(x: Tensor, group: dist.ProcessGroup | None, size: int) -> Tensor:

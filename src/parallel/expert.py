@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from gangs.gang import ReduceOperation
 from gangs.setup import Gangs
 from layers.moe import moe_layers
+from parallel.gradient_sum import sum_gradients
 
 __all__ = ["ddp_ignored_names", "reduce_expert_gradients"]
 
@@ -38,16 +37,5 @@ def reduce_expert_gradients(model: nn.Module, gangs: Gangs) -> None:
     Call once a step, after the last backward and before the trainer's normalisation.
     """
     params = [p for p in model.parameters() if getattr(p, "is_expert_param", False)]
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:  # every rank must enter the same collectives
-            p.grad = torch.zeros_like(p)
-    grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)]
-    if gangs.expert_dp.size > 1:
-        flat = torch.cat([g.flatten() for g in grads])  # one collective, not one per weight
-        gangs.expert_dp.all_reduce(flat, ReduceOperation.SUM)
-        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(reduced.view_as(g))
-    if gangs.dp.size > 1:
-        torch._foreach_div_(grads, gangs.dp.size)
+    if params:
+        sum_gradients(params, gangs.expert_dp, divide_by=gangs.dp.size)

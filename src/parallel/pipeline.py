@@ -3,7 +3,7 @@
     pipe = pipeline_model(model, pp_group, schedule="1f1b", num_microbatches=4,
                           loss_fn=summed_lm_loss)
     pipe.model        # this rank's stages as one module: give it to the optimizer
-    pipe.step(inputs, targets)  -> this step's summed loss (on every pp rank)
+    pipe.step((input_ids, position_ids), targets)  -> this step's summed loss (every pp rank)
 
 The model is cut into ``pp_size x stages_per_rank`` stages (`pipeline_stages`); rank r holds
 stages r, r + pp, ... (the looped layout of the interleaved schedules) or, for the ZBV
@@ -53,6 +53,10 @@ __all__ = [
     "pipeline_model",
     "stage_indices",
 ]
+
+PadParts = Callable[[tuple[Tensor, ...], Tensor, int, int], tuple[tuple[Tensor, ...], Tensor]]
+"""(inputs, targets, rows, length) -> the same filled up to ``[rows, length]`` with entries
+that score nothing: the batch format's own rule (`units.pipeline.pad_parts`)."""
 
 # name -> (torch class name, default stages per rank, whether more than that is allowed)
 SCHEDULES: dict[str, tuple[str, int, bool]] = {
@@ -109,42 +113,42 @@ class PipelinedModel:
     num_microbatches: int
     eval_shape: tuple[int, int] | None = None  # (rows, length) of evaluation micro-batches
 
-    def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """Forward and backward of every micro-batch (`inputs`, `targets`: the micro-batches
-        concatenated along dim 0, in equal parts); returns the summed loss, the same tensor
-        on every pp rank. Gradients accumulate in the parameters, unscaled."""
-        self.eval_shape = (inputs.shape[0] // self.num_microbatches, inputs.shape[1])
+    def step(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
+        """Forward and backward of every micro-batch (`inputs`: the first stage's arguments,
+        `targets`: the last stage's, each the micro-batches concatenated along dim 0 in
+        equal parts); returns the summed loss, the same tensor on every pp rank. Gradients
+        accumulate in the parameters, unscaled."""
+        self.eval_shape = (targets.shape[0] // self.num_microbatches, targets.shape[1])
         losses: list[Tensor] = []
-        args = (inputs,) if self.has_first else ()
+        args = inputs if self.has_first else ()
         self.schedule.step(*args, target=targets if self.has_last else None, losses=losses)
         return self._agreed_loss(losses, targets.device)
 
-    def evaluate(self, inputs: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    def evaluate(self, inputs: tuple[Tensor, ...], targets: Tensor,
+                 pad: PadParts) -> Tensor:
         """Forward only (validation) of a batch of any number of rows and any length up to
         the training one: the summed loss, on every pp rank. A schedule's micro-batches
         keep one shape, so the rows are cut into micro-batches of the training step's shape
-        (`step` sets it; else this first batch's rows / micro-batches), padded with
-        ignored targets (to the right: causal attention keeps padding from real tokens)."""
-        rows, length = self.eval_shape or (max(1, inputs.shape[0] // self.num_microbatches),
-                                           inputs.shape[1])
+        (`step` sets it; else this first batch's rows / micro-batches), filled up by the
+        batch format's own `pad` with rows and positions that score nothing (to the right:
+        causal attention keeps padding from real tokens)."""
+        rows, length = self.eval_shape or (max(1, targets.shape[0] // self.num_microbatches),
+                                           targets.shape[1])
         self.eval_shape = (rows, length)
-        if inputs.shape[1] > length:
-            raise ValueError(f"pipeline evaluation: sequences of {inputs.shape[1]} tokens are "
+        if targets.shape[1] > length:
+            raise ValueError(f"pipeline evaluation: sequences of {targets.shape[1]} tokens are "
                              f"longer than the {length} the schedule runs")
         group_rows = rows * self.num_microbatches
-        padded = -(-inputs.shape[0] // group_rows) * group_rows
-        x = inputs.new_zeros(padded, length)
-        y = targets.new_full((padded, length), ignore_index)
-        x[:inputs.shape[0], :inputs.shape[1]] = inputs
-        y[:targets.shape[0], :targets.shape[1]] = targets
-        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+        padded = -(-targets.shape[0] // group_rows) * group_rows
+        xs, y = pad(inputs, targets, padded, length)
+        total = torch.zeros((), dtype=torch.float32, device=targets.device)
         with torch.no_grad():
             for start in range(0, padded, group_rows):
                 losses: list[Tensor] = []
-                args = (x[start:start + group_rows],) if self.has_first else ()
+                args = tuple(x[start:start + group_rows] for x in xs) if self.has_first else ()
                 self.schedule.eval(*args, target=y[start:start + group_rows]
                                    if self.has_last else None, losses=losses)
-                total = total + self._agreed_loss(losses, inputs.device)
+                total = total + self._agreed_loss(losses, targets.device)
         return total
 
     def _agreed_loss(self, losses: list[Tensor], device: torch.device) -> Tensor:

@@ -6,9 +6,10 @@ Hugging Face models, the fine-tuning recipe), in this order:
                             step splits them with the layer they adapt)
     tensor_parallel         the model's own TP plan over `gangs.mesh["tp"]`; experts are split
                             over `gangs.ep` by the MoE layer itself when it is built
-    pipeline split          `build_pipeline`: cut the model into stages (`parallel.pipeline`) and
-                            keep this rank's, then materialise only those; no DP wrapper (the
-                            pipeline's step seam averages the stages' gradients over DP)
+    pipeline split          `pipeline=` given (gangs.pp > 1): cut the model into stages
+                            (`parallel.pipeline`) and keep this rank's, then materialise only
+                            those; no DP wrapper (the pipeline's step seam averages the
+                            stages' gradients over DP, as DDP would), so FSDP2 is refused
     FSDP2 / HSDP            per block over `gangs.dp_mesh` (data_parallel="fsdp")
     materialize             each rank allocates its shards and fills them (an init rule or
                             the slices of a checkpoint, see `parallel.materialize`)
@@ -37,8 +38,8 @@ from gangs.setup import Gangs
 from parallel.data import data_parallel as wrap_data_parallel
 from parallel.pipeline import PipelinedModel
 
-__all__ = ["DataParallel", "Materialize", "TensorParallel", "Transform", "build_model",
-           "build_pipeline", "check_hsdp", "parallelize"]
+__all__ = ["DataParallel", "Materialize", "Split", "TensorParallel", "Transform",
+           "build_model", "build_pipeline", "check_hsdp", "parallelize"]
 
 log = logging.getLogger("gangtrain")
 
@@ -48,6 +49,9 @@ Transform = Callable[[nn.Module], nn.Module]
 TensorParallel = Callable[[nn.Module, Gangs], None]
 """Apply the model's own TP plan over `gangs` in place; called on every layout (tp = 1 too),
 so it may check that the model fits the gangs' sizes."""
+Split = Callable[[nn.Module], PipelinedModel]
+"""Cut the whole model (on meta) into pipeline stages and keep this rank's, e.g.
+``lambda m: pipeline_model(m, gangs.pp.as_process_group(), spec=..., ...)``."""
 Materialize = Callable[[nn.Module, torch.device], None]
 """Allocate this rank's storage of the split model and fill it, e.g.
 `lambda model, device: materialize(model, device, seeded_init(seed, rule))`."""
@@ -68,17 +72,25 @@ def build_model(
     tensor_parallel: TensorParallel | None = None,
     data_parallel: DataParallel | None = "fsdp",
     transforms: Sequence[Transform] = (),
+    pipeline: Split | None = None,
     **options: Any,
-) -> nn.Module:
+) -> Any:
     """The model `make_on_meta` builds, split over `gangs` and filled, ready for the
     optimizer (build it afterwards from `parallel.param_groups(model)`); see the module
-    docstring for the steps.
+    docstring for the steps. With `pipeline`: the `PipelinedModel` of this rank's stages
+    (build the optimizer from its `.model`); else the module to train.
 
     data_parallel: "fsdp" (FSDP2, or HSDP when the gangs have a `dp_shard_size`), "ddp", or
-        None (no data-parallel wrapper: the caller wraps).
+        None (no data-parallel wrapper: the caller wraps). Under `pipeline`, "ddp" or None:
+        the pipeline's step seam averages the stages' gradients over DP.
     options: of `parallel.data_parallel` (`activation_checkpointing`, `param_dtype`,
         `blocks`, ... for FSDP2; `find_unused_parameters` for DDP).
     """
+    if pipeline is not None and (data_parallel == "fsdp" or options):
+        raise ValueError(
+            f"pipeline parallelism replicates its stages over DP (the pipeline step averages "
+            f"their gradients, as DDP): data_parallel must be 'ddp' or None, not "
+            f"{data_parallel!r}{f', without options {sorted(options)}' if options else ''}")
     kind, options = _data_parallel_layout(data_parallel, gangs, options)
     with torch.device("meta"):  # no memory, no init cost
         model = make_on_meta()
@@ -86,7 +98,10 @@ def build_model(
         model = transform(model)
     if tensor_parallel is not None:
         tensor_parallel(model, gangs)
-    # A pipeline split (PP) goes here: after TP/EP, before FSDP2 shards each stage.
+    if pipeline is not None:  # after TP/EP; only this rank's stages are materialised
+        pipe = pipeline(model)
+        materialize(pipe.model, gangs.device)
+        return pipe
     if kind == "fsdp":
         model = wrap_data_parallel(model, gangs, "fsdp", **options)
     materialize(model, gangs.device)
@@ -100,22 +115,15 @@ def build_pipeline(
     gangs: Gangs,
     *,
     materialize: Materialize,
-    split: Callable[[nn.Module], PipelinedModel],
+    split: Split,
     tensor_parallel: TensorParallel | None = None,
     transforms: Sequence[Transform] = (),
 ) -> PipelinedModel:
-    """The plan under pipeline parallelism: on meta, transforms, TP, then `split` (e.g.
-    ``lambda m: pipeline_model(m, gangs.pp.as_process_group(), ...)``) keeps this rank's
-    stages, and only they are materialised (under their whole-model names, so an init rule
-    by name gives the bits of any other layout). Build the optimizer from `.model`."""
-    with torch.device("meta"):
-        model = make_on_meta()
-    for transform in transforms:
-        model = transform(model)
-    if tensor_parallel is not None:
-        tensor_parallel(model, gangs)
-    pipe = split(model)
-    materialize(pipe.model, gangs.device)
+    """`build_model(..., pipeline=split)`: the plan under pipeline parallelism (kept for its
+    callers; the one plan decides)."""
+    pipe: PipelinedModel = build_model(
+        make_on_meta, gangs, materialize=materialize, tensor_parallel=tensor_parallel,
+        data_parallel=None, transforms=transforms, pipeline=split)
     return pipe
 
 

@@ -94,7 +94,8 @@ def pipelined(build, schedule: str):
         losses, norms = [], []
         for step in range(STEPS):
             inputs, targets = step_batches(step)
-            loss = pipe.step(inputs, targets)
+            positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+            loss = pipe.step((inputs, positions), targets)
             count = (targets != -100).sum()
             torch._foreach_div_([p.grad for p in params], count.float())
             norms.append(gradient_norm(params, MAX_NORM, split_over=[stages]).item())

@@ -181,11 +181,14 @@ def test_layouts_the_trainer_cannot_run_are_refused_by_name(tmp_path):
     class Pipe:  # what the check reads of a pipelined unit
         num_microbatches = 4
 
-    class Unit(CausalLMUnit):
-        pipeline = Pipe()
+    class Unit(PipelineLMUnit):
+        def __init__(self, model):
+            super().__init__(Pipe())  # type: ignore[arg-type]
+            self._model = model
 
-        def batch_parts(self, batch):
-            raise AssertionError("not reached")
+        @property
+        def model(self):
+            return self._model
 
     with pytest.raises(ValueError, match="num_accumulate 2 must equal the pipeline schedule's"):
         Trainer(Unit(model), Reader(0, 1), optimizer, gangs=gangs, output_dir=tmp_path,

@@ -42,16 +42,30 @@ def register_hf_attention(model: Any, group: dist.ProcessGroup | None) -> None:
     mark_context_parallel(model, switch)
 
 
+# What an attention module may hand its kernel that changes the result and this kernel does
+# not apply: refused by name rather than silently dropped.
+_NOT_APPLIED = ("s_aux", "sinks", "attention_chunk_size")
+
+
 def _hf_attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
                   attention_mask: Tensor | None, *, scaling: float | None = None,
                   dropout: float = 0.0, position_ids: Tensor | None = None,
+                  sliding_window: int | None = None, softcap: float | None = None,
                   **kwargs: Any) -> tuple[Tensor, None]:
-    """transformers' attention signature; the mask it built for the local slice is not used
-    (the document mask comes from the gathered `position_ids`)."""
-    del attention_mask, kwargs
+    """transformers' attention signature. The mask it built for the local slice is not
+    used: the document mask comes from the gathered `position_ids`, the window and the
+    soft-capping from the module's own arguments, applied over the whole sequence."""
+    del attention_mask
+    unknown = [name for name in _NOT_APPLIED if kwargs.get(name) is not None]
+    if unknown or kwargs.get("is_causal") is False:
+        raise ValueError(
+            f"context parallelism: {type(module).__name__} attends with "
+            f"{unknown or 'is_causal=False'}, which the cp kernel does not apply; train "
+            "this model with gangs.cp_size 1")
     group = _HF_GROUPS.get(id(module.config))
     if position_ids is None:
         raise ValueError("context-parallel attention needs the position_ids of each slice")
     out = ulysses_attention(query, key, value, group, position_ids=position_ids.expand(
-        query.shape[0], -1), scale=scaling, dropout_p=dropout)
+        query.shape[0], -1), scale=scaling, dropout_p=dropout if module.training else 0.0,
+        window=sliding_window, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None

@@ -1,8 +1,7 @@
 """Config sections the recipes share: `Section` (the base of every section: unknown keys are
 an error, attribute docstrings are the fields' descriptions), the learning-rate schedule's
-`LRSchedulerSection`, the full `GangsSection` and the `LoraSection` of the recipes that load
-Hugging Face models. A recipe with fewer gangs settings declares its own section on
-`Section`."""
+`LRSchedulerSection`, the one `GangsSection` (every layout: `check` refuses by name what
+does not combine) and the `LoraSection` of the recipes that load Hugging Face models."""
 
 from __future__ import annotations
 
@@ -53,9 +52,25 @@ class GangsSection(Section):
     possible), e.g. [3] cuts 8 layers into 0-2 and 3-7."""
     cp_size: PositiveInt = 1
     """Context parallelism: every sequence split over this many ranks, attention exact
-    across them (Ulysses all-to-all over heads: num_heads divisible by cp_size, seq_len too).
-    With DP only."""
+    across them (Ulysses all-to-all over heads: num_heads / tp_size divisible by cp_size,
+    seq_len too). With DP (DDP, FSDP2) and TP; not with pp_size > 1."""
     timeout_s: PositiveInt = 600
+
+    def check(self, data_parallel: str | None) -> None:
+        """A `UserError` naming the setting when these sizes do not combine with the
+        trainer's `data_parallel` or with each other (before any process group exists)."""
+        if self.dp_shard_size is not None and data_parallel != "fsdp":
+            raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
+                            "trainer.data_parallel=fsdp")
+        if self.pp_size > 1 and data_parallel == "fsdp":
+            raise UserError(
+                f"config 'trainer.data_parallel' is 'fsdp'; with gangs.pp_size {self.pp_size} "
+                "it must be ddp: the stages are replicated over DP, their gradients averaged "
+                "by the pipeline step")
+        if self.pp_size > 1 and self.cp_size > 1:
+            raise UserError(
+                f"config 'gangs.cp_size' {self.cp_size} with gangs.pp_size {self.pp_size}: "
+                "context parallelism inside pipeline stages is not supported yet; use one")
 
 
 class LoraSection(Section):

@@ -73,8 +73,9 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     lora: LoraSettings | None = None,
     seed: int = 0,
+    pipeline: plan.Split | None = None,
     **kwargs: Any,
-) -> nn.Module:
+) -> Any:
     """The Hugging Face model saved in the local directory `path` (`config.json` and
     `model.safetensors`, or shards with `model.safetensors.index.json`), ready for the
     `Trainer` (see the module docstring for the steps).
@@ -93,6 +94,8 @@ def load_pretrained(
         float32 whatever `dtype` the base has.
     seed: of the adapters' initialisation (peft's: `lora_A` Kaiming-uniform, `lora_B`
         zero), drawn per name: the same on every rank and layout.
+    pipeline: cut the model into pipeline stages (`parallel.plan.Split`); then the
+        `PipelinedModel` of this rank's stages is returned, only they read from the files.
 
     Tied weights stay tied (GPT-2's `lm_head.weight` is `transformer.wte.weight`) when the
     files hold them once or equal; a config that ties them while the files hold both with
@@ -111,7 +114,7 @@ def load_pretrained(
     transforms = [] if lora is None else [partial(_with_adapters, settings=lora)]
     return plan.build_model(pretrained.on_meta, gangs, tensor_parallel=_tensor_parallel,
                             data_parallel=data_parallel, materialize=pretrained.materialize,
-                            transforms=transforms, **kwargs)
+                            transforms=transforms, pipeline=pipeline, **kwargs)
 
 
 def _with_adapters(model: nn.Module, settings: LoraSettings) -> nn.Module:
@@ -263,7 +266,8 @@ def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
     # carry its "initialised" flag, i.e. every tensor just read.
     tensors = dict(_named_tensors(model))
     for name in [*targets, *(name for name in tensors if is_adapter(name))]:
-        setattr(tensors[name], _HF_INITIALIZED, True)
+        if name in tensors:  # a pipeline stage holds some of the model's tensors
+            setattr(tensors[name], _HF_INITIALIZED, True)
     initialize = getattr(model, "initialize_weights", None)
     if callable(initialize):
         initialize()

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from gangs import Gang, ReduceOperation
 from parallel.context import shard_sequence
+from parallel.gradient_sum import sum_gradients
 from trainer.step.forward_backward import ForwardBackward, StepGradients
 
 
@@ -45,20 +46,6 @@ class ContextParallelStep:
         sums = torch.stack([local.loss.float(),
                             torch.as_tensor(local.num_targets, device=local.loss.device).float()])
         self.cp.all_reduce(sums, ReduceOperation.SUM)
-        self._sum_gradients()
+        sum_gradients(self.params, self.cp)
         # The unit's own counts (of this rank's slices) are still judged at the sync point.
         return StepGradients(sums[0], sums[1].round().long(), False, local.tensor_counts)
-
-    @torch.no_grad()
-    def _sum_gradients(self) -> None:
-        """One all-reduce (SUM over cp) of every gradient, flattened."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.cp.all_reduce(flat, ReduceOperation.SUM)
-        offset = 0
-        for p, g in zip(self.params, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(g)
-            offset += g.numel()
-

@@ -2,7 +2,7 @@
 
 - one stage, whole sequences: `MicroBatchLoop` (each micro-batch's forward and backward);
 - ``gangs.pp.size > 1``: `PipelineSchedule`, driving the unit's pipeline schedule (the unit
-  is a `units.pipeline.PipelineLMUnit`: it knows its stages and how a batch splits);
+  is a `units.pipeline.PipelineUnit`: it knows its stages and what its batch means);
 - ``gangs.cp.size > 1``: `ContextParallelStep` around the loop, each rank running its slice
   of every sequence (the model attends through `parallel.context`).
 
@@ -23,19 +23,20 @@ from trainer.step.forward_backward import ForwardBackward, MicroBatchLoop
 from trainer.step.loss_scaler import LossScaler
 from trainer.step.pipeline_schedule import PipelineSchedule
 from units import MetricBag, TrainUnit
+from units.pipeline import PipelineUnit
 
 
 def check_layout(unit: TrainUnit[Any], gangs: Gangs, *, num_accumulate: int, dtype: str,
                  valid_units: Any = ()) -> None:
     """A `ValueError` naming what does not fit the pp and cp gangs."""
-    pipeline = getattr(unit, "pipeline", None)
     pp, cp = gangs.pp.size, gangs.cp.size
     if pp > 1:
-        if pipeline is None or not hasattr(unit, "batch_parts"):
+        if not isinstance(unit, PipelineUnit):
             raise ValueError(
                 f"gangs with pp_size {pp} need a pipelined unit (units.pipeline."
                 f"PipelineLMUnit over parallel.pipeline.pipeline_model(...)); "
                 f"{type(unit).__name__} runs the whole model on every rank")
+        pipeline = unit.pipeline
         if num_accumulate != pipeline.num_microbatches:
             raise ValueError(
                 f"num_accumulate {num_accumulate} must equal the pipeline schedule's "
@@ -45,11 +46,11 @@ def check_layout(unit: TrainUnit[Any], gangs: Gangs, *, num_accumulate: int, dty
             raise ValueError("dtype 'fp16' (a loss scale) with pp_size > 1 is not supported "
                              "yet: use bf16 or fp32")
         for valid in valid_units:
-            if getattr(valid, "pipeline", None) is None:
+            if valid.model is not pipeline.model:
                 raise ValueError(
                     f"valid unit '{valid.name}' runs the whole model, which is split over "
                     f"pp_size {pp} stages: use units.pipeline.PipelineLMEvalUnit")
-    elif pipeline is not None:
+    elif isinstance(unit, PipelineUnit):
         raise ValueError(f"{type(unit).__name__} is pipelined, but the gangs have pp_size 1: "
                          "give the Trainer the gangs the pipeline was built on")
     if cp > 1 and not uses_context_parallel(unit.model):
@@ -67,8 +68,8 @@ def build_seam(unit: TrainUnit[Any], gangs: Gangs, metrics: MetricBag,
                autocast: AbstractContextManager[Any], scaler: LossScaler | None, *,
                num_accumulate: int, fsdp_reduce_every_micro_batch: bool) -> ForwardBackward[Any]:
     if gangs.pp.size > 1:
-        return PipelineSchedule(unit.pipeline, unit.batch_parts,  # type: ignore[attr-defined]
-                                num_microbatches=num_accumulate, dp=gangs.dp,
+        assert isinstance(unit, PipelineUnit)  # check_layout refused any other
+        return PipelineSchedule(unit, num_microbatches=num_accumulate, dp=gangs.dp,
                                 autocast=autocast)
     loop = MicroBatchLoop(
         unit, metrics, autocast,
