@@ -31,10 +31,12 @@ from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
 from layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
+from models.hf.experts import refuse_expert_parallel
 from models.hf.tensor_parallel import apply_tp_plan
 from parallel import plan
 from parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
+from trainer.hf.conversion import ConvertedFiles
 from trainer.hf.hf_config import read_hf_config
 from trainer.hf.safetensors_files import WeightFiles
 
@@ -127,15 +129,17 @@ class _Pretrained:
 
     def __init__(self, path: Path, dtype: torch.dtype | None, seed: int) -> None:
         self.path, self.dtype, self.seed = path, dtype, seed
-        self.files: WeightFiles | None = None
+        self.files: ConvertedFiles | None = None
         self.targets: dict[str, list[str]] = {}
 
     def on_meta(self) -> nn.Module:
         model = build_on_meta(self.path, self.dtype)
-        self.files = WeightFiles(self.path)
+        weight_files = WeightFiles(self.path)
+        self.files = ConvertedFiles(model, weight_files)
         self.targets = tensor_aliases(model)
         if _saved_apart(self.targets, self.files):
             model = _untied(self.path, self.dtype, self.files)
+            self.files = ConvertedFiles(model, weight_files)
             self.targets = tensor_aliases(model)
         _check_keys_and_shapes(model, self.targets, self.files)
         return model
@@ -147,7 +151,9 @@ class _Pretrained:
 
 
 def _tensor_parallel(model: nn.Module, gangs: Gangs) -> None:
-    """The model's own TP plan over `gangs.tp`, when there is more than one TP rank."""
+    """The model's own TP plan over `gangs.tp`, when there is more than one TP rank;
+    expert parallelism refused (`models.hf.experts`)."""
+    refuse_expert_parallel(model, gangs.ep.size)
     if gangs.tp.size == 1:
         return
     if gangs.mesh is None:
@@ -174,28 +180,28 @@ def _named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterator[
     yield from model.named_buffers(remove_duplicate=remove_duplicate)
 
 
-def _file_key(names: list[str], files: WeightFiles) -> str | None:
+def _file_key(names: list[str], files: ConvertedFiles) -> str | None:
     """The name under which the files hold a tensor known by `names` (tied aliases)."""
-    return next((name for name in names if name in files.file_of), None)
+    return next((name for name in names if name in files.names), None)
 
 
-def _saved_apart(targets: dict[str, list[str]], files: WeightFiles) -> list[list[str]]:
+def _saved_apart(targets: dict[str, list[str]], files: ConvertedFiles) -> list[list[str]]:
     """The tied names (one list per tensor) that the files hold more than once, with values
     that differ: the config ties what the files keep apart."""
     apart = []
     for names in targets.values():
-        present = [name for name in names if name in files.file_of]
+        present = [name for name in names if name in files.names]
         if any(not files.equal(present[0], other) for other in present[1:]):
             apart.append(present)
     return apart
 
 
-def _untied(path: Path, dtype: torch.dtype | None, files: WeightFiles) -> nn.Module:
+def _untied(path: Path, dtype: torch.dtype | None, files: ConvertedFiles) -> nn.Module:
     """The model built untied, as `from_pretrained` loads a tied config whose files hold the
     tied weights apart with different values (it warns and does not tie them: training a tied
     model would be training another model than the one saved)."""
     model = build_on_meta(path, dtype, untie_word_embeddings=True)
-    still = _saved_apart(tensor_aliases(model), files)
+    still = _saved_apart(tensor_aliases(model), ConvertedFiles(model, files.files))
     if still:  # tied by the model's code, not by tie_word_embeddings: nothing to follow
         raise UserError(f"{files.source} holds {' and '.join(map(repr, still[0]))} with "
                         f"different values, which {type(model).__name__} ties into one weight")
@@ -207,7 +213,7 @@ def _untied(path: Path, dtype: torch.dtype | None, files: WeightFiles) -> nn.Mod
 
 
 def _check_keys_and_shapes(
-    model: nn.Module, targets: dict[str, list[str]], files: WeightFiles
+    model: nn.Module, targets: dict[str, list[str]], files: ConvertedFiles
 ) -> None:
     """One `UserError` naming the first missing key, unexpected key or shape mismatch, before
     anything is allocated."""
@@ -222,15 +228,14 @@ def _check_keys_and_shapes(
         if saved != expected:
             raise UserError(f"{files.where(key)}: weight {key!r} has shape {saved}, "
                             f"{type(model).__name__} expects {expected}")
-    known = {name for names in targets.values() for name in names}
-    unexpected = sorted(set(files.file_of) - known)
+    unexpected = files.unexpected  # file keys that no rule of transformers maps to the model
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise UserError(f"{files.where(unexpected[0])} holds weight {unexpected[0]!r}{more}, "
-                        f"which {type(model).__name__} does not have")
+        raise UserError(f"{files.files.where(unexpected[0])} holds weight {unexpected[0]!r}"
+                        f"{more}, which {type(model).__name__} does not have")
 
 
-def _fill(model: nn.Module, targets: dict[str, list[str]], files: WeightFiles,
+def _fill(model: nn.Module, targets: dict[str, list[str]], files: ConvertedFiles,
           device: torch.device, seed: int) -> None:
     """Allocate this rank's storage and copy its slice of every tensor from the files
     (`parallel.materialize(sliced=True)`, which keeps tied weights tied), adapters from
