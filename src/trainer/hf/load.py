@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
 from layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
-from models.hf.experts import refuse_expert_parallel
+from models.hf.experts import apply_expert_parallel
 from models.hf.tensor_parallel import apply_tp_plan
 from parallel import plan
 from parallel.materialize import local_slices, materialize, seeded_init
@@ -151,9 +151,9 @@ class _Pretrained:
 
 
 def _tensor_parallel(model: nn.Module, gangs: Gangs) -> None:
-    """The model's own TP plan over `gangs.tp`, when there is more than one TP rank;
-    expert parallelism refused (`models.hf.experts`)."""
-    refuse_expert_parallel(model, gangs.ep.size)
+    """The experts split over `gangs.ep` (`models.hf.experts`), and the model's own TP plan
+    over `gangs.tp`, when there is more than one rank to split over."""
+    apply_expert_parallel(model, gangs.ep)
     if gangs.tp.size == 1:
         return
     if gangs.mesh is None:
