@@ -17,7 +17,9 @@ from ranks import run_ranks
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from trainer.hf import export_pretrained
+from gangs import setup_gangs, setup_root_gang
+from trainer.errors import UserError
+from trainer.hf import export_pretrained, load_pretrained
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -44,3 +46,18 @@ def test_save_pretrained_loads_trains_and_exports_to_the_trained_logits(tmp_path
         assert set(written.keys()) == set(original.keys())
     assert json.loads((exported / "config.json").read_text())["model_type"] == \
         json.loads((saved / "config.json").read_text())["model_type"]
+
+
+def attention_kernels(directories):
+    gangs = setup_gangs(setup_root_gang())
+    chosen = load_pretrained(directories["llama"], gangs, attn_implementation="eager")
+    with pytest.raises(UserError) as refused:
+        load_pretrained(directories["gemma2"], gangs, attn_implementation="sdpa")
+    return chosen.config._attn_implementation, str(refused.value)  # noqa: SLF001
+
+
+def test_the_attention_kernel_is_the_one_asked_for_or_refused_by_name(tmp_path):
+    directories = {family: save_tiny(family, tmp_path / family) for family in ("llama", "gemma2")}
+    chosen, refused = run_ranks(partial(attention_kernels, directories), world_size=1)[0]
+    assert chosen == "eager"
+    assert refused.startswith("attn_implementation 'sdpa' for ") and "Gemma2" in refused
