@@ -20,7 +20,7 @@ forward, as a TP layer's collectives are part of its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from gangs.gang import Gang
 __all__ = [
     "GroupedExperts",
     "MoEFeedForward",
+    "dispatch_to_experts",
     "moe_aux_loss",
     "moe_layers",
 ]
@@ -162,30 +163,40 @@ class MoEFeedForward(nn.Module):
         return (y * gates.unsqueeze(-1).to(y.dtype)).sum(dim=1).view(shape)
 
     def _dispatch_to_experts(self, routed: Tensor, counts: Tensor) -> Tensor:
-        """Send each routed row to the rank holding its expert, run the local experts, and
-        bring the results back in the same order."""
         assert self.ep_gang is not None
-        ep, local = self.ep_size, self.num_local_experts
-        send = counts.view(ep, local)  # rows for (destination rank, its local expert)
-        recv = torch.empty_like(send)  # rows from (source rank, my local expert)
-        self.ep_gang.all_to_all(recv, send)
-        send_splits = send.sum(dim=1).tolist()
-        recv_splits = recv.sum(dim=1).tolist()
-        group = self.ep_gang.as_process_group()
-        received = all_to_all_single_autograd(routed, recv_splits, send_splits, group)
-
-        # Received rows are grouped by source rank, then local expert: regroup by expert.
-        local_ids = torch.arange(local, device=recv.device).repeat(ep)
-        by_expert = torch.repeat_interleave(local_ids, recv.flatten()).argsort(stable=True)
-        out = self.experts(received[by_expert], recv.sum(dim=0).tolist())
-        out = out[by_expert.argsort()]
-        return all_to_all_single_autograd(out, send_splits, recv_splits, group)
+        return dispatch_to_experts(routed, counts, self.ep_gang, self.experts)
 
     def _load_balancing_loss(self, probs: Tensor, counts: Tensor) -> Tensor:
         num_assignments = max(probs.shape[0] * self.top_k, 1)  # an empty batch: loss 0
         fraction = counts.to(probs.dtype) / num_assignments
         mean_prob = probs.sum(dim=0) / max(probs.shape[0], 1)
         return self.num_experts * (fraction * mean_prob).sum()
+
+
+def dispatch_to_experts(routed: Tensor, counts: Tensor, ep_gang: Gang,
+                        local_experts: Callable[[Tensor, list[int]], Tensor]) -> Tensor:
+    """Send each routed row to the EP rank holding its expert, run `local_experts(rows,
+    rows per local expert)` there, and bring the results back in the same order.
+
+    routed: this rank's rows grouped by (global) expert; counts: rows per global expert
+    [num_experts]. Both all_to_alls are differentiable: a local expert's gradient sums the
+    rows of every rank of the gang."""
+    ep = ep_gang.size
+    send = counts.view(ep, -1)  # rows for (destination rank, its local expert)
+    local = send.shape[1]
+    recv = torch.empty_like(send)  # rows from (source rank, my local expert)
+    ep_gang.all_to_all(recv, send)
+    send_splits = send.sum(dim=1).tolist()
+    recv_splits = recv.sum(dim=1).tolist()
+    group = ep_gang.as_process_group()
+    received = all_to_all_single_autograd(routed, recv_splits, send_splits, group)
+
+    # Received rows are grouped by source rank, then local expert: regroup by expert.
+    local_ids = torch.arange(local, device=recv.device).repeat(ep)
+    by_expert = torch.repeat_interleave(local_ids, recv.flatten()).argsort(stable=True)
+    out = local_experts(received[by_expert], recv.sum(dim=0).tolist())
+    out = out[by_expert.argsort()]
+    return all_to_all_single_autograd(out, send_splits, recv_splits, group)
 
 
 def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoEFeedForward]]:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from data.collate import IGNORE_INDEX
 from layers.moe import moe_layers
 from units.metrics import MetricBag
+from units.router_aux_loss import RouterAuxLoss
 from units.unit import EvalUnit, TrainUnit
 
 LMBatch = Mapping[str, Tensor]
@@ -164,6 +165,7 @@ class CausalLMUnit(TrainUnit[LMBatch]):
         self.bytes_per_token = bytes_per_token
         self.moe_aux_loss_weight = moe_aux_loss_weight
         self._moe = [m for _, m in moe_layers(model)]
+        self._router_aux = RouterAuxLoss.of(model)  # a HF MoE's, when its config asks
         self._use_cache_keyword = takes_use_cache(model)
 
     @property
@@ -177,6 +179,8 @@ class CausalLMUnit(TrainUnit[LMBatch]):
         loss, num_targets = lm_loss(self._model, batch, self.pad_idx, self._use_cache_keyword)
         if self._moe:
             loss = loss + self._moe_step(metrics, num_targets)
+        if self._router_aux is not None:
+            loss = loss + self._router_aux.summed(num_targets)
         return loss, num_targets
 
     def _moe_step(self, metrics: MetricBag, num_targets: Tensor) -> Tensor:

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from lm_samples import SampleReader, padded_samples
 from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from data.global_batches import GlobalBatchReader
 from gangs import setup_gangs, setup_root_gang
 from parallel import data_parallel
 from trainer.trainer import Trainer
@@ -39,35 +39,8 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def padded_samples(num: int, seed: int) -> dict[str, torch.Tensor]:
-    """`num` HF-style samples of learnable sequences (each an arithmetic progression modulo
-    the vocabulary, its own start and stride); each row ends in padding (attention mask 0)
-    of its own length."""
-    g = torch.Generator().manual_seed(seed)
-    start = torch.randint(1, VOCAB, (num, 1), generator=g)
-    stride = torch.randint(1, 4, (num, 1), generator=g)
-    ids = 1 + (start + stride * torch.arange(SEQ_LEN)) % (VOCAB - 1)
-    lengths = torch.randint(4, SEQ_LEN + 1, (num,), generator=g)
-    mask = (torch.arange(SEQ_LEN) < lengths[:, None]).long()
-    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
-
-
-class SampleReader(GlobalBatchReader[dict[str, torch.Tensor]]):
-    """Global batches of `samples`, each DP rank taking its slice; resumable anywhere."""
-
-    def __init__(self, samples: dict[str, torch.Tensor], batch_size: int, dp_rank: int,
-                 dp_size: int, shuffle: bool = True) -> None:
-        super().__init__(len(samples["input_ids"]), batch_size, dp_rank, dp_size,
-                         shuffle=shuffle)
-        self.samples = samples
-        self.num_batches_made = 0
-
-    def make_batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
-        self.num_batches_made += 1
-        return {k: v[indices] for k, v in self.samples.items()}
-
-
-TRAIN, VALID = padded_samples(64, seed=1), padded_samples(16, seed=2)
+TRAIN = padded_samples(64, seed=1, vocab=VOCAB, seq_len=SEQ_LEN)
+VALID = padded_samples(16, seed=2, vocab=VOCAB, seq_len=SEQ_LEN)
 MAX_NORM = 0.2  # below these models' gradient norms: every step is clipped
 
 

@@ -19,9 +19,11 @@ expert weights, local-tensor variants) are refused by name rather than applied w
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
+
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -33,6 +35,32 @@ from gangs.errors import UserError
 from layers.lora import lora_settings_of, split_adapters
 
 __all__ = ["STYLES", "apply_tp_plan", "tp_plan_of"]
+
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """A small layer (Qwen3's and Gemma 3's per-head `q_norm`/`k_norm`) applied to the local
+    heads a colwise projection gave this TP rank: its weights replicated over TP, and their
+    gradient (each rank's share from its own heads) summed over TP.
+
+    The weights become `Replicate` DTensors; the layer's input enters as the rank's shard of
+    the whole (`Shard(0)`: any dimension but the normalised last one gives the same local
+    computation) and leaves as the local tensor again, so DTensor's own rule turns the weight
+    gradient (partial on each rank) into its all-reduced sum, and the grad norm, FSDP2 and DCP
+    see one weight."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # No partition function: distribute_module replicates every parameter.
+        return distribute_module(module, device_mesh, input_fn=self._enter,
+                                 output_fn=self._leave)
+
+    @staticmethod
+    def _enter(_: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
+                     if isinstance(x, Tensor) else x for x in inputs)
+
+    @staticmethod
+    def _leave(_: nn.Module, output: Any, __: DeviceMesh) -> Any:
+        return output.to_local() if isinstance(output, DTensor) else output
 
 
 def _styles() -> dict[str, ParallelStyle]:
@@ -52,6 +80,8 @@ def _styles() -> dict[str, ParallelStyle]:
         "rowwise_rep": rowwise_replicated_input,
         # Embedding: table split by vocabulary rows, lookups summed over TP ranks.
         "embedding_rowwise": rowwise_replicated_input,
+        # A per-head norm after a colwise projection: replicated, gradient summed over TP.
+        "replicated_with_grad_allreduce": ReplicatedWithGradAllReduce(),
     }
 
 

@@ -44,6 +44,7 @@ from trainer.hf.adapters import (
     is_lora_checkpoint,
     merged_tensors,
 )
+from trainer.hf.conversion import SavedLayout, saved_layout
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
 from trainer.run_dir import ADAPTER_DIR, BEST_MODEL
@@ -93,10 +94,10 @@ def export_pretrained(
         infos, read = merged_tensors(step_dir)
     else:
         tensors = ModelTensors(step_dir)
-        infos, source = _hf_tensors(tensors, hf_files)
+        infos, layout, source = _hf_tensors(tensors, hf_files)
 
         def read(name: str) -> torch.Tensor:
-            return tensors.load(source[name])
+            return layout.read(name, lambda model_name: tensors.load(source[model_name]))
 
     if dtype is not None:
         infos = [TensorInfo(i.name, dtype if i.dtype.is_floating_point else i.dtype, i.shape)
@@ -186,10 +187,11 @@ def export_best_model(checkpoint_dir: Path, hf_output_dir: Path) -> Path | None:
 
 def _hf_tensors(
     tensors: ModelTensors, hf_files: Path
-) -> tuple[list[TensorInfo], dict[str, str]]:
-    """The checkpoint's tensors under the names the HF model's files use, one per tied
-    group, and `{that name: the checkpoint's name}`; a `UserError` naming the first key
-    that does not fit the model."""
+) -> tuple[list[TensorInfo], SavedLayout, dict[str, str]]:
+    """The tensors `save_pretrained` would write for the checkpoint's model (one per tied
+    group, in transformers' saved layout: e.g. per-expert tensors, GPT-NeoX's `embed_out`),
+    that layout, and `{model name: the checkpoint's name}`; a `UserError` naming the first
+    key that does not fit the model."""
     model = build_on_meta(hf_files)  # on meta: only names and shapes
     kept, source, shapes = [], {}, dict(model.state_dict())
     for name, aliases in tensor_aliases(model).items():
@@ -209,7 +211,11 @@ def _hf_tensors(
     if unexpected:
         raise UserError(f"checkpoint {tensors.step_dir} has model weight {unexpected[0]!r}, "
                         f"which {type(model).__name__} does not have")
-    return kept, source
+    layout = saved_layout(model, [info.name for info in kept])
+    dtypes = {info.name: info.dtype for info in kept}
+    infos = [TensorInfo(file_name, dtypes[name], shape)
+             for file_name, (name, shape) in layout.names.items()]
+    return infos, layout, source
 
 
 def _write_weights(directory: Path, infos: list[TensorInfo],
