@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from data.global_batches import GlobalBatchReader
+from data.global_batches import GlobalBatchReader, eval_rows
 from trainer.errors import UserError
 
 __all__ = ["Batch", "ShardedBatchReader", "eval_batches", "make_spirals", "split"]
@@ -123,12 +123,6 @@ def eval_batches(data: Batch, batch_size: int, dp_rank: int = 0, dp_size: int = 
     """
     if batch_size < 1:
         raise UserError(f"data: valid_batch_size must be positive, got {batch_size}")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
     inputs, targets = data
-    batches = []
-    for start in range(0, inputs.shape[0], batch_size):
-        n = min(batch_size, inputs.shape[0] - start)
-        rows = slice(start + dp_rank * n // dp_size, start + (dp_rank + 1) * n // dp_size)
-        batches.append((inputs[rows], targets[rows]))
-    return batches
+    return [(inputs[rows], targets[rows])
+            for rows in eval_rows(inputs.shape[0], batch_size, dp_rank, dp_size)]

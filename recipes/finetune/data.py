@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from data.global_batches import eval_rows
 from data.packing import Batch, to_batch
 from trainer.errors import UserError
 
@@ -30,12 +31,5 @@ def eval_batches(windows: Tensor, batch_size: int, dp_rank: int = 0, dp_size: in
     if n < dp_size:
         raise UserError(f"data: {n} validation windows cannot be shared by {dp_size} "
                         "data-parallel ranks: raise data.valid_fraction")
-    starts = list(range(0, n, batch_size))
-    if len(starts) > 1 and n - starts[-1] < dp_size:
-        starts.pop()
-    batches = []
-    for start, end in zip(starts, [*starts[1:], n]):
-        size = end - start
-        rows = slice(start + dp_rank * size // dp_size, start + (dp_rank + 1) * size // dp_size)
-        batches.append(to_batch(windows[rows]))
-    return batches
+    return [to_batch(windows[rows])
+            for rows in eval_rows(n, batch_size, dp_rank, dp_size, no_empty_rank=True)]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from data.global_batches import eval_rows
 from data.packing import Batch, WindowReader, pack_windows, to_batch
 from trainer.errors import UserError
 
@@ -167,24 +168,14 @@ def eval_batches(
     """
     if batch_size < 1:
         raise UserError(f"batch_size must be positive, got {batch_size}")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
     windows = pack_windows(data, seq_len)
     if windows.shape[0] == 0:
         raise UserError(
             f"validation data of {data.numel()} bytes is shorter than one window of "
             f"{seq_len + 1} bytes"
         )
-    batches = []
-    for start in range(0, windows.shape[0], batch_size):
-        if max_batches is not None and len(batches) >= max_batches:
-            break
-        global_batch = windows[start : start + batch_size]
-        n = global_batch.shape[0]
-        batches.append(
-            to_batch(global_batch[dp_rank * n // dp_size : (dp_rank + 1) * n // dp_size])
-        )
-    return batches
+    return [to_batch(windows[rows]) for rows in eval_rows(
+        windows.shape[0], batch_size, dp_rank, dp_size, max_batches=max_batches)]
 
 
 def gzip_bits_per_byte(data: bytes | bytearray | torch.Tensor) -> float:

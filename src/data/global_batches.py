@@ -113,3 +113,27 @@ class GlobalBatchReader(ABC, Generic[BatchT]):
                 "batch size change since the checkpoint?"
             )
         self._epoch, self._batch_index = epoch, batch_index
+
+
+def eval_rows(num_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1, *,
+              max_batches: int | None = None, no_empty_rank: bool = False) -> list[slice]:
+    """Validation samples in order, dealt to DP ranks: the rows of each global batch that
+    rank `dp_rank` scores. Global batch ``j`` holds samples ``[j*batch_size,
+    (j+1)*batch_size)`` (the last may be short); rank ``r`` takes rows
+    ``[r*n//dp_size, (r+1)*n//dp_size)`` of a batch of ``n``. Every sample is scored once
+    across ranks, and every rank gets the same number of batches, so a model whose forward
+    runs collectives (FSDP, TP) cannot hang. A rank's share of a short last batch may be
+    empty, unless `no_empty_rank` (a model that cannot run an empty batch): then a last batch
+    smaller than `dp_size` joins the one before it (the caller refuses
+    ``num_samples < dp_size``). `max_batches` caps the number of global batches."""
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+    starts = list(range(0, num_samples, batch_size))
+    ends = [min(start + batch_size, num_samples) for start in starts]
+    if no_empty_rank and len(starts) > 1 and ends[-1] - starts[-1] < dp_size:
+        starts.pop()
+        ends.pop()
+        ends[-1] = num_samples
+    return [slice(start + dp_rank * (end - start) // dp_size,
+                  start + (dp_rank + 1) * (end - start) // dp_size)
+            for start, end in list(zip(starts, ends, strict=True))[:max_batches]]

@@ -31,7 +31,7 @@ import torch
 
 from data.collate import Example, packed_batch, padded_batch
 from data.example_packing import OverLong, apply_over_long, best_fit_decreasing
-from data.global_batches import GlobalBatchReader
+from data.global_batches import GlobalBatchReader, eval_rows
 from gangs.errors import UserError
 
 __all__ = ["Bins", "BinReader", "EvalBatches", "Layout", "plan_bins"]
@@ -184,14 +184,8 @@ class EvalBatches:
                             f"shared by {dp_size} data-parallel ranks: hold out more "
                             "(data.valid_fraction) or give more data.valid_files")
         self.dataset, self.bins, self.pad_id = dataset, bins, pad_id
-        starts = list(range(0, n, batch_size))
-        if len(starts) > 1 and n - starts[-1] < dp_size:
-            starts.pop()
-        self._slices = []
-        for start, end in zip(starts, [*starts[1:], n], strict=True):
-            size = end - start
-            self._slices.append(range(start + dp_rank * size // dp_size,
-                                      start + (dp_rank + 1) * size // dp_size))
+        self._slices = [range(rows.start, rows.stop) for rows in
+                        eval_rows(n, batch_size, dp_rank, dp_size, no_empty_rank=True)]
 
     def __len__(self) -> int:
         return len(self._slices)

@@ -51,6 +51,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from layers.wrappers import wrapped_chain
+
 __all__ = [
     "ADAPTER_KEYS",
     "LoraSettings",
@@ -176,14 +178,10 @@ def split_adapters(
 def lora_settings_of(model: nn.Module) -> LoraSettings | None:
     """The settings `apply_lora` gave `model`, seen through DDP and `torch.compile`
     wrappers (FSDP2 keeps the object); None for a model without adapters."""
-    for _ in range(4):  # DDP(compile(model)) at most nests so deep
-        settings = getattr(model, "lora_settings", None)
+    for seen in wrapped_chain(model):
+        settings = getattr(seen, "lora_settings", None)
         if isinstance(settings, LoraSettings):
             return settings
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return None
-        model = inner
     return None
 
 

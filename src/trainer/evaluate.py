@@ -43,7 +43,7 @@ from trainer.errors import UserError
 from trainer.lifecycle.threads import threads_for_evaluation
 from trainer.observe.console_log import show_on_console
 from trainer.observe.recorders import ConsoleRecorder, JsonlRecorder
-from trainer.run_dir import RunDir, parse_step_dir, step_dir_name
+from trainer.run_dir import RunDir, parse_checkpoint_choice, step_dir_name
 from trainer.validator import Validator
 from units import EvalUnit
 
@@ -59,22 +59,6 @@ log = logging.getLogger("gangtrain")
 
 EVAL_SECTION = "eval"
 """The metrics section (``metrics/eval.jsonl``) evaluate-only runs append to."""
-
-
-def parse_checkpoint_choice(choice: str | int) -> str | int:
-    """``"best"``, ``"last"``, or the step number of ``"step_N"`` / ``"N"`` / ``N``; a
-    `ValueError` saying what is allowed otherwise."""
-    if isinstance(choice, int) and not isinstance(choice, bool):
-        if choice < 0:
-            raise ValueError(f"checkpoint step must be >= 0, got {choice}")
-        return choice
-    text = str(choice).strip()
-    if text in ("best", "last"):
-        return text
-    step_nr = int(text) if text.isascii() and text.isdigit() else parse_step_dir(text)
-    if step_nr is None:
-        raise ValueError(f"checkpoint must be 'best', 'last' or 'step_N', got {choice!r}")
-    return step_nr
 
 
 def find_checkpoint(checkpoint_dir: Path, choice: str | int = "best") -> tuple[int, str]:

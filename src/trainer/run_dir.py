@@ -54,6 +54,22 @@ def parse_step_dir(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def parse_checkpoint_choice(choice: str | int) -> str | int:
+    """``"best"``, ``"last"``, or the step number of ``"step_N"`` / ``"N"`` / ``N``; a
+    `ValueError` saying what is allowed otherwise."""
+    if isinstance(choice, int) and not isinstance(choice, bool):
+        if choice < 0:
+            raise ValueError(f"checkpoint step must be >= 0, got {choice}")
+        return choice
+    text = str(choice).strip()
+    if text in ("best", "last"):
+        return text
+    step_nr = int(text) if text.isascii() and text.isdigit() else parse_step_dir(text)
+    if step_nr is None:
+        raise ValueError(f"checkpoint must be 'best', 'last' or 'step_N', got {choice!r}")
+    return step_nr
+
+
 class RunDir:
     """The paths of one run's files under `path` (the output directory); nothing is created."""
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from data.collate import IGNORE_INDEX
 from layers.moe import moe_layers
+from layers.wrappers import unwrapped
 from units.metrics import MetricBag
 from units.router_aux_loss import RouterAuxLoss
 from units.unit import EvalUnit, TrainUnit
@@ -95,14 +96,8 @@ def sequence_batch(batch: LMBatch, pad_idx: int = IGNORE_INDEX) -> dict[str, Ten
 def takes_use_cache(model: nn.Module) -> bool:
     """Whether the model under any DDP / `torch.compile` wrappers has a `forward` that
     takes `use_cache` (Hugging Face causal LMs)."""
-    seen = model
-    for _ in range(4):  # DDP(compile(model)) at most nests so deep
-        inner = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            break
-        seen = inner
     try:
-        return "use_cache" in inspect.signature(seen.forward).parameters
+        return "use_cache" in inspect.signature(unwrapped(model).forward).parameters
     except (TypeError, ValueError):  # a forward without a signature: pass nothing extra
         return False
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from torch import nn
 
+from layers.wrappers import wrapped_chain
 from trainer.checkpoint.adapters import write_adapter_files
 from trainer.run_dir import HF_FILES
 
@@ -43,15 +44,8 @@ def hf_model_of(model: nn.Module) -> nn.Module | None:
     transformers = sys.modules.get("transformers")  # not imported: cannot be a HF model
     if transformers is None:
         return None
-    seen = model
-    for _ in range(4):  # DDP(compile(model)) at most nests so deep
-        if isinstance(seen, transformers.PreTrainedModel):
-            return seen
-        inner = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return None
-        seen = inner
-    return None
+    return next((seen for seen in wrapped_chain(model)
+                 if isinstance(seen, transformers.PreTrainedModel)), None)
 
 
 def write_model_files(model: nn.Module, step_dir: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.manifest import read_manifest
 from trainer.errors import UserError
-from trainer.run_dir import parse_step_dir
+from trainer.run_dir import parse_checkpoint_choice
 
 log = logging.getLogger("gangtrain")
 
@@ -43,13 +43,16 @@ def _choose(manager: CheckpointManager, choice: str
             ) -> tuple[int | None, Path | None, str | None]:
     """Rank 0: the step named by `choice`, or why there is none."""
     steps = manager.steps()
-    if choice == "best":
+    try:
+        step_nr = parse_checkpoint_choice(choice)
+    except ValueError:  # not a name: a step directory's path
+        step_nr = None
+    if step_nr == "best":
         best = manager.best_step
         if best is None:
             return None, None, f"no checkpoint in {manager.dir} has a validation score"
         return best, None, None
-    step_nr = parse_step_dir(choice)
-    if step_nr is not None:
+    if isinstance(step_nr, int):
         if step_nr not in steps:
             return None, None, (f"no complete checkpoint {manager.step_dir(step_nr)} "
                                 f"(complete: {steps or 'none'})")
