@@ -4,8 +4,9 @@ for tests, docs and benchmarks:
     model_dir = make_tiny_chat_model(tmp / "model")        # recipes.sft.tiny's
     pairs = write_pair_data(tmp / "pairs.jsonl", 400)      # a pair a line
 
-An arithmetic question, the right answer chosen, a wrong one rejected (a number off by one
-to five), in one of TRL's three forms by ``form``: ``"conversational"`` (``prompt``,
+An arithmetic question, the right answer in the SFT data's form chosen, a guess rejected
+("I think it is N.", N off by one to five: a form a tiny model learns to avoid in a few
+steps), some answers longer than others; in one of TRL's three forms by ``form``: ``"conversational"`` (``prompt``,
 ``chosen``, ``rejected`` as lists of messages), ``"implicit"`` (``chosen`` and ``rejected``
 whole conversations that share the prompt's messages) or ``"text"`` (strings).
 """
@@ -40,7 +41,7 @@ def preference_pairs(num: int, seed: int = 0, form: Form = "conversational"
             prompt.insert(0, {"role": "system", "content": rng.choice(SYSTEMS)})
         # Uneven lengths: some answers say more than the number.
         tail = " That is all." * rng.randint(0, 2)
-        answers = [f"{a} {word} {b} is {value}.{tail}" for value in (right, wrong)]
+        answers = [f"{a} {word} {b} is {right}.{tail}", f"I think it is {wrong}.{tail}"]
         if form == "text":
             pairs.append({"prompt": f"Q: {question}\nA:", "chosen": f" {answers[0]}",
                           "rejected": f" {answers[1]}"})
