@@ -34,7 +34,8 @@ shards frozen and trainable parameters in the same groups; then the model is mat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import partial
@@ -54,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 from layers.wrappers import wrapped_chain
 
 __all__ = [
+    "adapters_disabled",
     "ADAPTER_KEYS",
     "LoraSettings",
     "adapted_modules",
@@ -256,8 +258,25 @@ def _hook(module: nn.Module, scaling: float) -> None:
                                                     with_kwargs=True)
 
 
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, ``model`` computes as its frozen base: every adapter's update is
+    left out (peft's ``disable_adapter``). No copy: a preference run's reference model is
+    the policy itself with its adapters off."""
+    layers = list(adapted_modules(model).values())
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True
+
+
 def _add_update(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 output: Tensor, *, scaling: float) -> Tensor:
+    if not getattr(module, "lora_enabled", True):  # under `adapters_disabled`
+        return output
     x = args[0] if args else kwargs["input"]
     lora_a, lora_b = module.lora_A, module.lora_B
     x = module.lora_dropout(x.to(lora_a.weight.dtype))

@@ -1,0 +1,65 @@
+"""Tiny preference data for the tiny chat model of `recipes.sft.tiny`, made here in seconds,
+for tests, docs and benchmarks:
+
+    model_dir = make_tiny_chat_model(tmp / "model")        # recipes.sft.tiny's
+    pairs = write_pair_data(tmp / "pairs.jsonl", 400)      # a pair a line
+
+An arithmetic question, the right answer in the SFT data's form chosen, a guess rejected
+("I think it is N.", N off by one to five: a form a tiny model learns to avoid in a few
+steps), some answers longer than others; in one of TRL's three forms by ``form``: ``"conversational"`` (``prompt``,
+``chosen``, ``rejected`` as lists of messages), ``"implicit"`` (``chosen`` and ``rejected``
+whole conversations that share the prompt's messages) or ``"text"`` (strings).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Literal
+
+from recipes.sft.tiny import SYSTEMS, WORDS, make_tiny_chat_model
+
+__all__ = ["make_tiny_chat_model", "preference_pairs", "write_pair_data"]
+
+Form = Literal["conversational", "implicit", "text"]
+
+
+def preference_pairs(num: int, seed: int = 0, form: Form = "conversational"
+                     ) -> list[dict[str, Any]]:
+    """``num`` pairs (see the module docstring), the same for the same seed."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(num):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        word = rng.choice(sorted(WORDS))
+        right = WORDS[word](a, b)
+        wrong = right + rng.choice((-1, 1)) * rng.randint(1, 5)
+        question = f"What is {a} {word} {b}?"
+        prompt = [{"role": "user", "content": question}]
+        if rng.random() < 0.3:
+            prompt.insert(0, {"role": "system", "content": rng.choice(SYSTEMS)})
+        # Uneven lengths: some answers say more than the number.
+        tail = " That is all." * rng.randint(0, 2)
+        answers = [f"{a} {word} {b} is {right}.{tail}", f"I think it is {wrong}.{tail}"]
+        if form == "text":
+            pairs.append({"prompt": f"Q: {question}\nA:", "chosen": f" {answers[0]}",
+                          "rejected": f" {answers[1]}"})
+            continue
+        chosen, rejected = ([{"role": "assistant", "content": t}] for t in answers)
+        if form == "implicit":
+            pairs.append({"chosen": prompt + chosen, "rejected": prompt + rejected})
+        else:
+            pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return pairs
+
+
+def write_pair_data(path: Path | str, num: int, seed: int = 0,
+                    form: Form = "conversational") -> Path:
+    """Write ``num`` pairs as JSONL, one a line."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for pair in preference_pairs(num, seed, form):
+            f.write(json.dumps(pair) + "\n")
+    return path
