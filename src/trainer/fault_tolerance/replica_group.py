@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import subprocess
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -55,15 +56,18 @@ def import_torchft() -> Any:
 
 
 class ReplicaGroup:
-    def __init__(self, settings: FaultToleranceSettings, gangs: Gangs) -> None:
+    def __init__(self, settings: FaultToleranceSettings, gangs: Gangs, *,
+                 lighthouse: subprocess.Popen[bytes] | None = None) -> None:
         """Join the lighthouse as replica group `settings.replica_id`; `gangs` are this
-        group's own (one job: torchrun's world, or one process)."""
+        group's own (one job: torchrun's world, or one process). `lighthouse`: a local
+        lighthouse process this group started (ended by `close`)."""
         torchft = import_torchft()
         if settings.lighthouse is None:
             raise UserError("gangs.fault_tolerance.lighthouse: no address given (the recipe "
                             "starts a lighthouse for a local run; a Trainer needs the address)")
         self.settings = settings
         self.gangs = gangs
+        self.lighthouse = lighthouse
         timeout = timedelta(seconds=settings.timeout_s)
         # The group's own store: torchrun's under torchrun, else one in this process.
         self._own_store = None
@@ -187,4 +191,9 @@ class ReplicaGroup:
         return self.manager.current_step()
 
     def close(self) -> None:
+        """Leave the groups; end the local lighthouse this group started, if any (the
+        groups end together: their last quorum is behind them)."""
         self.manager.shutdown(wait=False)
+        if self.lighthouse is not None:
+            self.lighthouse.terminate()
+            self.lighthouse.wait(10)
