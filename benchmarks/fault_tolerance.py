@@ -257,8 +257,8 @@ def main() -> None:
           f"weights on every group: {same}; every committed step's samples = its global "
           f"batch, once: {samples_ok}")
     print(f"  wall time: {failed.seconds:.1f} s with the failure, {clean.seconds:.1f} s "
-          f"without (ratio {failed.seconds / clean.seconds:.2f}; the restarted process's "
-          "start included)")
+          f"without (ratio {failed.seconds / clean.seconds:.2f}; the healthy groups wait "
+          "50 ms a step until the restarted one is back, so that it rejoins before the end)")
     print(f"  full restart from the last checkpoint (every {args.every} steps), today: "
           f"{restart_lost} step(s) done again on every rank, plus the job's restart")
 
