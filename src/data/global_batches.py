@@ -85,6 +85,17 @@ class GlobalBatchReader(ABC, Generic[BatchT]):
             self._order_epoch = epoch
         return self._order
 
+    def set_share(self, rank: int, size: int) -> None:
+        """Take share `rank` of `size` of each global batch from the next batch on (torchft
+        replica groups: the shares follow the groups alive at each step). Shares may differ
+        by one sample: the step's normalisation counts targets, not ranks."""
+        if not 0 <= rank < size <= self.batch_size:
+            raise ValueError(f"share {rank} of {size} does not fit a global batch of "
+                             f"{self.batch_size}")
+        self.dp_rank, self.dp_size = rank, size
+        self._local_slice = slice(rank * self.batch_size // size,
+                                  (rank + 1) * self.batch_size // size)
+
     def __iter__(self) -> Iterator[BatchT]:
         # The position lives on the reader, not in the generator, so state_dict() is exact at
         # any point, and load_state_dict() between two batches takes effect at the next one.

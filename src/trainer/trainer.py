@@ -40,6 +40,7 @@ from trainer.data_checks import check_data_reader
 from trainer.default_gangs import default_gangs
 from trainer.early_stoppers import EarlyStopper
 from trainer.errors import UserError
+from trainer.fault_tolerance import ReplicaGroup
 from trainer.hf import export_best_model
 from trainer.lifecycle.output_dir import prepare_output_dir
 from trainer.lifecycle.rank_failure import raise_if_a_peer_failed
@@ -111,6 +112,9 @@ class Trainer(Generic[BatchT]):
         run_config: the run's whole config (plain data), kept beside each checkpoint as
             `config.yaml` (sha256: the manifest's `config_digest`) and compared on resume,
             naming changed keys in a warning. Default: these settings, `{"trainer": {...}}`.
+        replica_group: this job's seat among torchft replica groups
+            (`trainer.fault_tolerance.ReplicaGroup`, YAML `gangs.fault_tolerance`): steps
+            commit over the live groups; a restarted group recovers live from a peer.
 
     Settings (validated at construction; `trainer.settings.TrainerSettings`):
     """
@@ -133,6 +137,7 @@ class Trainer(Generic[BatchT]):
         resume: bool = True,
         overwrite: bool = False,
         run_config: Mapping[str, Any] | None = None,
+        replica_group: ReplicaGroup | None = None,
         # The settings: each is a `TrainerSettings` field, with its default (for editors and
         # type checkers; tests/test_structure.py checks that they match).
         max_num_steps: int | None = None,
@@ -271,6 +276,10 @@ class Trainer(Generic[BatchT]):
         self._has_expert_params = any(getattr(p, "is_expert_param", False)
                                       for p in self.optimizer_step.params)
         self._last_published: dict[str, float] = {}
+        # [fault tolerance] torchft replica groups: a quorum at each step, commit on it.
+        self.replicas = replica_group
+        if replica_group is not None:
+            replica_group.attach(unit.model, optimizer, self._states, data_reader)
 
     @property
     def step_nr(self) -> int:
@@ -345,6 +354,8 @@ class Trainer(Generic[BatchT]):
             if self._validate():
                 return "early_stop"
         while True:
+            if self.replicas is not None:  # [fault tolerance] undo, meet, recover if behind
+                self.replicas.start_step()
             if s.max_num_steps is not None and self.state.step_nr >= s.max_num_steps:
                 reason = "max_num_steps"
                 break
@@ -373,8 +384,10 @@ class Trainer(Generic[BatchT]):
             if self._profiler is not None:
                 self._profiler.step()
             self.callbacks.on_step_end(self)
-            stop_reason = (self._post_step(stop) if self.state.step_nr % sync_every == 0
-                           else None)
+            due = self.state.step_nr % sync_every == 0
+            if self.replicas is not None:  # [fault tolerance] an uncommitted step is undone
+                due = due and self.replicas.committed
+            stop_reason = self._post_step(stop) if due else None
             if stop_reason is None and self.data.window_closes_epoch:
                 stop_reason = self._end_epoch(self.data.window_epoch, stop)
             if stop_reason is not None:
@@ -420,7 +433,11 @@ class Trainer(Generic[BatchT]):
             reduce_expert_gradients(self.unit.model, self.gangs)
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)
         measure_norm = step_nr % self.settings.publish_metrics_every_n_steps == 0
-        outcome = self.optimizer_step(loss, count, normalised, step_nr, measure_norm)
+        if self.replicas is None:
+            outcome = self.optimizer_step(loss, count, normalised, step_nr, measure_norm)
+        else:  # [fault tolerance] summed over the live replica groups, stepped on commit
+            outcome = self.replicas.step(self.optimizer_step, loss, count, normalised,
+                                         step_nr, measure_norm)
         self.steps.log(step_nr, loss, local_count, outcome, judge_loss=self.scaler is None,
                        tensor_counts=tensor_counts)
         self.optimizer_step.clear_gradients()

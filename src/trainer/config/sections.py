@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from layers.lora import LoraSettings
 from trainer.errors import UserError
+from trainer.fault_tolerance.settings import FaultToleranceSettings
 
 __all__ = ["GangsSection", "LRSchedulerSection", "LoraSection", "Section"]
 
@@ -55,6 +56,10 @@ class GangsSection(Section):
     across them (Ulysses all-to-all over heads: num_heads / tp_size divisible by cp_size,
     seq_len too). With DP (DDP, FSDP2) and TP; not with pp_size > 1."""
     timeout_s: PositiveInt = 600
+    fault_tolerance: FaultToleranceSettings | None = None
+    """torchft replica groups (trainer.fault_tolerance): {replica_groups, replica_id,
+    lighthouse, min_replicas}; each group a job of its own that trains on when another
+    fails. null: off."""
 
     def check(self, data_parallel: str | None) -> None:
         """A `UserError` naming the setting when these sizes do not combine with the

@@ -1,0 +1,267 @@
+"""Steps lost to one failure: torchft replica groups against a full restart from a checkpoint.
+
+    .venv/bin/python -m benchmarks.fault_tolerance [--steps 24] [--kill-at 9] [--every 5]
+
+Three replica groups of one process each (CPU, Gloo) train a small regression through the
+Trainer, meeting over a torchft lighthouse. Group 2 is SIGKILLed at the start of step
+`--kill-at` and restarted at once; it recovers live from a healthy peer and rejoins. Printed:
+the steps the healthy groups had to do again (their uncommitted steps: 0-1), whether any
+healthy process exited (none may), whether every group ends with the same weights, the
+wall time against the same run without the failure; and what a job without torchft loses
+to the same failure: every rank restarts from the newest checkpoint (every `--every`
+steps), so it does again the steps since it, `kill_at - 1 - last checkpoint`, on all ranks,
+after a full restart of the job.
+
+The run's parts (a tiny regression, its sample-id-carrying reader, the processes of the
+groups and the lighthouse, forked from this one) are also what tests/test_fault drives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data.global_batches import GlobalBatchReader
+from trainer import Callback, Trainer
+from units import MetricBag, TrainUnit
+
+NUM_SAMPLES, GLOBAL_BATCH, SEED = 96, 12, 5
+
+
+def samples() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(NUM_SAMPLES, 3, generator=torch.Generator().manual_seed(0))
+    return x, torch.sin(x @ torch.tensor([1.0, -2.0, 0.5]))
+
+
+class Rows(GlobalBatchReader):
+    """Shuffled global batches of 12 rows; each batch carries its sample ids."""
+
+    def __init__(self, dp_rank: int = 0, dp_size: int = 1) -> None:
+        self.x, self.y = samples()
+        super().__init__(NUM_SAMPLES, GLOBAL_BATCH, dp_rank, dp_size, seed=SEED)
+
+    def make_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.x[indices], self.y[indices], indices
+
+
+class Regression(TrainUnit):
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self.ids: list[int] = []  # the samples of the step under way
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    def __call__(self, batch: Any, metrics: MetricBag) -> tuple[torch.Tensor, int]:
+        x, y, ids = batch
+        self.ids = ids.tolist()
+        return F.mse_loss(self._model(x).squeeze(-1), y, reduction="sum"), y.numel()
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # a state to recover
+
+
+@dataclass
+class GroupPlan:
+    out: Path
+    replica_id: int
+    lighthouse: str
+    steps: int
+    kill_at: int | None = None  # SIGKILL itself at the start of this step's forward
+    wait_for: int = 0  # started groups to wait for before training (all at the start)
+    slow_until_rejoined: bool = False  # healthy groups: slow until the killed one is back
+    restarted: bool = False  # the killed group's new process: says when it is back
+
+
+class SampleLog(Callback):
+    """Appends the sample ids of each committed step to `samples_<group>_<pid>.jsonl`;
+    kills the process, or slows it until the killed peer is back, on cue."""
+
+    def __init__(self, plan: GroupPlan, unit: Regression) -> None:
+        self.plan, self.unit = plan, unit
+        self.path = plan.out / f"samples_{plan.replica_id}_{os.getpid()}.jsonl"
+
+    def on_step_start(self, trainer: Trainer, batches: Any) -> None:
+        if trainer.step_nr == self.plan.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_step_end(self, trainer: Trainer) -> None:
+        if trainer.replicas.committed:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": trainer.step_nr, "ids": self.unit.ids}) + "\n")
+        rejoined = self.plan.out / "rejoined"
+        if self.plan.restarted:
+            rejoined.touch()
+        elif self.plan.slow_until_rejoined and not rejoined.exists():
+            time.sleep(0.05)  # the healthy groups go on, slowly enough to be rejoined
+
+
+def run_group(plan: GroupPlan) -> None:
+    """One replica group of one process: the Trainer with a `ReplicaGroup`."""
+    torch.set_num_threads(1)
+    from gangs import setup_gangs, setup_root_gang
+    from trainer.fault_tolerance import FaultToleranceSettings, ReplicaGroup
+
+    gangs = setup_gangs(setup_root_gang())
+    settings = FaultToleranceSettings(replica_groups=3, replica_id=plan.replica_id,
+                                      lighthouse=plan.lighthouse, timeout_s=10)
+    group = ReplicaGroup(settings, gangs)
+    (plan.out / f"started_{plan.replica_id}_{os.getpid()}").touch()
+    while len(list(plan.out.glob("started_*"))) < plan.wait_for:  # all heartbeat first:
+        time.sleep(0.05)  # the first quorum then holds every group
+    model = make_model()
+    unit = Regression(model)
+    trainer = Trainer(unit, Rows(), make_optimizer(model), gangs=gangs,
+                      output_dir=plan.out / f"group_{plan.replica_id}_{os.getpid()}",
+                      max_num_steps=plan.steps, replica_group=group,
+                      callbacks=[SampleLog(plan, unit)], recorders=[], progress=False,
+                      num_threads=1)
+    trainer.run()
+    torch.save({"params": dict(model.state_dict()), "healed": group.healed,
+                "uncommitted": group.uncommitted_steps, "step": trainer.step_nr},
+               plan.out / f"final_{plan.replica_id}.pt")
+    group.close()
+
+
+def _group_process(plan: GroupPlan) -> None:
+    code = 0
+    try:
+        run_group(plan)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    os._exit(code)  # torchft's threads and pytest's atexit handlers: none at exit
+
+
+def _lighthouse_process(conn: Any, min_replicas: int) -> None:
+    from torchft.coordination import LighthouseServer
+    # A dead group is dropped after 1 s without a heartbeat; a quorum waits 0.5 s for
+    # late joiners once it has min_replicas.
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=500,
+                              heartbeat_timeout_ms=1000)
+    conn.send(server.address())
+    time.sleep(3600)
+
+
+@dataclass
+class RunResult:
+    finals: dict[int, dict[str, Any]]  # by group: params, healed, uncommitted, step
+    committed: dict[int, list[list[int]]]  # by step: each group's sample ids
+    healthy_exit_codes: list[int | None]
+    seconds: float
+
+
+def run(out: Path, steps: int, kill_at: int | None = None, timeout: float = 120) -> RunResult:
+    """Three replica groups (forked from this process) over a lighthouse; group 2 killed at
+    the start of step `kill_at` and restarted at once, when given."""
+    ctx = mp.get_context("fork")
+    start = time.monotonic()
+    parent, child = ctx.Pipe()
+    lighthouse = ctx.Process(target=_lighthouse_process, args=(child, 2), daemon=True)
+    lighthouse.start()
+    address = parent.recv()
+    plans = [GroupPlan(out, i, address, steps, wait_for=3,
+                       kill_at=kill_at if i == 2 else None,
+                       slow_until_rejoined=kill_at is not None and i != 2)
+             for i in range(3)]
+    procs = [ctx.Process(target=_group_process, args=(p,)) for p in plans]
+    try:
+        for p in procs:
+            p.start()
+        if kill_at is not None:
+            procs[2].join(timeout)
+            assert procs[2].exitcode == -signal.SIGKILL, procs[2].exitcode
+            _wait_for_step(out, kill_at + 2, start + timeout)  # trained on without it
+            restart = GroupPlan(out, 2, address, steps, restarted=True)
+            procs[2] = ctx.Process(target=_group_process, args=(restart,))
+            procs[2].start()
+        for p in procs:
+            p.join(max(1.0, timeout - (time.monotonic() - start)))
+        codes = [p.exitcode for p in procs]
+        assert codes == [0, 0, 0], f"replica groups' exit codes: {codes}"
+    finally:
+        for p in [*procs, lighthouse]:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5)
+    seconds = time.monotonic() - start
+    finals = {i: torch.load(out / f"final_{i}.pt", weights_only=True) for i in range(3)}
+    committed: dict[int, list[list[int]]] = {}
+    for path in sorted(out.glob("samples_*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            committed.setdefault(record["step"], []).append(record["ids"])
+    return RunResult(finals, committed, codes[:2], seconds)
+
+
+def _wait_for_step(out: Path, step_nr: int, deadline: float) -> None:
+    """Until group 0 has committed `step_nr`."""
+    while time.monotonic() < deadline:
+        for path in out.glob("samples_0_*.jsonl"):
+            lines = path.read_text().splitlines()
+            if lines and json.loads(lines[-1])["step"] >= step_nr:
+                return
+        time.sleep(0.02)
+    raise TimeoutError(f"group 0 did not reach step {step_nr}")
+
+
+def global_batch(step_nr: int) -> list[int]:
+    """The sample ids of step `step_nr`'s global batch, by `GlobalBatchReader`'s rule (a
+    randperm seeded SEED + epoch, cut into global batches)."""
+    per_epoch = NUM_SAMPLES // GLOBAL_BATCH
+    epoch, index = divmod(step_nr - 1, per_epoch)
+    order = torch.randperm(NUM_SAMPLES, generator=torch.Generator().manual_seed(SEED + epoch))
+    return order[index * GLOBAL_BATCH:(index + 1) * GLOBAL_BATCH].tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--kill-at", type=int, default=9)
+    parser.add_argument("--every", type=int, default=5, help="checkpoint interval today")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        clean = run(Path(a), args.steps)
+        failed = run(Path(b), args.steps, kill_at=args.kill_at)
+    lost = [failed.finals[i]["uncommitted"] for i in (0, 1)]
+    same = all(torch.equal(failed.finals[0]["params"][k], failed.finals[i]["params"][k])
+               for i in (1, 2) for k in failed.finals[0]["params"])
+    samples_ok = all(sorted(sum(failed.committed.get(s, []), [])) == sorted(global_batch(s))
+                     for s in range(1, args.steps + 1))
+    restart_lost = args.kill_at - 1 - (args.kill_at - 1) // args.every * args.every
+    print(f"fault_tolerance: 3 replica groups x 1 process, {args.steps} steps, group 2 "
+          f"SIGKILLed at step {args.kill_at} and restarted")
+    print(f"  torchft: steps done again on the healthy groups: {lost} (target 0-1); healthy "
+          f"processes' exit codes {failed.healthy_exit_codes} (none restarted); the "
+          f"restarted group recovered live {failed.finals[2]['healed']} time(s); same "
+          f"weights on every group: {same}; every committed step's samples = its global "
+          f"batch, once: {samples_ok}")
+    print(f"  wall time: {failed.seconds:.1f} s with the failure, {clean.seconds:.1f} s "
+          f"without (ratio {failed.seconds / clean.seconds:.2f}; the healthy groups wait "
+          "50 ms a step until the restarted one is back, so that it rejoins before the end)")
+    print(f"  full restart from the last checkpoint (every {args.every} steps), today: "
+          f"{restart_lost} step(s) done again on every rank, plus the job's restart")
+
+
+if __name__ == "__main__":
+    main()

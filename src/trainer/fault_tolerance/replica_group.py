@@ -1,0 +1,199 @@
+"""`ReplicaGroup`: this job's seat among torchft replica groups that train one model.
+
+The groups are the DP-replicate axis, made fault tolerant: each group is a job of its own
+(its gangs, DDP/FSDP2/TP inside, as without this), and the groups meet over torchft's
+`Manager` and its reconfigurable Gloo process group. A step goes:
+
+1. `start_step`: a quorum of the live groups (a group that died is left out; one that is
+   behind, a restarted one, first receives the model, the optimizer and every stateful
+   component of the Trainer from a healthy peer, live); this group's share of the global
+   batch follows the groups in the quorum (`GlobalBatchReader.set_share`);
+2. `step`: the gradients and the target count summed over the groups of the quorum, so
+   the gradient is that of the mean loss over every target the participating groups drew
+   (the exact normalisation, over the groups that took part, not a fixed world size); the
+   optimizer steps only if every group's reduction held (`should_commit`);
+3. a step that did not commit is undone at the next `start_step`: every stateful component
+   (step number, data position, random streams, metrics) is put back as it was before the
+   step, so its global batch is drawn again, shared among the groups then alive. No
+   sample is trained twice in a committed step and none is skipped.
+
+torchft is imported only here, and only when the setting is given.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import subprocess
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
+
+from gangs import Gangs
+from trainer.errors import UserError
+from trainer.fault_tolerance.settings import FaultToleranceSettings
+from trainer.step.optimizer_step import OptimizerStep, StepOutcome
+
+log = logging.getLogger("gangtrain")
+
+__all__ = ["ReplicaGroup"]
+
+
+def import_torchft() -> Any:
+    try:
+        import torchft
+    except ImportError:
+        raise UserError("gangs.fault_tolerance needs torchft, which is not installed: "
+                        "pip install 'gangtrain[ft]' (or remove gangs.fault_tolerance)"
+                        ) from None
+    return torchft
+
+
+class ReplicaGroup:
+    def __init__(self, settings: FaultToleranceSettings, gangs: Gangs, *,
+                 lighthouse: subprocess.Popen[bytes] | None = None) -> None:
+        """Join the lighthouse as replica group `settings.replica_id`; `gangs` are this
+        group's own (one job: torchrun's world, or one process). `lighthouse`: a local
+        lighthouse process this group started (ended by `close`)."""
+        torchft = import_torchft()
+        if settings.lighthouse is None:
+            raise UserError("gangs.fault_tolerance.lighthouse: no address given (the recipe "
+                            "starts a lighthouse for a local run; a Trainer needs the address)")
+        self.settings = settings
+        self.gangs = gangs
+        self.lighthouse = lighthouse
+        timeout = timedelta(seconds=settings.timeout_s)
+        # The group's own store: torchrun's under torchrun, else one in this process.
+        self._own_store = None
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        else:
+            from torch.distributed import TCPStore
+            self._own_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "127.0.0.1", self._own_store.port
+        self.manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            load_state_dict=None, state_dict=None,  # registered by `attach`
+            min_replica_size=settings.min_replicas,
+            use_async_quorum=False,  # heal before the forward: the step starts in sync
+            timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+            rank=gangs.root.rank, world_size=gangs.root.size,
+            store_addr=store_addr, store_port=store_port,
+            lighthouse_addr=settings.lighthouse,
+            replica_id=f"replica_group_{settings.replica_id}",
+        )
+        self._states: Callable[[], dict[str, Any]] | None = None
+        self._reader: Any = None
+        self._before_step: dict[str, Any] | None = None  # the components before this step
+        self.committed = True  # whether the last step committed
+        self.uncommitted_steps = 0  # steps undone in this process (a failure's cost)
+        self.healed = 0  # live recoveries of this process from a peer
+
+    # -- wiring (once, by the Trainer) --------------------------------------------------------
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               states: Callable[[], dict[str, Any]], reader: Any) -> None:
+        """What a joining group receives from a healthy peer: the model, the optimizer and
+        every stateful component (`states()`: the Trainer's `{name: Stateful}`)."""
+        if not callable(getattr(reader, "set_share", None)):
+            raise UserError(
+                f"gangs.fault_tolerance: the data reader ({type(reader).__name__}) cannot "
+                "take a share of the global batch that follows the live replica groups; use "
+                "a data.global_batches.GlobalBatchReader (position counted in global batches)")
+        min_batch = self.settings.replica_groups * self.gangs.dp.size
+        if reader.batch_size < min_batch:
+            raise UserError(f"gangs.fault_tolerance: the global batch ({reader.batch_size}) "
+                            f"is smaller than replica_groups x dp size ({min_batch}): some "
+                            "rank would draw no sample")
+        self._states, self._reader = states, reader
+
+        def state_dict() -> dict[str, Any]:
+            return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "components": {name: c.state_dict() for name, c in states().items()}}
+
+        def load_state_dict(state: dict[str, Any]) -> None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            self._load_components(state["components"])
+            self._before_step = None  # the peer's state is the committed one
+            self.healed += 1
+            log.warning("replica group %d recovered live from a peer at step %d",
+                        self.settings.replica_id, self.manager.current_step())
+
+        self.manager.register_state_dict_fn("trainer", load_state_dict, state_dict)
+
+    # -- a step -------------------------------------------------------------------------------
+    def start_step(self) -> None:
+        """Undo an uncommitted step, meet the live groups (receiving their state when this
+        group is behind), and take this step's share of the global batch."""
+        if self._before_step is not None and not self.committed:
+            self._load_components(self._before_step)
+        self.manager.start_quorum()
+        participants = self.manager.num_participants()
+        rank = self.manager.participating_rank()
+        if rank is None:  # not in this quorum: nothing to share out (torchft zeroes its part)
+            rank, participants = 0, max(participants, 1)
+        dp = self.gangs.dp
+        self._reader.set_share(rank * dp.size + dp.rank, participants * dp.size)
+        assert self._states is not None, "attach() first"
+        self._before_step = {name: copy.deepcopy(c.state_dict())
+                             for name, c in self._states().items()}
+
+    def step(self, optimizer_step: OptimizerStep, loss: Tensor, count: Tensor | int,
+             normalised: bool, step_nr: int, measure_norm: bool) -> StepOutcome:
+        """`optimizer_step` on the gradients summed over the groups of the quorum, if the
+        quorum held; else nothing is stepped and the step is undone at the next start."""
+        count = self._sum_over_groups(optimizer_step.params, count, normalised)
+        self.committed = self.manager.should_commit()
+        if not self.committed:
+            self.uncommitted_steps += 1
+            log.warning("step %d did not commit (a replica group failed): drawn again",
+                        step_nr)
+            return StepOutcome(skipped=True)
+        # A group that had no target still steps: its optimizer stays with its peers'.
+        return optimizer_step(loss, count, False, step_nr, measure_norm)
+
+    def _sum_over_groups(self, params: list[Tensor], count: Tensor | int,
+                         normalised: bool) -> Tensor:
+        """The gradient sums and the target count, summed over the groups of the quorum in
+        one float64 all-reduce (the count exact; each gradient rounded once, on the way
+        back); the count as a 0-dim tensor. DDP/FSDP2 left the gradients averaged over the
+        group's dp ranks: the optimizer step's `dp_size / count` scale still fits."""
+        local = [g.to_local() if isinstance(g, DTensor) else g
+                 for g in (p.grad for p in params) if g is not None]
+        count_t = torch.as_tensor(count, dtype=torch.float64).reshape(1).cpu()
+        # Backward started from 1 / count (one process, a host count): back to sums.
+        scale = float(count_t) if normalised else 1.0
+        flat = torch.cat([g.detach().reshape(-1).cpu().double() * scale for g in local]
+                         + [count_t])
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        offset = 0
+        for g in local:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        device = params[0].device if params else torch.device("cpu")
+        return flat[-1].to(device)
+
+    def _load_components(self, states: dict[str, Any]) -> None:
+        assert self._states is not None
+        for name, component in self._states().items():
+            if name in states:
+                component.load_state_dict(states[name])
+
+    @property
+    def step_nr(self) -> int:
+        """The steps committed by the groups (torchft's count)."""
+        return self.manager.current_step()
+
+    def close(self) -> None:
+        """Leave the groups; end the local lighthouse this group started, if any (the
+        groups end together: their last quorum is behind them)."""
+        self.manager.shutdown(wait=False)
+        if self.lighthouse is not None:
+            self.lighthouse.terminate()
+            self.lighthouse.wait(10)
