@@ -2,6 +2,8 @@
 
     .venv/bin/python -m benchmarks.sft [--steps 12] [--rss-gb 1.0] [--skip-rss]
         [--conversations 20000]
+    .venv/bin/python -m benchmarks.sft --against-trl [--vocab 8192] [--rows 2] [--steps 2]
+        [--rounds 3] [--loss-chunk-size N]     (needs `pip install trl`; see benchmarks.sft_trl)
 
 Prints, in one run:
 
@@ -17,7 +19,8 @@ Prints, in one run:
    its file-backed part (the memory-mapped Arrow tables: page cache the kernel reclaims) and
    the peak anonymous memory (what the process itself holds), sampled from /proc every
    0.2 s; then the same command again on the cached data: its wall time, start to end;
-5. TRL's SFTTrainer on the same model and data when `trl` is installed (skipped otherwise).
+
+Against TRL's SFTTrainer (`--against-trl`): `benchmarks.sft_trl`.
 """
 
 from __future__ import annotations
@@ -217,16 +220,12 @@ def _status(pid: int) -> dict[str, int]:
     return values
 
 
-def trl_comparison() -> None:
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        print("TRL: not installed, comparison skipped")
-        return
-    print("TRL: installed, but its comparison is not written yet")
-
-
 def main() -> None:
+    if "--against-trl" in sys.argv[1:]:  # its own options: benchmarks.sft_trl
+        from benchmarks.sft_trl import main as against_trl
+
+        against_trl([a for a in sys.argv[1:] if a != "--against-trl"])
+        return
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sft")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rss-gb", type=float, default=1.0)
@@ -255,8 +254,6 @@ def main() -> None:
             tokenising_throughput(model_dir, work, args.conversations)
         if not args.skip_rss:
             peak_rss(model_dir, work, args.rss_gb)
-    if not args.only_rss:
-        trl_comparison()
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from gangs import Gang
+from layers.document_attention import document_attention
 from layers.moe import GroupedExperts, MoEFeedForward
-from parallel.context import document_mask, ulysses_attention
+from parallel.context import ulysses_attention
 
 __all__ = [
     "GPT",
@@ -98,11 +99,8 @@ class Attention(nn.Module):
         if self.cp_group is not None:
             y = ulysses_attention(q, k, v, self.cp_group, position_ids=position_ids,
                                   dropout_p=dropout)
-        elif position_ids is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(position_ids),
-                                               dropout_p=dropout)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:  # within each document: a packed row costs the sum of its documents' squares
+            y = document_attention(q, k, v, position_ids, dropout_p=dropout)
         return self.wo(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
@@ -200,10 +198,16 @@ class GPT(nn.Module):
             return 0.02 / math.sqrt(2 * self.config.num_layers)
         return 0.02
 
-    def forward(self, input_ids: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def get_output_embeddings(self) -> nn.Linear:
+        """The head (transformers' name for it, which `units.causal_lm` asks for)."""
+        return self.output
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                logits_to_keep: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` [b, t] (t <= config.seq_len) -> logits [b, t, vocab_size].
-        ``position_ids`` [b, t]: see `Attention.forward`."""
+        ``position_ids`` [b, t]: see `Attention.forward`. ``logits_to_keep`` [b, t] bool (as
+        transformers takes it): the head runs at those positions only, and the logits are
+        [kept, vocab_size] in row-major order (the loss needs no others)."""
         t = input_ids.shape[1]
         if t > self.config.seq_len:
             raise ValueError(f"input length {t} exceeds the model's seq_len {self.config.seq_len}")
@@ -212,6 +216,8 @@ class GPT(nn.Module):
         h = self.dropout(self.tok_embeddings(input_ids) + self.pos_embeddings(positions))
         for layer in self.layers:
             h = layer(h, position_ids)
+        if logits_to_keep is not None:
+            h = h[logits_to_keep]
         return self.output(self.norm(h))
 
 

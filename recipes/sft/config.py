@@ -65,7 +65,8 @@ class DataSection(_Section):
     """Where `datasets` keeps the Arrow copies of the files and the tokenised tables;
     null: its own cache (HF_DATASETS_CACHE)."""
     num_workers: PositiveInt | None = None
-    """Processes that tokenise (datasets' num_proc); null: this one."""
+    """Processes that tokenise (datasets' num_proc); null: one per core, at most 8 and one
+    per 2,000 records (`data.sft.tokenizing_processes`)."""
 
 
 class OptimizerSection(AdamWConfig):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -100,12 +101,27 @@ def _encode_batch(batch: dict[str, list[Any]], encode: Any) -> dict[str, list[An
     return out
 
 
+RECORDS_PER_PROCESS = 2000
+"""Fewer records a process than this and starting it (fork, the tokenizer sent over) costs
+more than it saves."""
+
+
+def tokenizing_processes(num_records: int) -> int | None:
+    """The default `num_proc` of `tokenize_files`: one process per core this process may run
+    on, at most 8 and at most one per `RECORDS_PER_PROCESS` records; None (this process)
+    where that is 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    processes = min(cores or 1, 8, num_records // RECORDS_PER_PROCESS)
+    return processes if processes > 1 else None
+
+
 def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, *, name: str,
                    fmt: str | None = None, fields: Fields | None = None,
                    cache_dir: str | Path | None = None, num_proc: int | None = None,
                    setting: str = "data.files") -> Tokenized:
     """Read and tokenise the files (or directories of shards) ``paths`` as one dataset
-    (see the module docstring); ``name`` names the tokenizer's model in errors."""
+    (see the module docstring); ``name`` names the tokenizer's model in errors;
+    ``num_proc`` None: `tokenizing_processes`."""
     from datasets import Features, Value
     from datasets import Sequence as ArrowSequence
 
@@ -123,6 +139,8 @@ def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, *, name: str,
                          "trained": ArrowSequence(Value("int8")),
                          "length": Value("int32"), "num_targets": Value("int32")})
     encode = _encoder(found, fields, tokenizer, name)
+    if num_proc is None:
+        num_proc = tokenizing_processes(len(records))
     try:
         tokenized = records.map(
             _encode_batch, batched=True, batch_size=256, fn_kwargs={"encode": encode},

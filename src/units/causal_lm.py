@@ -14,10 +14,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from data.collate import IGNORE_INDEX
 from layers.moe import moe_layers
 from layers.wrappers import unwrapped
+from units.linear_cross_entropy import captured_head, linear_cross_entropy
 from units.metrics import MetricBag
 from units.router_aux_loss import RouterAuxLoss
 from units.unit import EvalUnit, TrainUnit
@@ -93,41 +95,123 @@ def sequence_batch(batch: LMBatch, pad_idx: int = IGNORE_INDEX) -> dict[str, Ten
     return out
 
 
-def takes_use_cache(model: nn.Module) -> bool:
-    """Whether the model under any DDP / `torch.compile` wrappers has a `forward` that
-    takes `use_cache` (Hugging Face causal LMs)."""
+def takes_keyword(model: nn.Module, name: str) -> bool:
+    """Whether the model under any DDP / `torch.compile` wrappers has a `forward` that takes
+    keyword `name`."""
     try:
-        return "use_cache" in inspect.signature(unwrapped(model).forward).parameters
+        return name in inspect.signature(unwrapped(model).forward).parameters
     except (TypeError, ValueError):  # a forward without a signature: pass nothing extra
         return False
 
 
-def lm_logits(model: nn.Module, batch: LMBatch, pad_idx: int,
-              use_cache_keyword: bool = False) -> tuple[Tensor, Tensor]:
-    """(logits [b, t', vocab], their targets [b, t']) of a batch (see `LMBatch` for the two
-    forms): every key but the targets goes to the model; `use_cache_keyword` adds
-    `use_cache=False`."""
+def takes_use_cache(model: nn.Module) -> bool:
+    """Whether the model's `forward` takes `use_cache` (Hugging Face causal LMs)."""
+    return takes_keyword(model, "use_cache")
+
+
+def keeps_trained_logits(model: nn.Module) -> bool:
+    """Whether the model can compute its head only where asked: its `forward` takes
+    `logits_to_keep` as a boolean [b, t] mask and then returns logits [kept, vocab] (the
+    hidden states gathered before the head). transformers causal LMs do (5.x), as does the
+    LM recipe's GPT. A compiled model is left on the plain path (a mask of another shape
+    each step would recompile it)."""
+    return takes_keyword(model, "logits_to_keep") and not hasattr(model, "_orig_mod")
+
+
+def model_keywords(batch: LMBatch, use_cache_keyword: bool) -> dict[str, Any]:
+    """Every key of the batch but the inputs and targets, plus `use_cache=False` when asked."""
     if "input_ids" not in batch:
         raise ValueError(f"a causal LM batch needs 'input_ids'; this one has {sorted(batch)}")
     keywords = {k: v for k, v in batch.items() if k != "input_ids" and k not in _TARGET_KEYS}
     if use_cache_keyword:
         keywords["use_cache"] = False
-    logits = output_logits(model(batch["input_ids"], **keywords))
+    return keywords
+
+
+def trained_mask(targets: Tensor, shift: bool, pad_idx: int) -> tuple[Tensor, Tensor]:
+    """(the trained positions of the targets [b, t'], the same over the model's positions
+    [b, t]: for shifted labels, the last position predicts nothing)."""
+    trained = targets != pad_idx
+    return trained, F.pad(trained, (0, 1), value=False) if shift else trained
+
+
+def lm_logits(model: nn.Module, batch: LMBatch, pad_idx: int,
+              use_cache_keyword: bool = False,
+              trained_only: bool = False) -> tuple[Tensor, Tensor]:
+    """(logits [b, t', vocab], their targets [b, t']) of a batch (see `LMBatch` for the two
+    forms): every key but the targets goes to the model; `use_cache_keyword` adds
+    `use_cache=False`. `trained_only` (for a model that `keeps_trained_logits`): the head
+    runs at the trained positions only, and the result is (logits [n, vocab], targets [n])
+    of the n targets that are not `pad_idx`."""
+    keywords = model_keywords(batch, use_cache_keyword)
     targets, shift = lm_targets(batch, pad_idx)
+    if trained_only and "logits_to_keep" not in keywords:
+        trained, keep = trained_mask(targets, shift, pad_idx)
+        logits = output_logits(model(batch["input_ids"], **keywords, logits_to_keep=keep))
+        if logits.ndim != 2 or logits.shape[0] != int(keep.sum()):
+            raise ValueError(
+                f"{type(unwrapped(model)).__name__} returned logits {tuple(logits.shape)} for "
+                f"a boolean `logits_to_keep` of {int(keep.sum())} positions: it does not "
+                "take a mask there; pass trained_positions_only=False to the unit")
+        return logits, targets[trained]
+    logits = output_logits(model(batch["input_ids"], **keywords))
     if shift:
         logits = logits[:, :-1]
     return logits, targets
 
 
-def lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int,
-            use_cache_keyword: bool = False) -> tuple[Tensor, Tensor]:
+def lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int, use_cache_keyword: bool = False,
+            trained_only: bool = False) -> tuple[Tensor, Tensor]:
     """(summed NLL in nats, number of targets), targets equal to `pad_idx` (the ignore
     index) excluded; see `lm_logits`."""
-    logits, targets = lm_logits(model, batch, pad_idx, use_cache_keyword)
+    logits, targets = lm_logits(model, batch, pad_idx, use_cache_keyword, trained_only)
     loss = F.cross_entropy(
         logits.flatten(0, -2).float(), targets.flatten(), ignore_index=pad_idx, reduction="sum"
     )
     return loss, (targets != pad_idx).sum()
+
+
+def chunked_lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int, chunk_size: int,
+                    use_cache_keyword: bool = False) -> tuple[Tensor, Tensor]:
+    """`lm_loss` with the head's matmul and the cross-entropy computed `chunk_size` trained
+    positions at a time (`units.linear_cross_entropy`): the [tokens, vocab] logits are never
+    held. The model must `keeps_trained_logits` and have a linear head
+    (`get_output_embeddings()`, transformers' name, which the LM recipe's GPT answers too)
+    whose output it returns unchanged; what does not is refused by name."""
+    head = chunked_loss_head(model)
+    keywords = model_keywords(batch, use_cache_keyword)
+    targets, shift = lm_targets(batch, pad_idx)
+    trained, keep = trained_mask(targets, shift, pad_idx)
+    with captured_head(head) as seen:
+        logits = output_logits(model(batch["input_ids"], **keywords, logits_to_keep=keep))
+    if logits is not seen.output or seen.hidden is None:
+        raise ValueError(
+            f"loss_chunk_size: {type(unwrapped(model)).__name__} changes its logits after its "
+            "head (e.g. soft-capping or scaling them), which the chunked loss would skip: "
+            "leave loss_chunk_size unset for this model")
+    loss = linear_cross_entropy(seen.hidden, head.weight, head.bias, targets[trained],
+                                chunk_size, pad_idx)
+    return loss, trained.sum()
+
+
+def chunked_loss_head(model: nn.Module) -> nn.Linear:
+    """The model's linear head, for `chunked_lm_loss`; refused by name where the chunked
+    loss cannot be exact."""
+    inner = unwrapped(model)
+    name = type(inner).__name__
+    if not keeps_trained_logits(model):
+        raise ValueError(f"loss_chunk_size: {name}'s forward takes no `logits_to_keep` mask "
+                         "(or it is compiled): leave loss_chunk_size unset for this model")
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"loss_chunk_size: {name} has no linear head "
+                         "(`get_output_embeddings()`): leave loss_chunk_size unset")
+    if any(isinstance(p, DTensor) for p in head.parameters()):
+        raise ValueError(f"loss_chunk_size: {name}'s head is sharded (tensor parallel or "
+                         "FSDP), and the chunked loss needs its whole weight on each rank: "
+                         "leave loss_chunk_size unset under these layouts")
+    return head
 
 
 def derive_lm_metrics(values: dict[str, float], bytes_per_token: float | None) -> None:
@@ -148,13 +232,28 @@ class CausalLMUnit(TrainUnit[LMBatch]):
 
     `bytes_per_token=1` (byte-level models) adds `bits_per_byte` to the published metrics;
     `flops_per_target` (training FLOPs per token) lets the trainer publish `mfu` on a GPU.
+
+    `trained_positions_only` (default): a model that `keeps_trained_logits` (transformers
+    causal LMs, the LM recipe's GPT) runs its head at the trained positions only (the
+    logits of masked prompt tokens and padding are never computed); the loss and gradients
+    are the full head's. Other models take the plain path. `loss_chunk_size` (tokens): the
+    head and the cross-entropy run that many trained positions at a time
+    (`chunked_lm_loss`), so memory stops growing with vocabulary x tokens; refused by name
+    where it cannot be exact.
     """
 
     def __init__(
         self, model: nn.Module, pad_idx: int = IGNORE_INDEX, bytes_per_token: float | None = None,
         moe_aux_loss_weight: float = 0.0, flops_per_target: float | None = None,
+        trained_positions_only: bool = True, loss_chunk_size: int | None = None,
     ) -> None:
         self._model = model
+        if loss_chunk_size is not None:
+            if loss_chunk_size < 1:
+                raise ValueError(f"loss_chunk_size must be positive, got {loss_chunk_size}")
+            chunked_loss_head(model)  # refuse before anything runs
+        self.loss_chunk_size = loss_chunk_size
+        self._trained_only = trained_positions_only and keeps_trained_logits(model)
         self.flops_per_target = flops_per_target
         self.pad_idx = pad_idx
         self.bytes_per_token = bytes_per_token
@@ -171,7 +270,12 @@ class CausalLMUnit(TrainUnit[LMBatch]):
         return sequence_batch(batch, self.pad_idx)
 
     def __call__(self, batch: LMBatch, metrics: MetricBag) -> tuple[Tensor, Tensor]:
-        loss, num_targets = lm_loss(self._model, batch, self.pad_idx, self._use_cache_keyword)
+        if self.loss_chunk_size is not None:
+            loss, num_targets = chunked_lm_loss(self._model, batch, self.pad_idx,
+                                                self.loss_chunk_size, self._use_cache_keyword)
+        else:
+            loss, num_targets = lm_loss(self._model, batch, self.pad_idx,
+                                        self._use_cache_keyword, self._trained_only)
         if self._moe:
             loss = loss + self._moe_step(metrics, num_targets)
         if self._router_aux is not None:
@@ -196,7 +300,8 @@ class CausalLMUnit(TrainUnit[LMBatch]):
 class CausalLMEvalUnit(EvalUnit[LMBatch]):
     """Records the mean NLL (`loss`, weighted by target count) and perplexity; models and
     batches as `CausalLMUnit`. `token_accuracy=True` adds `accuracy`: the share of targets
-    whose most likely token (argmax of the logits) is the target."""
+    whose most likely token (argmax of the logits) is the target. `trained_positions_only` as
+    in `CausalLMUnit`."""
 
     metric_names = ("loss", "perplexity", "bits_per_byte")
 
@@ -207,8 +312,10 @@ class CausalLMEvalUnit(EvalUnit[LMBatch]):
         pad_idx: int = IGNORE_INDEX,
         bytes_per_token: float | None = None,
         token_accuracy: bool = False,
+        trained_positions_only: bool = True,
     ) -> None:
         self._model = model
+        self._trained_only = trained_positions_only and keeps_trained_logits(model)
         self.name = name
         self.pad_idx = pad_idx
         self.bytes_per_token = bytes_per_token
@@ -223,7 +330,8 @@ class CausalLMEvalUnit(EvalUnit[LMBatch]):
 
     @torch.no_grad()  # not inference_mode: see trainer.validator
     def __call__(self, batch: LMBatch, metrics: MetricBag) -> None:
-        logits, targets = lm_logits(self._model, batch, self.pad_idx, self._use_cache_keyword)
+        logits, targets = lm_logits(self._model, batch, self.pad_idx, self._use_cache_keyword,
+                                    self._trained_only)
         loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
                                ignore_index=self.pad_idx, reduction="sum")
         trained = targets != self.pad_idx

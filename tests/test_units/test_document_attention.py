@@ -1,0 +1,75 @@
+"""Per-document attention (`layers.document_attention`, and through transformers' attention
+interface `models.hf.document_attention`) equals the dense block-diagonal mask path: the
+kernel against `parallel.context.document_mask` with sdpa, a HF Llama and Qwen3 against
+their own sdpa attention (which builds the mask from the same `position_ids`), outputs and
+gradients; what it cannot do exactly is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_families import tiny_model
+
+from layers.document_attention import document_attention, document_spans
+from models.hf.document_attention import use_document_attention
+from parallel.context import document_mask
+
+# Two rows: documents of 10, 7, 15 and of 20, 12 tokens (one row runs on, as the second's
+# last document); the second row's positions jump (a truncated example) rather than restart.
+POSITIONS = torch.tensor([[*range(10), *range(7), *range(15)], [*range(20), *range(4, 16)]])
+
+# Tolerance: each output is a softmax-weighted sum over at most 20 keys in float32, in another
+# blocking than the dense kernel's: a few ulps of values ~1 (measured <= 2.4e-7).
+ATOL = 1e-6
+
+
+def test_spans_start_where_a_position_is_not_the_previous_plus_one():
+    assert document_spans(POSITIONS) == [[(0, 10), (10, 17), (17, 32)], [(0, 20), (20, 32)]]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_kernel_equals_sdpa_with_the_dense_document_mask(kv_heads):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 32, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 32, 8, generator=g, requires_grad=True) for _ in "kv")
+    got = document_attention(q, k, v, POSITIONS)
+    expected = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(4 // kv_heads, 1), v.repeat_interleave(4 // kv_heads, 1),
+        attn_mask=document_mask(POSITIONS))
+    assert (got - expected).abs().max().item() <= ATOL
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for a, b in zip(grads, expected_grads, strict=True):
+        assert (a - b).abs().max().item() <= 4 * ATOL  # sums of ~32 such terms
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_hf_model_through_the_attention_interface_equals_its_own_dense_mask(family):
+    model = tiny_model(family)
+    ids = torch.randint(3, 128, POSITIONS.shape, generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads():
+        model.zero_grad()
+        logits = model(ids, position_ids=POSITIONS, use_cache=False).logits
+        logits.square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    dense_logits, dense_grads = loss_and_grads()
+    use_document_attention(model)
+    logits, grads = loss_and_grads()
+    assert (logits - dense_logits).abs().max().item() <= ATOL
+    for a, b in zip(grads, dense_grads, strict=True):
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item() + 1e-9
+
+
+def test_what_the_kernel_cannot_do_is_refused_by_name():
+    mistral = tiny_model("mistral")  # a sliding window shorter than the row
+    use_document_attention(mistral)
+    with pytest.raises(ValueError, match="does not apply a sliding window"):
+        mistral(torch.ones(1, 8, dtype=torch.long), use_cache=False)
+    llama = tiny_model("llama")
+    use_document_attention(llama)
+    left_padded = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="padding on the right only"):
+        llama(torch.ones(2, 4, dtype=torch.long), attention_mask=left_padded, use_cache=False)

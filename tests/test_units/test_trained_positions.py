@@ -1,0 +1,216 @@
+"""The stock causal-LM unit runs the LM head at the trained positions only (and, with
+`loss_chunk_size`, chunk by chunk): its loss and gradients are the full head's, computed
+here by hand from the model's own full logits, for a HF Llama and the LM recipe's GPT,
+packed rows and padded batches, one process and TP2."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ranks import run_ranks
+from torch.distributed.tensor import DTensor
+from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from data.collate import packed_batch
+from gangs.fake import FakeGang
+from recipes.lm.model import GPT, GPTConfig
+from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
+from units.linear_cross_entropy import linear_cross_entropy
+from units.metrics import MetricBag
+
+VOCAB, PAD, SEQ = 96, 0, 24
+
+# Tolerance: the kept-position head computes each logit with the same dot product as the
+# full head (the same d=32 terms, so the same bits, unless BLAS blocks [n, d] x [d, V]
+# differently from [b*t, d] x [d, V]); the loss is a float32 sum of ~60 terms of ~4.6 each,
+# summed in another order: relative rounding ~ sqrt(60) * 6e-8 ~ 5e-7. Measured 0 to 2e-7.
+REL = 1e-6
+
+
+def examples(seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Six examples of 3 to 13 tokens, the first half of each a prompt (not trained)."""
+    g = torch.Generator().manual_seed(seed)
+    result = []
+    for length in (7, 13, 3, 9, 11, 5):
+        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
+        result.append((ids, [0] * (length // 2) + [1] * (length - length // 2)))
+    return result
+
+
+def packed() -> dict[str, torch.Tensor]:
+    """Rows of 24: [7, 13, pad 4], [3, 9, 11, pad 1], [5, pad 19]."""
+    exs = examples()
+    return packed_batch([exs[:2], exs[2:5], exs[5:]], seq_len=SEQ, pad_id=PAD)
+
+
+def padded() -> dict[str, torch.Tensor]:
+    """HF style: one example a row, padded on the right (attention mask 0), labels -100 on
+    the prompt."""
+    exs = examples()
+    ids = torch.full((len(exs), 13), PAD)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for row, (tokens, trained) in enumerate(exs):
+        n = len(tokens)
+        ids[row, :n] = torch.tensor(tokens)
+        mask[row, :n] = 1
+        labels[row, :n] = torch.tensor(tokens).masked_fill(torch.tensor(trained) == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def llama(tie: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=tie, initializer_range=0.2, use_cache=False))
+
+
+def gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, dim=32, num_layers=2, num_heads=4))
+
+
+def full_head_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The reference: the model's full logits, shifted and masked here by hand."""
+    keywords = {k: v for k, v in batch.items() if k in ("attention_mask", "position_ids")}
+    if not isinstance(model, GPT):  # with a KV cache, transformers ignores packed positions
+        keywords["use_cache"] = False
+    out = model(batch["input_ids"], **keywords)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    labels = batch["labels"][:, 1:]
+    if "attention_mask" in batch:
+        labels = labels.masked_fill(batch["attention_mask"][:, 1:] == 0, -100)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def loss_and_grads(model, compute) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = compute()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same(got, expected) -> None:
+    (loss, grads), (ref_loss, ref_grads) = got, expected
+    assert loss == pytest.approx(ref_loss, rel=REL)
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        # per parameter, relative to its gradient's scale
+        assert (grad - ref).abs().max().item() <= REL * ref.abs().max().item() + 1e-12, name
+
+
+@pytest.mark.parametrize("make_model", [llama, gpt], ids=["hf_llama", "gpt"])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("chunk", [None, 7], ids=["kept_head", "chunked_loss"])
+def test_trained_position_head_gives_the_full_heads_loss_and_gradients(make_model, layout,
+                                                                       chunk):
+    model = make_model()
+    batch = packed() if layout == "packed" else padded()
+    if make_model is gpt:  # the GPT takes no attention_mask: padding is in the labels only
+        batch.pop("attention_mask", None)
+    unit = CausalLMUnit(model, loss_chunk_size=chunk)
+    calls = []  # the head's input rows: the trained positions only
+    handle = model.get_output_embeddings().register_forward_pre_hook(
+        lambda m, args: calls.append(args[0].shape[0]))
+    got = loss_and_grads(model, lambda: unit(batch, MetricBag())[0])
+    handle.remove()
+    trained = int((batch["labels"][:, 1:] != -100).sum())
+    assert calls == [0 if chunk else trained]  # chunked: the head's own matmul is skipped
+    assert_same(got, loss_and_grads(model, lambda: full_head_loss(model, batch)))
+
+
+def test_eval_unit_on_trained_positions_records_the_full_heads_loss_and_accuracy():
+    model, batch = llama(), packed()
+    records = {}
+    for trained_only in (True, False):
+        metrics = MetricBag()
+        CausalLMEvalUnit(model, token_accuracy=True, trained_positions_only=trained_only)(
+            batch, metrics)
+        records[trained_only] = metrics
+    with torch.no_grad():
+        expected = full_head_loss(model, batch).item()
+    values = records[True].sync_and_compute(FakeGang())
+    assert values == pytest.approx(records[False].sync_and_compute(FakeGang()), rel=REL)
+    assert values["loss"] * int((batch["labels"][:, 1:] != -100).sum()) == pytest.approx(
+        expected, rel=REL)
+
+
+def test_chunked_cross_entropy_equals_the_full_one_with_bias_and_ignored_targets():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    bias = torch.randn(50, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    targets[::5] = -100
+    got = loss_and_grads_of(lambda: linear_cross_entropy(hidden, weight, bias, targets, 8),
+                            (hidden, weight, bias))
+    ref = loss_and_grads_of(lambda: F.cross_entropy(hidden @ weight.t() + bias, targets,
+                                                    reduction="sum"), (hidden, weight, bias))
+    assert got[0] == pytest.approx(ref[0], rel=REL)
+    for a, b in zip(got[1], ref[1], strict=True):
+        assert (a - b).abs().max().item() <= REL * b.abs().max().item()
+
+
+def loss_and_grads_of(compute, tensors) -> tuple[float, list[torch.Tensor]]:
+    for t in tensors:
+        t.grad = None
+    loss = compute()
+    loss.backward()
+    return loss.item(), [t.grad.clone() for t in tensors]
+
+
+def test_chunked_loss_refuses_a_model_that_changes_its_logits_after_the_head():
+    torch.manual_seed(0)
+    gemma2 = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        final_logit_softcapping=30.0))
+    unit = CausalLMUnit(gemma2, loss_chunk_size=16)
+    with pytest.raises(ValueError, match="loss_chunk_size: Gemma2ForCausalLM changes its "
+                                         "logits after its head"):
+        unit(packed(), MetricBag())
+    # The kept-position head applies the soft-capping (it runs the model's own code).
+    assert_same(loss_and_grads(gemma2, lambda: CausalLMUnit(gemma2)(packed(), MetricBag())[0]),
+                loss_and_grads(gemma2, lambda: full_head_loss(gemma2, packed())))
+
+
+def tp_loss_and_grads(directory, batch, chunk):
+    from gangs import setup_gangs, setup_root_gang
+    from trainer.hf import load_pretrained
+
+    gangs = setup_gangs(setup_root_gang(), tp_size=2)
+    model = load_pretrained(directory, gangs, data_parallel=None)
+    if chunk is not None:
+        with pytest.raises(ValueError, match="loss_chunk_size: LlamaForCausalLM's head is "
+                                             "sharded"):
+            CausalLMUnit(model, loss_chunk_size=chunk)
+    unit = CausalLMUnit(model)
+    calls = []
+    model.lm_head.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[0]))
+    kept = loss_and_grads(model, lambda: unit(batch, MetricBag())[0])
+    assert calls == [int((batch["labels"][:, 1:] != -100).sum())]
+    full = loss_and_grads(model, lambda: full_head_loss(model, batch))
+    return [(loss, {n: g.full_tensor() if isinstance(g, DTensor) else g
+                    for n, g in grads.items()}) for loss, grads in (kept, full)]
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_trained_position_head_under_tp2_gives_one_processs_full_head(tmp_path, layout):
+    """Llama's TP plan splits lm_head by vocabulary and gathers its output: the kept
+    positions go through it as [n, d] rows."""
+    model, batch = llama(), packed() if layout == "packed" else padded()
+    model.save_pretrained(tmp_path)
+    expected = loss_and_grads(model, lambda: full_head_loss(model, batch))
+    for kept, full in run_ranks(partial(tp_loss_and_grads, tmp_path, batch, 16 if layout ==
+                                       "packed" else None), world_size=2):
+        assert_same(kept, full)  # the same layout: only the head's rows differ
+        # Against one process, TP's own rounding (row-parallel layers sum partial products
+        # in another order) adds up to 1.3e-6 of a gradient's scale (measured): 1e-5.
+        assert kept[0] == pytest.approx(expected[0], rel=1e-5)
+        for name, grad in kept[1].items():
+            ref = expected[1][name]
+            assert (grad - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), name
