@@ -30,7 +30,10 @@ from torch import Tensor, nn
 from models.hf.attention import register_hf_attention
 from parallel.pipeline_stages import refuse_tied
 
-__all__ = ["HFSpec", "PipelineLayout", "spec_for"]
+__all__ = ["HF_LORA_TARGETS", "HFSpec", "PipelineLayout", "spec_for"]
+
+HF_LORA_TARGETS = ("q_proj", "v_proj")
+"""The layers LoRA adapts by default in a transformers decoder (peft's default for them)."""
 
 
 class PipelineLayout:
@@ -55,6 +58,8 @@ class PipelineLayout:
 
 class HFSpec:
     """The spec of a transformers causal LM (see the module docstring)."""
+
+    lora_targets = HF_LORA_TARGETS
 
     def __init__(self, model_type: str) -> None:
         self.name = f"hf:{model_type}"
