@@ -6,10 +6,10 @@ loaded with `trainer.hf.layout.load_layout` (the loader and build plan the recip
 pipeline split, the cp attention, FSDP2), trained by the `Trainer` with the units the layout
 gives, 2 steps of 2 micro-batches of packed rows (several documents a row, `position_ids`
 restarting), then validated. One process is the reference; PP2 (1F1B), CP2 and FSDP2 run on
-2 forked Gloo ranks, every family on the same ranks one after the other. The recipe itself
-(`python -m recipes.sft` as a user runs it) is the last test, on the two families whose
-attention differs most (Mistral's sliding window, Gemma 2's soft-capping); the full matrix,
-more steps and every schedule is `python -m benchmarks.family_matrix`.
+2 forked Gloo ranks, every family on the same ranks one after the other; PP2xTP2, PP2xDP2
+and CP2xTP2 on 4 ranks for Mistral. `python -m recipes.sft` (its `cli`) refuses by name what
+a layout cannot make exact (the last test); the recipe's runs of the full matrix, more
+steps and every schedule are `python -m benchmarks.family_matrix`.
 
 Tolerance: float32 throughout; a loss is a sum over ~500 targets of log-softmaxes over 128
 logits, each computed in a different order on another layout (the all-to-all, the stage
@@ -143,3 +143,30 @@ def test_combined_layouts_on_four_ranks_train_as_one_process(model_dirs, one_pro
     results = run_ranks(partial(train_each, model_dirs, ("mistral",), **layout), world_size=4,
                         timeout=300)[0]
     assert_equal_losses(results, one_process, str(layout))
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    (["gangs.pp_size=2"], "config 'trainer.data_parallel' is 'fsdp'; with gangs.pp_size 2 it "
+                          "must be ddp"),
+    (["gangs.pp_size=2", "trainer.data_parallel=ddp", "data.packing=false"],
+     "config 'data.packing' is false; with gangs.pp_size 2 it must be true"),
+    (["gangs.pp_size=2", "trainer.data_parallel=ddp", "gangs.pp_schedule=zbv_zero_bubble"],
+     "config 'gangs.pp_schedule' zbv_zero_bubble cannot run the recipe's validation"),
+    (["gangs.pp_size=2", "gangs.cp_size=2", "trainer.data_parallel=ddp"],
+     "context parallelism inside pipeline stages is not supported yet"),
+    (["gangs.cp_size=3", "data.seq_len=63"], "config 'gangs.cp_size' 3: the model's 4 "
+                                              "attention heads"),
+    (["gangs.cp_size=2", "data.seq_len=63"], "config 'data.seq_len' 63 must be a multiple of "
+                                             "gangs.cp_size 2"),
+])
+def test_sft_refuses_what_a_layout_cannot_make_exact_by_name(model_dirs, tmp_path, capsys,
+                                                              settings, expected):
+    """`python -m recipes.sft` as a function, in this process: exit 2 and one `error:` line
+    naming the setting, before any process group or model."""
+    from recipes.sft.recipe import cli
+
+    args = [str(tmp_path / "out"), "--preset", "tiny", "--set",
+            f"model.path={model_dirs['mistral']}", "--set", "data.files=[unused.jsonl]"]
+    code = cli([*args, *(x for s in settings for x in ("--set", s))])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and expected in err, err
