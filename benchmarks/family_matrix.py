@@ -120,8 +120,14 @@ def run_layout(paths: dict[str, Any], families: tuple[str, ...], layout: str,
                steps: int) -> dict[str, Any]:
     """`{family: {"train": {step: loss}, "valid": {...}} or "refused: ..."}` of `layout`:
     each family on fresh forked ranks (the recipe closes its process group at the end)."""
-    return {family: run_ranks(partial(_run_family, paths, family, layout, steps),
-                              world_size=LAYOUTS[layout].ranks)[0] for family in families}
+    results: dict[str, Any] = {}
+    for family in families:
+        try:
+            results[family] = run_ranks(partial(_run_family, paths, family, layout, steps),
+                                        world_size=LAYOUTS[layout].ranks, timeout=600)[0]
+        except AssertionError as error:  # a rank raised: a bug, shown as such
+            results[family] = f"FAILED: {str(error).strip().splitlines()[-1]}"
+    return results
 
 
 def relative_gap(result: Any, reference: Any) -> float:

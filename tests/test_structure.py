@@ -206,3 +206,63 @@ def test_the_trainer_page_lists_every_setting():
     readme = (ROOT / "docs" / "trainer.md").read_text()
     for name in TrainerSettings.model_fields:
         assert f"| `{name}` |" in readme, name
+
+
+# Model families and the attribute names of their modules: knowledge that lives in a family's
+# spec (`models/`, `recipes/lm/spec.py`), never in the generic layers.
+FAMILY_WORDS = ("llama", "mistral", "mixtral", "gemma", "qwen", "gpt2", "gpt_neox", "neox",
+                "phi3", "olmo", "deepseek")
+MODEL_ATTRIBUTES = ("embed_tokens", "embed_in", "embed_out", "lm_head", "rotary_emb",
+                    "tok_embeddings", "pos_embeddings", "wte", "wpe", "q_proj", "k_proj",
+                    "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "self_attn",
+                    "input_layernorm", "final_layer_norm", "base_model_prefix")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the string constants that are docstrings (free text, not code)."""
+    ids = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            for statement in body:
+                if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) \
+                        and isinstance(statement.value.value, str):
+                    ids.add(id(statement.value))
+    return ids
+
+
+def family_knowledge(path: Path) -> list[str]:
+    """Where the code of `path` (names, attributes, string constants; not docstrings or
+    comments) names a model family or a model attribute."""
+    tree = ast.parse(path.read_text())
+    docstrings = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            words = [node.id]
+        elif isinstance(node, ast.Attribute):
+            words = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            words = [node.name]
+        elif isinstance(node, ast.arg):
+            words = [node.arg]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docstrings:
+            words = [node.value]
+        else:
+            continue
+        for word in words:
+            lower = word.lower()
+            hits = [w for w in FAMILY_WORDS if w in lower]
+            hits += [w for w in MODEL_ATTRIBUTES if w in lower.replace(".", " ").replace(
+                "'", " ").split() or lower == w]
+            if hits:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {hits[0]}")
+    return found
+
+
+def test_the_generic_layers_name_no_model_family_and_no_model_attribute():
+    files = [path for package in ("parallel", "trainer")
+             for path in (ROOT / "src" / package).rglob("*.py")]
+    found = [hit for path in sorted(files) for hit in family_knowledge(path)]
+    assert found == [], "\n".join(found)

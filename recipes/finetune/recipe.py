@@ -87,7 +87,7 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
     g = config.gangs
     g.check(config.trainer.data_parallel)
     check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
-                 seq_len=config.data.seq_len)
+                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule)
     d = config.data
     documents = read_documents(d.files, d.text_field)
     gangs, console = recipe_gangs(g.timeout_s, g.tp_size, g.ep_size, g.dp_shard_size,

@@ -170,7 +170,7 @@ def _setup(config: SFTConfig, train: bool) -> _Setup:
     g = config.gangs
     g.check(config.trainer.data_parallel)
     check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
-                 seq_len=config.data.seq_len)
+                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule)
     if g.pp_size > 1 and not config.data.packing:
         raise UserError(f"config 'data.packing' is false; with gangs.pp_size {g.pp_size} it "
                         "must be true: a pipeline schedule runs micro-batches of one shape "

@@ -124,10 +124,10 @@ def check_sizes(
 def _refuse_unsupported(tp_size: int, ep_size: int, dp_shard_size: int | None, pp_size: int,
                         cp_size: int, dp_size: int) -> None:
     """Combinations that are not built or not tested yet, refused by name: pipeline
-    parallelism runs with DP and TP; context parallelism with DP."""
+    parallelism runs with DP and TP; context parallelism with DP and TP."""
     hsdp = dp_shard_size if dp_shard_size is not None and dp_shard_size < dp_size else 1
     unsupported = {"pp_size": {"ep_size": ep_size, "dp_shard_size": hsdp, "cp_size": cp_size},
-                   "cp_size": {"tp_size": tp_size, "ep_size": ep_size, "dp_shard_size": hsdp}}
+                   "cp_size": {"ep_size": ep_size, "dp_shard_size": hsdp}}
     for axis, size in (("pp_size", pp_size), ("cp_size", cp_size)):
         if size == 1:
             continue
@@ -136,7 +136,7 @@ def _refuse_unsupported(tp_size: int, ep_size: int, dp_shard_size: int | None, p
                 raise ValueError(
                     f"{axis} {size} with {other} {other_size} is not supported yet: pipeline "
                     "parallelism runs with data and tensor parallelism, context parallelism "
-                    "with data parallelism")
+                    "with data and tensor parallelism")
 
 
 def mesh_views(

@@ -112,6 +112,7 @@ class PipelinedModel:
     last_rank: int  # the pp rank that holds the last stage (group rank)
     num_microbatches: int
     eval_shape: tuple[int, int] | None = None  # (rows, length) of evaluation micro-batches
+    cannot_evaluate: str | None = None  # why `evaluate` cannot run with this schedule
 
     def step(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
         """Forward and backward of every micro-batch (`inputs`: the first stage's arguments,
@@ -132,6 +133,8 @@ class PipelinedModel:
         (`step` sets it; else this first batch's rows / micro-batches), filled up by the
         batch format's own `pad` with rows and positions that score nothing (to the right:
         causal attention keeps padding from real tokens)."""
+        if self.cannot_evaluate:
+            raise ValueError(self.cannot_evaluate)
         rows, length = self.eval_shape or (max(1, targets.shape[0] // self.num_microbatches),
                                            targets.shape[1])
         self.eval_shape = (rows, length)
@@ -194,10 +197,16 @@ def pipeline_model(
     last = num_stages - 1
     last_rank = next(r for r in range(pp_size)
                      if last in stage_indices(schedule, r, pp_size, stages_per_rank))
+    # torch's V schedule hands gradients between a rank's two stages even in eval
+    # (`get_local_bwd_output` on a stage without backward): it trains, it cannot validate.
+    cannot_evaluate = (f"pipeline schedule {schedule!r} cannot run a forward-only pass "
+                       f"(torch {torch.__version__}'s {SCHEDULES[schedule][0]} runs backward "
+                       "actions in eval): validate with another schedule"
+                       if schedule == "zbv_zero_bubble" else None)
     return PipelinedModel(
         model=merge_stages(modules), stages=stages, schedule=runner, group=group,
         has_first=0 in indices, has_last=last in indices, last_rank=last_rank,
-        num_microbatches=num_microbatches)
+        num_microbatches=num_microbatches, cannot_evaluate=cannot_evaluate)
 
 
 def gradient_norm_over(params: list[Tensor], group: dist.ProcessGroup | None,

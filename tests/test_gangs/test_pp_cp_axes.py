@@ -54,7 +54,7 @@ def test_default_gangs_have_size_one_pp_and_cp():
     (4, {"cp_size": 0}, "cp_size \\(0\\) must be >= 1"),
     (8, {"pp_size": 2, "ep_size": 2}, "pp_size 2 with ep_size 2 is not supported yet"),
     (8, {"pp_size": 2, "cp_size": 2}, "pp_size 2 with cp_size 2 is not supported yet"),
-    (8, {"cp_size": 2, "tp_size": 2}, "cp_size 2 with tp_size 2 is not supported yet"),
+    (8, {"cp_size": 2, "ep_size": 2}, "cp_size 2 with ep_size 2 is not supported yet"),
     (8, {"pp_size": 2, "dp_shard_size": 2}, "pp_size 2 with dp_shard_size 2"),
 ])
 def test_bad_sizes_and_combinations_are_named(world, sizes, message):

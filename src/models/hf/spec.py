@@ -21,7 +21,7 @@ A family needs its own entry only when its layout is not declared this way (no
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -30,7 +30,10 @@ from torch import Tensor, nn
 from models.hf.attention import register_hf_attention
 from parallel.pipeline_stages import refuse_tied
 
-__all__ = ["HFSpec", "PipelineLayout", "spec_for"]
+__all__ = ["FAMILY_SPECS", "HF_LORA_TARGETS", "HFSpec", "PipelineLayout", "spec_for"]
+
+HF_LORA_TARGETS = ("q_proj", "v_proj")
+"""The layers LoRA adapts by default in a transformers decoder (peft's default for them)."""
 
 
 class PipelineLayout:
@@ -56,6 +59,8 @@ class PipelineLayout:
 class HFSpec:
     """The spec of a transformers causal LM (see the module docstring)."""
 
+    lora_targets = HF_LORA_TARGETS
+
     def __init__(self, model_type: str) -> None:
         self.name = f"hf:{model_type}"
 
@@ -72,9 +77,16 @@ class HFSpec:
         register_hf_attention(model, group)
 
 
+FAMILY_SPECS: dict[str, Callable[[str], HFSpec]] = {}
+"""A family's own spec by `model_type`, only where the generic one does not fit (a subclass
+of `HFSpec` in the family's own file under `models/`, registered here)."""
+
+
 def spec_for(model: nn.Module) -> HFSpec:
-    """The spec of transformers model `model` (its config's `model_type`)."""
-    return HFSpec(str(getattr(model.config, "model_type", type(model).__name__)))
+    """The spec of transformers model `model`: its family's own (`FAMILY_SPECS`) or the
+    generic one, read from its config and class."""
+    model_type = str(getattr(model.config, "model_type", type(model).__name__))
+    return FAMILY_SPECS.get(model_type, HFSpec)(model_type)
 
 
 def _base(model: nn.Module) -> Any:

@@ -11,6 +11,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from layers.lora import LoraSettings
+from models.hf.spec import HF_LORA_TARGETS
 from trainer.errors import UserError
 from trainer.fault_tolerance.settings import FaultToleranceSettings
 
@@ -88,8 +89,10 @@ class LoraSection(Section):
     """The update is scaled by alpha / r (peft's lora_alpha)."""
     dropout: float = Field(default=0.0, ge=0, lt=1)
     """Dropout on the adapters' input (peft's lora_dropout); 0 under tensor parallelism."""
-    target_modules: list[str] = ["q_proj", "v_proj"]
-    """Linear layers to adapt, by name or name suffix (peft's rule), e.g. [q_proj, v_proj]."""
+    target_modules: list[str] = list(HF_LORA_TARGETS)
+    """Linear layers to adapt, by name or name suffix (peft's rule); the default is the
+    Hugging Face decoders' (`models.hf.spec.HF_LORA_TARGETS`: the query and value
+    projections)."""
     base_dtype: Literal["fp32", "bf16"] = "fp32"
     """The frozen base's parameters: bf16 halves their memory (the merged export adds the
     adapters to the base files' own weights); the adapters, their gradients and AdamW's

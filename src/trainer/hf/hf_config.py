@@ -51,7 +51,7 @@ def check_model_dir(path: str | None, seq_len: int) -> Any:
     beyond the model's context (whose position table it would index past)."""
     if path is None:
         raise UserError("config 'model.path' is not set: give the Hugging Face model "
-                        "directory to fine-tune, e.g. --set model.path=/models/llama")
+                        "directory to fine-tune, e.g. --set model.path=/models/my-model")
     if not (Path(path) / "config.json").is_file():
         reason = "has no config.json" if Path(path).is_dir() else "does not exist"
         raise UserError(f"config 'model.path': '{path}' {reason}: it must be a local Hugging "

@@ -37,9 +37,14 @@ __all__ = ["HFLayout", "check_layout", "load_layout"]
 
 
 def check_layout(hf_config: Any, *, tp_size: int, pp_size: int, cp_size: int,
-                 seq_len: int) -> None:
+                 seq_len: int, pp_schedule: str = "1f1b") -> None:
     """A `UserError` naming the setting when the model of `hf_config` (its config.json)
-    cannot be split by these sizes of the config's `gangs` section."""
+    cannot be split by these settings of the config's `gangs` section (the recipes that
+    call this validate, which torch's V schedule cannot)."""
+    if pp_size > 1 and pp_schedule == "zbv_zero_bubble":
+        raise UserError("config 'gangs.pp_schedule' zbv_zero_bubble cannot run the recipe's "
+                        "validation (torch's V schedule runs backward actions in a "
+                        "forward-only pass): use interleaved_zero_bubble or 1f1b")
     heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
     if cp_size > 1:
         if seq_len % cp_size:

@@ -45,6 +45,9 @@ def check_layout(unit: TrainUnit[Any], gangs: Gangs, *, num_accumulate: int, dty
         if dtype == "fp16":
             raise ValueError("dtype 'fp16' (a loss scale) with pp_size > 1 is not supported "
                              "yet: use bf16 or fp32")
+        if valid_units and pipeline.cannot_evaluate:
+            raise ValueError(f"{pipeline.cannot_evaluate} (gangs.pp_schedule), or train "
+                             "without validation")
         for valid in valid_units:
             if valid.model is not pipeline.model:
                 raise ValueError(

@@ -1,0 +1,172 @@
+"""Every model family of `tests/model_families.py` under the layouts a user sets in
+`recipes.sft`, equal to one process, or refused by name.
+
+The real path: each family's tiny random model saved by transformers' own `save_pretrained`,
+loaded with `trainer.hf.layout.load_layout` (the loader and build plan the recipes use: the
+pipeline split, the cp attention, FSDP2), trained by the `Trainer` with the units the layout
+gives, 2 steps of 2 micro-batches of packed rows (several documents a row, `position_ids`
+restarting), then validated. One process is the reference; PP2 (1F1B), CP2 and FSDP2 run on
+2 forked Gloo ranks, every family on the same ranks one after the other; PP2xTP2, PP2xDP2
+and CP2xTP2 on 4 ranks for Mistral. `python -m recipes.sft` (its `cli`) refuses by name what
+a layout cannot make exact (the last test); the recipe's runs of the full matrix, more
+steps and every schedule are `python -m benchmarks.family_matrix`.
+
+Tolerance: float32 throughout; a loss is a sum over ~500 targets of log-softmaxes over 128
+logits, each computed in a different order on another layout (the all-to-all, the stage
+boundary, FSDP2's reduce-scatter): measured gaps are 0 to 3e-7 relative, against the 1e-5
+the issue asks (AdamW's first steps move every weight by ~lr whatever the gradient's
+rounding, so 2 steps do not amplify them).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from model_families import FAMILIES, VOCAB, save_tiny
+from ranks import run_ranks
+
+from data.global_batches import GlobalBatchReader
+from gangs import setup_gangs, setup_root_gang
+from trainer.errors import UserError
+from trainer.hf.layout import load_layout
+from trainer.observe.recorders.base import MetricRecorder
+from trainer.trainer import Trainer
+
+STEPS, ACC, ROWS, SEQ = 2, 2, 2, 32  # 2 steps of 2 micro-batches of 2 rows of 32 tokens
+TOLERANCE = 1e-5  # see the module docstring
+
+
+class Losses(MetricRecorder):
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def record(self, section: str, step_nr: int, values: Mapping[str, float]) -> None:
+        if "loss" in values:
+            self.values[f"{section}/{step_nr}"] = values["loss"]
+        self.values.update({f"{k}/{step_nr}": v for k, v in values.items() if k.endswith("/loss")})
+
+
+def packed_rows(count: int, seed: int) -> dict[str, torch.Tensor]:
+    """Rows of 3 documents each (positions restarting at 0), labels the ids (HF style)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (count, SEQ), generator=g)
+    cuts = [0, 11, 20, SEQ]
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])
+    return {"input_ids": ids, "position_ids": positions.repeat(count, 1)}
+
+
+class Rows(GlobalBatchReader[dict[str, torch.Tensor]]):
+    def __init__(self, rows: dict[str, torch.Tensor], dp_rank: int, dp_size: int) -> None:
+        self.rows = rows
+        super().__init__(len(rows["input_ids"]), ROWS, dp_rank, dp_size, shuffle=False)
+
+    def make_batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v[indices] for k, v in self.rows.items()}
+
+
+def train(model_dir: Path, *, pp_size: int = 1, cp_size: int = 1, tp_size: int = 1,
+          data_parallel: str = "fsdp") -> dict[str, float]:
+    """The layout's train and valid losses by step (rank 0's), or the refusal's message."""
+    gangs = setup_gangs(setup_root_gang(), tp_size=tp_size, pp_size=pp_size, cp_size=cp_size)
+    dp = (gangs.dp.rank, gangs.dp.size)
+    try:
+        layout = load_layout(str(model_dir), gangs, num_accumulate=ACC,
+                             data_parallel=data_parallel if gangs.dp.size > 1 else None)
+    except (UserError, ValueError) as error:  # refused by name, before training
+        return {"refused": str(error)}  # type: ignore[dict-item]
+    optimizer = torch.optim.AdamW(layout.model.parameters(), lr=1e-3)
+    losses = Losses()
+    with tempfile.TemporaryDirectory() as out:
+        Trainer(layout.train_unit(), Rows(packed_rows(STEPS * ACC * ROWS, 1), *dp), optimizer,
+                gangs=gangs, output_dir=out, max_num_steps=STEPS, num_accumulate=ACC,
+                publish_metrics_every_n_steps=1, recorders=[losses], progress=False,
+                valid_units=[layout.valid_unit()],
+                valid_data_readers=[Rows(packed_rows(6, 2), *dp)],
+                validate_every_n_steps=STEPS, checkpoint_every_n_steps=None).run()
+    return losses.values
+
+
+def train_each(model_dirs: dict[str, Path], families: tuple[str, ...] = FAMILIES,
+               **layout: int | str) -> dict[str, dict[str, float]]:
+    return {family: train(model_dirs[family], **layout) for family in families}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("families")
+    return {family: save_tiny(family, base / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def one_process(model_dirs) -> dict[str, dict[str, float]]:
+    return run_ranks(partial(train_each, model_dirs), world_size=1)[0]
+
+
+def assert_equal_losses(results: dict[str, dict[str, float]],
+                        reference: dict[str, dict[str, float]], layout: str) -> None:
+    for family, losses in results.items():
+        ref = reference[family]
+        if "refused" in ref:  # not loadable at all (yet): the loader's refusal, on any layout
+            print(f"{layout} {family}: refused on one process too: {ref['refused']}")
+            assert losses == ref, (layout, family, losses)
+            continue
+        assert "refused" not in losses, f"{layout} {family}: {losses}"
+        assert losses.keys() == ref.keys() and len(ref) == STEPS + 1, (family, losses, ref)
+        gap = max(abs(losses[k] / ref[k] - 1) for k in ref)
+        print(f"{layout} {family}: largest relative gap {gap:.1e}")
+        assert gap < TOLERANCE, (layout, family, losses, ref)
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param({"pp_size": 2, "data_parallel": "ddp"}, id="pp2"),
+    pytest.param({"cp_size": 2}, id="cp2"),
+    pytest.param({}, id="fsdp2"),
+])
+def test_every_family_trains_on_two_ranks_as_on_one_process(model_dirs, one_process, layout):
+    results = run_ranks(partial(train_each, model_dirs, **layout), world_size=2,
+                        timeout=300)[0]
+    assert_equal_losses(results, one_process, str(layout))
+
+
+# Mistral: a sliding window shorter than the documents, a TP plan of its own.
+@pytest.mark.parametrize("layout", [
+    pytest.param({"pp_size": 2, "tp_size": 2, "data_parallel": "ddp"}, id="pp2_tp2"),
+    pytest.param({"pp_size": 2, "data_parallel": "ddp"}, id="pp2_dp2"),
+    pytest.param({"cp_size": 2, "tp_size": 2, "data_parallel": "ddp"}, id="cp2_tp2"),
+])
+def test_combined_layouts_on_four_ranks_train_as_one_process(model_dirs, one_process, layout):
+    results = run_ranks(partial(train_each, model_dirs, ("mistral",), **layout), world_size=4,
+                        timeout=300)[0]
+    assert_equal_losses(results, one_process, str(layout))
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    (["gangs.pp_size=2"], "config 'trainer.data_parallel' is 'fsdp'; with gangs.pp_size 2 it "
+                          "must be ddp"),
+    (["gangs.pp_size=2", "trainer.data_parallel=ddp", "data.packing=false"],
+     "config 'data.packing' is false; with gangs.pp_size 2 it must be true"),
+    (["gangs.pp_size=2", "trainer.data_parallel=ddp", "gangs.pp_schedule=zbv_zero_bubble"],
+     "config 'gangs.pp_schedule' zbv_zero_bubble cannot run the recipe's validation"),
+    (["gangs.pp_size=2", "gangs.cp_size=2", "trainer.data_parallel=ddp"],
+     "context parallelism inside pipeline stages is not supported yet"),
+    (["gangs.cp_size=3", "data.seq_len=63"], "config 'gangs.cp_size' 3: the model's 4 "
+                                              "attention heads"),
+    (["gangs.cp_size=2", "data.seq_len=63"], "config 'data.seq_len' 63 must be a multiple of "
+                                             "gangs.cp_size 2"),
+])
+def test_sft_refuses_what_a_layout_cannot_make_exact_by_name(model_dirs, tmp_path, capsys,
+                                                              settings, expected):
+    """`python -m recipes.sft` as a function, in this process: exit 2 and one `error:` line
+    naming the setting, before any process group or model."""
+    from recipes.sft.recipe import cli
+
+    args = [str(tmp_path / "out"), "--preset", "tiny", "--set",
+            f"model.path={model_dirs['mistral']}", "--set", "data.files=[unused.jsonl]"]
+    code = cli([*args, *(x for s in settings for x in ("--set", s))])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and expected in err, err
