@@ -15,6 +15,7 @@ from family_runs import INPUT_IDS, train_family
 from model_families import FAMILIES, save_tiny
 from ranks import run_ranks
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
@@ -48,16 +49,25 @@ def test_save_pretrained_loads_trains_and_exports_to_the_trained_logits(tmp_path
         json.loads((saved / "config.json").read_text())["model_type"]
 
 
-def attention_kernels(directories):
-    gangs = setup_gangs(setup_root_gang())
-    chosen = load_pretrained(directories["llama"], gangs, attn_implementation="eager")
-    with pytest.raises(UserError) as refused:
-        load_pretrained(directories["gemma2"], gangs, attn_implementation="sdpa")
-    return chosen.config._attn_implementation, str(refused.value)  # noqa: SLF001
-
-
 def test_the_attention_kernel_is_the_one_asked_for_or_refused_by_name(tmp_path):
-    directories = {family: save_tiny(family, tmp_path / family) for family in ("llama", "gemma2")}
-    chosen, refused = run_ranks(partial(attention_kernels, directories), world_size=1)[0]
-    assert chosen == "eager"
-    assert refused.startswith("attn_implementation 'sdpa' for ") and "Gemma2" in refused
+    gangs = setup_gangs(setup_root_gang())
+    llama, gemma2 = (save_tiny(family, tmp_path / family) for family in ("llama", "gemma2"))
+    chosen = load_pretrained(llama, gangs, data_parallel=None, attn_implementation="eager")
+    assert chosen.config._attn_implementation == "eager"  # noqa: SLF001
+    with pytest.raises(UserError, match=r"^attn_implementation 'sdpa' for .*Gemma2"):
+        load_pretrained(gemma2, gangs, data_parallel=None, attn_implementation="sdpa")
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_naming_the_file_and_its_weights(tmp_path):
+    saved = save_tiny("mixtral", tmp_path / "mixtral")
+    weights = load_file(saved / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.3.w1.weight"]
+    save_file(weights, saved / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError) as error:
+        load_pretrained(saved, setup_gangs(setup_root_gang()), data_parallel=None)
+    message = str(error.value)
+    print(message)
+    assert message.startswith(str(saved / "model.safetensors"))
+    assert "the weights converted into 'model.layers.1.mlp.experts.gate_up_proj' (3 like " \
+        "'model.layers.1.block_sparse_moe.experts.0.w1.weight', 4 like " \
+        "'model.layers.1.block_sparse_moe.experts.0.w3.weight')" in message
