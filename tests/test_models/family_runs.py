@@ -12,6 +12,7 @@ from model_families import VOCAB
 from torch.distributed.tensor import DTensor
 
 from gangs import setup_gangs, setup_root_gang
+from layers.lora import LoraSettings
 from parallel import param_groups
 from trainer.hf import load_pretrained
 from trainer.observe.recorders import JsonlRecorder, read_jsonl
@@ -37,13 +38,15 @@ class FamilyRun(NamedTuple):
 
 
 def train_family(directory: Path, output_dir: Path, *, tp_size: int = 1, ep_size: int = 1,
-                 data_parallel: str | None = "fsdp", max_num_steps: int = 2) -> FamilyRun:
+                 data_parallel: str | None = "fsdp", max_num_steps: int = 2,
+                 lora: LoraSettings | None = None) -> FamilyRun:
     """Load `directory`, train it `max_num_steps` (validation at every step, a checkpoint at
-    the end) and return the losses rank 0 published and the trained logits."""
+    the end; LoRA adapters on the frozen model with `lora`) and return the losses rank 0
+    published and the trained logits."""
     gangs = setup_gangs(setup_root_gang(), tp_size=tp_size, ep_size=ep_size)
     if gangs.dp.size == 1:
         data_parallel = None
-    model = load_pretrained(directory, gangs, data_parallel=data_parallel)
+    model = load_pretrained(directory, gangs, data_parallel=data_parallel, lora=lora)
     # SGD: a wrong gradient is a wrong step (Adam's first step is about lr * sign(grad)).
     optimizer = torch.optim.SGD(param_groups(model), lr=0.5)
     rank, size = gangs.dp.rank, gangs.dp.size

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 
 from gangs.errors import UserError
 from layers.lora import lora_settings_of, split_adapters
+from models.hf.experts import experts_modules
 
 __all__ = ["STYLES", "apply_tp_plan", "tp_plan_of"]
 
@@ -109,10 +110,12 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     unsupported = {pattern: style for pattern, style in plan.items() if style not in STYLES}
     if unsupported:
         pattern, style = next(iter(unsupported.items()))
+        # Stacked experts (MoE families) split by expert instead: models.hf.experts.
+        instead = " and split its experts with gangs.ep_size" if experts_modules(model) else ""
         raise UserError(
             f"{type(model).__name__}'s tensor-parallel plan uses style {style!r} for "
             f"{pattern!r}, which gangtrain does not apply (supported: {sorted(STYLES)}); "
-            "train it with tp_size 1"
+            f"train it with tp_size 1{instead}"
         )
     holders = _holders_of_tied(model)
 

@@ -25,6 +25,7 @@ from layers.lora import merged_weight
 from trainer.checkpoint.adapters import ADAPTER_CONFIG, BASE_REFERENCE, base_changes
 from trainer.checkpoint.streaming import ModelTensors, TensorInfo
 from trainer.errors import UserError
+from trainer.hf.conversion import ConvertedFiles
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import WeightFiles
 from trainer.run_dir import HF_FILES
@@ -43,8 +44,9 @@ def is_lora_checkpoint(step_dir: Path) -> bool:
 def merged_tensors(
     step_dir: Path,
 ) -> tuple[list[TensorInfo], Callable[[str], torch.Tensor]]:
-    """The merged model of the LoRA checkpoint `step_dir` as `export_pretrained` writes it:
-    `(TensorInfo per HF weight name, one tied group once; load(name) -> full tensor)`. The
+    """The merged model of the LoRA checkpoint `step_dir`: `(TensorInfo per HF model weight
+    name, one tied group once; load(name) -> full tensor)`, the base read as
+    `from_pretrained` reads it (`trainer.hf.conversion`). The
     base's tensors keep the base files' dtype; a `UserError` when the base changed."""
     hf_files = step_dir / HF_FILES
     config = json.loads((hf_files / ADAPTER_CONFIG).read_text())
@@ -56,15 +58,15 @@ def merged_tensors(
         raise UserError(f"the merged model of checkpoint {step_dir} needs its base, which "
                         f"changed: {change}")
     adapters = ModelTensors(step_dir)
-    files = WeightFiles(base)
     model = build_on_meta(hf_files)  # names and shapes only
+    files = ConvertedFiles(model, WeightFiles(base))  # as from_pretrained reads them
     infos, key_of = [], {}
     for name, aliases in tensor_aliases(model).items():
-        key = next((alias for alias in aliases if alias in files.file_of), None)
+        key = next((alias for alias in aliases if alias in files.names), None)
         if key is None:
             raise UserError(f"{files.source} has no weight {name!r}, which "
                             f"{type(model).__name__} needs")
-        dtype = files.dtype(key)
+        dtype = files.files.dtype(files.file_key(key))
         infos.append(TensorInfo(name, dtype, files.shape(key)))
         key_of[name] = key
 

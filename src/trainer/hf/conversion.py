@@ -102,9 +102,11 @@ class ConvertedFiles:
                 outputs = group.convert(model, self._meta_tensor)
             except Exception as error:  # transformers' own message names the operation
                 first = next(iter(group.keys.values()))[0]
-                raise UserError(f"{files.where(first)}: weights like {first!r} cannot be "
-                                f"converted into {group.target!r} as transformers does: "
-                                f"{error}") from None
+                counts = ", ".join(f"{len(keys)} like {keys[0]!r}"
+                                   for keys in group.keys.values())
+                raise UserError(f"{files.where(first)}: the weights converted into "
+                                f"{group.target!r} ({counts}) do not fit transformers' rule "
+                                f"for them: {error}") from None
             for name, tensor in outputs.items():
                 self._group_of[name] = group
                 self._shapes[name] = tuple(tensor.shape)
@@ -119,6 +121,13 @@ class ConvertedFiles:
         if name in self._renamed:
             return self._renamed[name]
         return next(iter(self._group_of[name].keys.values()))[0]
+
+    def describe(self, name: str) -> str:
+        """What the files hold for model tensor `name`, for a message."""
+        if name in self._renamed:
+            return f"weight {self._renamed[name]!r}"
+        keys = [key for keys in self._group_of[name].keys.values() for key in keys]
+        return f"{name!r}, converted from {len(keys)} weights like {keys[0]!r},"
 
     def where(self, name: str) -> Path:
         return self.files.where(self.file_key(name))

@@ -44,7 +44,7 @@ from trainer.hf.adapters import (
     is_lora_checkpoint,
     merged_tensors,
 )
-from trainer.hf.conversion import SavedLayout, saved_layout
+from trainer.hf.conversion import saved_layout
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
 from trainer.run_dir import ADAPTER_DIR, BEST_MODEL
@@ -91,14 +91,15 @@ def export_pretrained(
             "trainer.checkpoint.export_safetensors)"
         )
     if is_lora_checkpoint(step_dir):  # adapters only: merged into the base's weights
-        infos, read = merged_tensors(step_dir)
+        infos, read_model_tensor = merged_tensors(step_dir)
     else:
         tensors = ModelTensors(step_dir)
-        infos, layout, source = _hf_tensors(tensors, hf_files)
+        infos, source = _hf_tensors(tensors, hf_files)
 
-        def read(name: str) -> torch.Tensor:
-            return layout.read(name, lambda model_name: tensors.load(source[model_name]))
+        def read_model_tensor(name: str) -> torch.Tensor:
+            return tensors.load(source[name])
 
+    infos, read = _in_saved_layout(hf_files, infos, read_model_tensor)
     if dtype is not None:
         infos = [TensorInfo(i.name, dtype if i.dtype.is_floating_point else i.dtype, i.shape)
                  for i in infos]
@@ -187,11 +188,10 @@ def export_best_model(checkpoint_dir: Path, hf_output_dir: Path) -> Path | None:
 
 def _hf_tensors(
     tensors: ModelTensors, hf_files: Path
-) -> tuple[list[TensorInfo], SavedLayout, dict[str, str]]:
-    """The tensors `save_pretrained` would write for the checkpoint's model (one per tied
-    group, in transformers' saved layout: e.g. per-expert tensors, GPT-NeoX's `embed_out`),
-    that layout, and `{model name: the checkpoint's name}`; a `UserError` naming the first
-    key that does not fit the model."""
+) -> tuple[list[TensorInfo], dict[str, str]]:
+    """The checkpoint's tensors under the HF model's names, one per tied group, and `{that
+    name: the checkpoint's name}`; a `UserError` naming the first key that does not fit the
+    model."""
     model = build_on_meta(hf_files)  # on meta: only names and shapes
     kept, source, shapes = [], {}, dict(model.state_dict())
     for name, aliases in tensor_aliases(model).items():
@@ -211,11 +211,20 @@ def _hf_tensors(
     if unexpected:
         raise UserError(f"checkpoint {tensors.step_dir} has model weight {unexpected[0]!r}, "
                         f"which {type(model).__name__} does not have")
-    layout = saved_layout(model, [info.name for info in kept])
-    dtypes = {info.name: info.dtype for info in kept}
-    infos = [TensorInfo(file_name, dtypes[name], shape)
-             for file_name, (name, shape) in layout.names.items()]
-    return infos, layout, source
+    return kept, source
+
+
+def _in_saved_layout(hf_files: Path, infos: list[TensorInfo],
+                     read: Callable[[str], torch.Tensor]
+                     ) -> tuple[list[TensorInfo], Callable[[str], torch.Tensor]]:
+    """The model's tensors `infos` (read by `read(model name)`) as `save_pretrained` writes
+    them: transformers' saving rules applied (e.g. fused experts split per expert, GPT-NeoX's
+    `lm_head` as `embed_out`); the infos and reader of the written tensors."""
+    layout = saved_layout(build_on_meta(hf_files), [info.name for info in infos])
+    dtypes = {info.name: info.dtype for info in infos}
+    written = [TensorInfo(file_name, dtypes[name], shape)
+               for file_name, (name, shape) in layout.names.items()]
+    return written, lambda file_name: layout.read(file_name, read)
 
 
 def _write_weights(directory: Path, infos: list[TensorInfo],

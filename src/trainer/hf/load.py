@@ -254,7 +254,7 @@ def _check_keys_and_shapes(
                             f"{type(model).__name__} needs")
         expected, saved = tuple(tensors[name].shape), files.shape(key)
         if saved != expected:
-            raise UserError(f"{files.where(key)}: weight {key!r} has shape {saved}, "
+            raise UserError(f"{files.where(key)}: {files.describe(key)} has shape {saved}, "
                             f"{type(model).__name__} expects {expected}")
     unexpected = files.unexpected  # file keys that no rule of transformers maps to the model
     if unexpected:
