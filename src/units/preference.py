@@ -205,7 +205,9 @@ class PreferenceEvalUnit(_Pairs, EvalUnit[LMBatch]):
         super().__init__(model, config or PreferenceLoss(), reference)
         self.name = name
 
-    @torch.no_grad()
     def __call__(self, batch: LMBatch, metrics: MetricBag) -> None:
-        loss = self._pairs(batch, metrics)
+        # The Trainer validates under inference_mode; tensors made there (FSDP2's unsharded
+        # root parameters, kept after forward) would then be refused by the next backward.
+        with torch.inference_mode(False), torch.no_grad():
+            loss = self._pairs(batch, metrics)
         metrics.update_total("loss", loss, batch["input_ids"].shape[0] // 2)
