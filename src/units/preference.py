@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from data.collate import IGNORE_INDEX
 from layers.lora import adapters_disabled, lora_settings_of
 from units.causal_lm import LMBatch, lm_logits, takes_use_cache
+from units.directions import HIGHER_BETTER_METRICS
 from units.metrics import MetricBag
 from units.unit import EvalUnit, TrainUnit
 
@@ -197,8 +198,8 @@ class PreferenceEvalUnit(_Pairs, EvalUnit[LMBatch]):
     and the reward metrics of the module docstring, under ``name`` (``valid/loss``)."""
 
     metric_names = METRICS
-    higher_better_metrics = frozenset({"rewards/accuracies", "rewards/margins",
-                                       "rewards/chosen"})
+    higher_better_metrics = HIGHER_BETTER_METRICS | {"rewards/accuracies", "rewards/margins",
+                                                     "rewards/chosen"}
 
     def __init__(self, model: nn.Module, config: PreferenceLoss | None = None,
                  reference: nn.Module | None = None, name: str = "valid") -> None:
