@@ -29,6 +29,7 @@ def test_readme_and_docs_python_blocks_run(tmp_path, monkeypatch):
             ran += 1
     assert ran >= 3
     assert (tmp_path / "runs" / "regression" / "metrics" / "train.jsonl").exists()
+    assert (tmp_path / "runs" / "dpo" / "metrics" / "eval.jsonl").exists()  # preference.md
 
 
 def names_the_docs_import():

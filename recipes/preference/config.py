@@ -1,6 +1,5 @@
-"""The `recipes.preference` config: the SFT recipe's model and optimizer sections, the
-shared lr_scheduler, trainer, gangs and lora sections, and its own data (pairs) and loss
-sections. TRL's `DPOConfig` names map to: `beta` -> loss.beta, `loss_type` -> loss.kind,
+"""The `recipes.preference` config: the shared lr_scheduler, trainer, gangs and lora
+sections, and its own model, optimizer (TRL's DPO defaults), data (pairs) and loss sections. TRL's `DPOConfig` names map to: `beta` -> loss.beta, `loss_type` -> loss.kind,
 `label_smoothing`, `rpo_alpha` -> loss.*, `max_length` -> data.seq_len,
 `truncation_mode` -> data.over_long (the prompt is cut first)."""
 
@@ -10,11 +9,25 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveInt
 
-from recipes.sft.config import ModelSection, OptimizerSection
 from trainer.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
-from trainer.config.trainer_config import TrainerConfig
+from trainer.config.trainer_config import AdamWConfig, TrainerConfig
 from trainer.errors import UserError
 from units.preference import PreferenceLoss
+
+
+class ModelSection(Section):
+    path: str | None = None
+    """A local Hugging Face model directory (config.json, safetensors weights, tokenizer
+    files with a chat template for conversations), usually an SFT result. Required."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward (the policy's)."""
+
+
+class OptimizerSection(AdamWConfig):
+    """AdamW with TRL's DPOConfig defaults (lr 1e-6, betas 0.9/0.999, no weight decay)."""
+
+    lr: float = Field(default=1e-6, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
 
 
 class DataSection(Section):
@@ -69,7 +82,7 @@ class PreferenceConfig(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     loss: LossSection = LossSection()
-    optimizer: OptimizerSection = OptimizerSection(lr=1e-6)
+    optimizer: OptimizerSection = OptimizerSection()
     lr_scheduler: LRSchedulerSection = LRSchedulerSection(warmup_steps=10)
     trainer: TrainerConfig = TrainerConfig(
         max_num_steps=1000,

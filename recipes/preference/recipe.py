@@ -27,7 +27,6 @@ from data.sft import Tokenized
 from gangs import Gangs, first_error
 from parallel import check_hsdp
 from recipes.preference.config import PRESETS, RESUME_GUARD, PreferenceConfig
-from recipes.sft.recipe import load_tokenizer
 from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
@@ -94,6 +93,22 @@ def _counts(bins: Any) -> str:
             f"data.seq_len={bins.seq_len}")
 
 
+def load_tokenizer(path: str, chat_template: str | None) -> Any:
+    """The tokenizer of the model at ``path``, with the Jinja file ``chat_template`` (when
+    given) as its template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        if not Path(chat_template).is_file():
+            raise UserError(f"config 'data.chat_template': no such file: '{chat_template}'")
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise UserError(f"the tokenizer of '{path}' has neither a pad nor an end token to "
+                        "pad pairs with")
+    return tokenizer
+
+
 def check_layout(config: PreferenceConfig) -> None:
     """Refuse, by name, the layouts this recipe does not run exactly."""
     g = config.gangs
@@ -138,7 +153,7 @@ def _setup(config: PreferenceConfig, train: bool) -> _Setup:
     hf_config = check_model_dir(config.model.path, config.data.seq_len)
     check_layout(config)
     config.loss.settings()  # a mistake in the loss before anything is loaded
-    tokenizer = load_tokenizer(config)  # type: ignore[arg-type]  (model.path, data.chat_template)
+    tokenizer = load_tokenizer(config.model.path, config.data.chat_template)
     gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size, 1,
                                   config.gangs.dp_shard_size)
     # Rank 0 tokenises into the cache first, the others then read it; a mistake found on

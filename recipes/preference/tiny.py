@@ -18,11 +18,21 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-from recipes.sft.tiny import SYSTEMS, WORDS, make_tiny_chat_model
-
 __all__ = ["make_tiny_chat_model", "preference_pairs", "write_pair_data"]
 
 Form = Literal["conversational", "implicit", "text"]
+SYSTEMS = ("You are a helpful assistant.", "You answer arithmetic questions.")
+WORDS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b,
+         "times": lambda a, b: a * b}
+
+
+def make_tiny_chat_model(directory: Path | str, **kwargs: Any) -> Path:
+    """`recipes.sft.tiny.make_tiny_chat_model`: the tiny chat model a user would have
+    fine-tuned first. Imported here, when called: recipes do not import each other at
+    import time, and one tiny chat model serves both (not a copy)."""
+    from recipes.sft.tiny import make_tiny_chat_model as make
+
+    return make(directory, **kwargs)
 
 
 def preference_pairs(num: int, seed: int = 0, form: Form = "conversational"

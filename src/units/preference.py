@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from data.collate import IGNORE_INDEX
 from layers.lora import adapters_disabled, lora_settings_of
 from units.causal_lm import LMBatch, lm_logits, takes_use_cache
+from units.directions import HIGHER_BETTER_METRICS
 from units.metrics import MetricBag
 from units.unit import EvalUnit, TrainUnit
 
@@ -197,15 +198,17 @@ class PreferenceEvalUnit(_Pairs, EvalUnit[LMBatch]):
     and the reward metrics of the module docstring, under ``name`` (``valid/loss``)."""
 
     metric_names = METRICS
-    higher_better_metrics = frozenset({"rewards/accuracies", "rewards/margins",
-                                       "rewards/chosen"})
+    higher_better_metrics = HIGHER_BETTER_METRICS | {"rewards/accuracies", "rewards/margins",
+                                                     "rewards/chosen"}
 
     def __init__(self, model: nn.Module, config: PreferenceLoss | None = None,
                  reference: nn.Module | None = None, name: str = "valid") -> None:
         super().__init__(model, config or PreferenceLoss(), reference)
         self.name = name
 
-    @torch.no_grad()
     def __call__(self, batch: LMBatch, metrics: MetricBag) -> None:
-        loss = self._pairs(batch, metrics)
+        # The Trainer validates under inference_mode; tensors made there (FSDP2's unsharded
+        # root parameters, kept after forward) would then be refused by the next backward.
+        with torch.inference_mode(False), torch.no_grad():
+            loss = self._pairs(batch, metrics)
         metrics.update_total("loss", loss, batch["input_ids"].shape[0] // 2)
