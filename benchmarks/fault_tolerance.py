@@ -23,9 +23,10 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,11 @@ class GroupPlan:
     kill_at: int | None = None  # SIGKILL itself at the start of this step's forward
     wait_for: int = 0  # started groups to wait for before training (all at the start)
     slow_until_rejoined: bool = False  # healthy groups: slow until the killed one is back
+    hold_at: int | None = None  # and from this step on, wait for its restart to heartbeat
     restarted: bool = False  # the killed group's new process: says when it is back
+    rank: int = 0  # in the group (DDP over its ranks when it has several)
+    group_size: int = 1
+    port: int = 0  # the group's own store, when it has several ranks
 
 
 class SampleLog(Callback):
@@ -113,32 +118,49 @@ class SampleLog(Callback):
             rejoined.touch()
         elif self.plan.slow_until_rejoined and not rejoined.exists():
             time.sleep(0.05)  # the healthy groups go on, slowly enough to be rejoined
+            if self.plan.hold_at is not None and trainer.step_nr >= self.plan.hold_at:
+                _wait_for(self.plan.out / "restart_heartbeats", time.monotonic() + 60)
 
 
 def run_group(plan: GroupPlan) -> None:
-    """One replica group of one process: the Trainer with a `ReplicaGroup`."""
+    """One rank of a replica group: the Trainer with a `ReplicaGroup` (DDP inside the group
+    when it has several ranks)."""
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
     from gangs import setup_gangs, setup_root_gang
+    from parallel import data_parallel
     from trainer.fault_tolerance import FaultToleranceSettings, ReplicaGroup
 
+    if plan.group_size > 1:  # the group's own job, as torchrun would start it
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(plan.port),
+                          RANK=str(plan.rank), LOCAL_RANK=str(plan.rank),
+                          WORLD_SIZE=str(plan.group_size),
+                          LOCAL_WORLD_SIZE=str(plan.group_size))
+        dist.init_process_group("gloo", rank=plan.rank, world_size=plan.group_size)
     gangs = setup_gangs(setup_root_gang())
     settings = FaultToleranceSettings(replica_groups=3, replica_id=plan.replica_id,
                                       lighthouse=plan.lighthouse, timeout_s=10)
     group = ReplicaGroup(settings, gangs)
     (plan.out / f"started_{plan.replica_id}_{os.getpid()}").touch()
+    if plan.restarted:
+        (plan.out / "restart_heartbeats").touch()
     while len(list(plan.out.glob("started_*"))) < plan.wait_for:  # all heartbeat first:
         time.sleep(0.05)  # the first quorum then holds every group
     model = make_model()
+    if gangs.dp.size > 1:
+        model = data_parallel(model, gangs, "ddp")
     unit = Regression(model)
-    trainer = Trainer(unit, Rows(), make_optimizer(model), gangs=gangs,
-                      output_dir=plan.out / f"group_{plan.replica_id}_{os.getpid()}",
+    trainer = Trainer(unit, Rows(gangs.dp.rank, gangs.dp.size), make_optimizer(model),
+                      gangs=gangs, output_dir=plan.out / f"group_{plan.replica_id}_{os.getpid()}",
                       max_num_steps=plan.steps, replica_group=group,
                       callbacks=[SampleLog(plan, unit)], recorders=[], progress=False,
                       num_threads=1)
     trainer.run()
-    torch.save({"params": dict(model.state_dict()), "healed": group.healed,
+    plain = getattr(model, "module", model)
+    torch.save({"params": dict(plain.state_dict()), "healed": group.healed,
                 "uncommitted": group.uncommitted_steps, "step": trainer.step_nr},
-               plan.out / f"final_{plan.replica_id}.pt")
+               plan.out / f"final_{plan.replica_id}_{plan.rank}.pt")
     group.close()
 
 
@@ -171,47 +193,70 @@ class RunResult:
     seconds: float
 
 
-def run(out: Path, steps: int, kill_at: int | None = None, timeout: float = 120) -> RunResult:
-    """Three replica groups (forked from this process) over a lighthouse; group 2 killed at
-    the start of step `kill_at` and restarted at once, when given."""
+def run(out: Path, steps: int, kill_at: int | None = None, timeout: float = 120,
+        group_size: int = 1) -> RunResult:
+    """Three replica groups of `group_size` processes (forked from this one) over a
+    lighthouse; group 2 (all its ranks) killed at the start of step `kill_at` and restarted
+    once the others have trained 2 steps without it, when given."""
     ctx = mp.get_context("fork")
     start = time.monotonic()
     parent, child = ctx.Pipe()
     lighthouse = ctx.Process(target=_lighthouse_process, args=(child, 2), daemon=True)
     lighthouse.start()
     address = parent.recv()
-    plans = [GroupPlan(out, i, address, steps, wait_for=3,
-                       kill_at=kill_at if i == 2 else None,
-                       slow_until_rejoined=kill_at is not None and i != 2)
-             for i in range(3)]
-    procs = [ctx.Process(target=_group_process, args=(p,)) for p in plans]
-    try:
-        for p in procs:
+
+    def start_group(plan: GroupPlan) -> list[Any]:
+        port = free_port()
+        ranks = [ctx.Process(target=_group_process, args=(replace(
+            plan, rank=rank, group_size=group_size, port=port),)) for rank in range(group_size)]
+        for p in ranks:
             p.start()
+        return ranks
+
+    groups = []
+    try:
+        for i in range(3):
+            groups.append(start_group(GroupPlan(
+                out, i, address, steps, wait_for=3 * group_size,
+                kill_at=kill_at if i == 2 else None,
+                slow_until_rejoined=kill_at is not None and i != 2,
+                hold_at=None if kill_at is None else kill_at + 3)))
         if kill_at is not None:
-            procs[2].join(timeout)
-            assert procs[2].exitcode == -signal.SIGKILL, procs[2].exitcode
+            for p in groups[2]:
+                p.join(timeout)
+                assert p.exitcode == -signal.SIGKILL, p.exitcode
             _wait_for_step(out, kill_at + 2, start + timeout)  # trained on without it
-            restart = GroupPlan(out, 2, address, steps, restarted=True)
-            procs[2] = ctx.Process(target=_group_process, args=(restart,))
-            procs[2].start()
-        for p in procs:
+            groups[2] = start_group(GroupPlan(out, 2, address, steps, restarted=True))
+        for p in (p for ranks in groups for p in ranks):
             p.join(max(1.0, timeout - (time.monotonic() - start)))
-        codes = [p.exitcode for p in procs]
-        assert codes == [0, 0, 0], f"replica groups' exit codes: {codes}"
+        codes = [[p.exitcode for p in ranks] for ranks in groups]
+        assert codes == [[0] * group_size] * 3, f"replica groups' exit codes: {codes}"
     finally:
-        for p in [*procs, lighthouse]:
+        for p in [*(p for ranks in groups for p in ranks), lighthouse]:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(5)
     seconds = time.monotonic() - start
-    finals = {i: torch.load(out / f"final_{i}.pt", weights_only=True) for i in range(3)}
+    finals = {i: torch.load(out / f"final_{i}_0.pt", weights_only=True) for i in range(3)}
     committed: dict[int, list[list[int]]] = {}
     for path in sorted(out.glob("samples_*.jsonl")):
         for line in path.read_text().splitlines():
             record = json.loads(line)
             committed.setdefault(record["step"], []).append(record["ids"])
-    return RunResult(finals, committed, codes[:2], seconds)
+    return RunResult(finals, committed, codes[0] + codes[1], seconds)
+
+
+def _wait_for(path: Path, deadline: float) -> None:
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait_for_step(out: Path, step_nr: int, deadline: float) -> None:
@@ -239,17 +284,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--kill-at", type=int, default=9)
     parser.add_argument("--every", type=int, default=5, help="checkpoint interval today")
+    parser.add_argument("--group-size", type=int, default=1, help="ranks a group (DDP)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        clean = run(Path(a), args.steps)
-        failed = run(Path(b), args.steps, kill_at=args.kill_at)
+        clean = run(Path(a), args.steps, group_size=args.group_size)
+        failed = run(Path(b), args.steps, kill_at=args.kill_at, group_size=args.group_size)
     lost = [failed.finals[i]["uncommitted"] for i in (0, 1)]
     same = all(torch.equal(failed.finals[0]["params"][k], failed.finals[i]["params"][k])
                for i in (1, 2) for k in failed.finals[0]["params"])
     samples_ok = all(sorted(sum(failed.committed.get(s, []), [])) == sorted(global_batch(s))
                      for s in range(1, args.steps + 1))
     restart_lost = args.kill_at - 1 - (args.kill_at - 1) // args.every * args.every
-    print(f"fault_tolerance: 3 replica groups x 1 process, {args.steps} steps, group 2 "
+    print(f"fault_tolerance: 3 replica groups x {args.group_size} process(es), {args.steps} "
+          "steps, group 2 "
           f"SIGKILLed at step {args.kill_at} and restarted")
     print(f"  torchft: steps done again on the healthy groups: {lost} (target 0-1); healthy "
           f"processes' exit codes {failed.healthy_exit_codes} (none restarted); the "

@@ -58,19 +58,22 @@ def assert_each_sample_once(committed: dict[int, list[list[int]]]) -> None:
         assert len(trained) == GLOBAL_BATCH
 
 
-def test_a_killed_replica_group_fault_is_survived_and_the_group_rejoins_live(tmp_path,
-                                                                              clean_run):
-    result = run(tmp_path, STEPS, kill_at=4)
+@pytest.mark.parametrize("group_size", [1, 2])  # processes a group: 2 is DDP inside it
+def test_a_killed_replica_group_fault_is_survived_and_the_group_rejoins_live(
+        tmp_path, clean_run, group_size):
+    result = run(tmp_path, STEPS, kill_at=4, group_size=group_size)
     # The healthy groups never exited; each undid exactly the step the failure broke.
-    assert result.healthy_exit_codes == [0, 0]
+    assert result.healthy_exit_codes == [0] * 2 * group_size
     assert [result.finals[i]["uncommitted"] for i in (0, 1)] == [1, 1]
     # The restarted group received the weights live (its init sync at step 0 aside).
     assert result.finals[2]["healed"] >= 1 and result.finals[2]["step"] == STEPS
-    # Steps 4-6 were trained by the 2 live groups (6 samples each, step 4 drawn again);
-    # the last ones by all 3 again.
+    # Steps 4-6 were trained by the 2 live groups (half the batch each, step 4 drawn
+    # again); the last ones by all 3 again.
+    ranks = 2 * group_size
     for step_nr in (4, 5, 6):
-        assert sorted(len(share) for share in result.committed[step_nr]) == [6, 6], step_nr
-    assert all(len(result.committed[s]) == 3 for s in range(STEPS, STEPS - 3, -1))
+        shares = sorted(len(share) for share in result.committed[step_nr])
+        assert shares == [GLOBAL_BATCH // ranks] * ranks, step_nr
+    assert all(len(result.committed[s]) == 3 * group_size for s in range(STEPS, STEPS - 3, -1))
     assert_each_sample_once(result.committed)
     # Every group holds the same weights, bit for bit: each applied the same summed gradient.
     params = [result.finals[i]["params"] for i in range(3)]
