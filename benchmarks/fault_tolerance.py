@@ -7,10 +7,12 @@ Trainer, meeting over a torchft lighthouse. Group 2 is SIGKILLed at the start of
 `--kill-at` and restarted at once; it recovers live from a healthy peer and rejoins. Printed:
 the steps the healthy groups had to do again (their uncommitted steps: 0-1), whether any
 healthy process exited (none may), whether every group ends with the same weights, the
-wall time against the same run without the failure; and what a job without torchft loses
-to the same failure: every rank restarts from the newest checkpoint (every `--every`
-steps), so it does again the steps since it, `kill_at - 1 - last checkpoint`, on all ranks,
-after a full restart of the job.
+wall time against the same run without the failure; and, measured the same way, what a job
+without torchft loses to the same failure: one DDP job over 3 processes checkpointing every
+`--every` steps, rank 2 killed at the same step, every process stopped and restarted from
+the newest checkpoint (as torchrun's agent does): the steps trained twice on every rank
+(`kill_at - 1 - last checkpoint`) and its wall time. Timings on a shared machine are noisy;
+the step counts are exact.
 
 The run's parts (a tiny regression, its sample-id-carrying reader, the processes of the
 groups and the lighthouse, forked from this one) are also what tests/test_fault drives.
