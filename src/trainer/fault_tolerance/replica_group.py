@@ -164,8 +164,12 @@ class ReplicaGroup:
         one float64 all-reduce (the count exact; each gradient rounded once, on the way
         back); the count as a 0-dim tensor. DDP/FSDP2 left the gradients averaged over the
         group's dp ranks: the optimizer step's `dp_size / count` scale still fits."""
-        local = [g.to_local() if isinstance(g, DTensor) else g
-                 for g in (p.grad for p in params) if g is not None]
+        # Every group lays out the same buffer: a parameter without a gradient here (unused
+        # by this group's share) takes zeros, which its peers' gradients are added to.
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         count_t = torch.as_tensor(count, dtype=torch.float64).reshape(1).cpu()
         # Backward started from 1 / count (one process, a host count): back to sums.
         scale = float(count_t) if normalised else 1.0
