@@ -13,14 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from rich.console import Console
 from torch import nn
 
+from data.chat import CHATML_TEMPLATE, CHATML_TOKENS
 from data.formats import Fields
 from data.mixing import hold_out, mix
 from data.sft import Tokenized, plan_examples, tokenize_files
 from data.token_batches import BinReader, Bins, EvalBatches
 from gangs import Gangs, first_error
+from layers.neftune import add_neftune
 from parallel import check_hsdp
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
 from trainer.cli import recipe_gangs, run_recipe
@@ -28,13 +31,14 @@ from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import load_pretrained
 from trainer.hf.hf_config import check_model_dir
-from trainer.lr_schedules import warmup_cosine
+from trainer.lr_schedules import schedule_length, warmup_decay
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
-__all__ = ["cli", "eval_main", "load_tokenizer", "main", "prepare_data"]
+__all__ = ["check_inputs", "cli", "eval_main", "load_model", "load_tokenizer", "main",
+           "prepare_data"]
 
 @dataclass
 class SFTData:
@@ -48,17 +52,37 @@ class SFTData:
 
 
 def load_tokenizer(config: SFTConfig) -> Any:
-    """The tokenizer of `model.path`, with `data.chat_template` in place of its own."""
+    """The tokenizer of `model.path`, with `data.chat_template` in place of its own and
+    `data.eos_token` as its end token."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    if config.data.chat_template is not None:
-        path = Path(config.data.chat_template)
-        if not path.is_file():
-            raise UserError(f"config 'data.chat_template': no such file: '{path}'")
-        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UserError(f"config 'model.path': the tokenizer of '{config.model.path}' cannot "
+                        f"be loaded: {first}") from None
+    template = config.data.chat_template
+    if template == "chatml" and not Path(template).is_file():
+        missing = [t for t in CHATML_TOKENS if t not in tokenizer.get_vocab()]
+        if missing:
+            raise UserError(f"config 'data.chat_template=chatml': the tokenizer of "
+                            f"'{config.model.path}' has no {' or '.join(missing)} token: give "
+                            "a template of its own tokens (a Jinja file)")
+        tokenizer.chat_template = CHATML_TEMPLATE
+    elif template is not None:
+        if not Path(template).is_file():
+            raise UserError(f"config 'data.chat_template': no such file: '{template}' (a "
+                            "Jinja file, or chatml for the built-in ChatML template)")
+        tokenizer.chat_template = Path(template).read_text(encoding="utf-8")
+    if config.data.eos_token is not None:
+        if config.data.eos_token not in tokenizer.get_vocab():
+            raise UserError(f"config 'data.eos_token': {config.data.eos_token!r} is not a token "
+                            f"of the tokenizer of '{config.model.path}': give one of its "
+                            "tokens (adding one would grow the model's vocabulary)")
+        tokenizer.eos_token = config.data.eos_token
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
         raise UserError(f"the tokenizer of '{config.model.path}' has neither a pad nor an end "
                         "token to pad rows with")
@@ -70,7 +94,7 @@ def _tokenize(config: SFTConfig, tokenizer: Any, files: list[str], setting: str)
     fields = Fields(d.text_field, d.prompt_field, d.completion_field, d.messages_field)
     return tokenize_files(files, tokenizer, name=f"'{config.model.path}'", fmt=d.format,
                           fields=fields, cache_dir=d.cache_dir, num_proc=d.num_workers,
-                          setting=setting)
+                          setting=setting, train_on=d.train_on)
 
 
 def prepare_data(config: SFTConfig, tokenizer: Any, dp_rank: int = 0, dp_size: int = 1,
@@ -118,33 +142,78 @@ def prepare_data(config: SFTConfig, tokenizer: Any, dp_rank: int = 0, dp_size: i
         batch_size = d.batch_size if d.max_tokens is None else dp_size
         reader = BinReader(train_tok.dataset, train_bins, batch_size, pad_id, dp_rank, dp_size,
                            seed=d.shuffle_seed)
-        summary.insert(0, f"train: {len(selected):,} examples ({parts[0].format}"
+        formats = ", ".join(sorted({p.format for p in parts}))
+        summary.insert(0, f"train: {len(selected):,} examples ({formats}"
                           f"{', mixed' if d.weights else ''}), {train_bins.describe()}; "
                           f"{empty} without a trained token left out")
     return SFTData(reader, valid, train_bins, valid_bins, summary)
 
 
 def _concat(parts: list[Tokenized]) -> Tokenized:
+    """One table of the datasets of data.files, each tokenised by its own format (a chat
+    file and a prompt/completion file mix fine: both are token ids with their targets)."""
     if len(parts) == 1:
         return parts[0]
     from datasets import concatenate_datasets
 
-    formats = {p.format for p in parts}
-    if len(formats) > 1:
-        raise UserError(f"the datasets of data.files have different formats {sorted(formats)}: "
-                        "each is tokenised by its own, mixing them is fine, but data.format "
-                        "must then be unset")
-    return Tokenized(concatenate_datasets([p.dataset for p in parts]), parts[0].format,
+    return Tokenized(concatenate_datasets([p.dataset for p in parts]),
+                     "+".join(sorted({p.format for p in parts})),
                      np.concatenate([p.lengths for p in parts]),
                      np.concatenate([p.num_targets for p in parts]))
 
 
 def load_model(config: SFTConfig, gangs: Gangs) -> nn.Module:
     """The pretrained model, ready for the Trainer (built on meta, TP by its own plan,
-    wrapped over DP, each rank reading its slices of the weights)."""
-    return load_pretrained(config.model.path, gangs, data_parallel=config.trainer.data_parallel,
-                           activation_checkpointing=config.model.activation_checkpointing,
-                           **config.lora.load_options(config.trainer.seed))
+    wrapped over DP, each rank reading its slices of the weights), with the attention
+    kernel of `model.attn_implementation` and NEFTune's noise when they are set."""
+    options = config.lora.load_options(config.trainer.seed)
+    if config.model.dtype == "bf16":
+        options["dtype"] = torch.bfloat16
+    model = load_pretrained(config.model.path, gangs,
+                            data_parallel=config.trainer.data_parallel,
+                            activation_checkpointing=config.model.activation_checkpointing,
+                            **options)
+    if config.model.attn_implementation is not None:
+        try:
+            model.set_attn_implementation(config.model.attn_implementation)
+        except (ValueError, ImportError) as error:
+            raise UserError(f"config 'model.attn_implementation': {error}") from None
+    if config.model.neftune_noise_alpha is not None:
+        add_neftune(model.get_input_embeddings(), config.model.neftune_noise_alpha)
+    return model
+
+
+def check_inputs(config: SFTConfig) -> None:
+    """Open and check every input a run will need before anything is written: the model
+    directory as a whole, the settings that only meet at build time, the tokenizer, every
+    data file (tokenised into the cache, which the run then reads) and the schedule's
+    length. A mistake is a `UserError` naming it."""
+    check_model_dir(config.model.path, config.data.seq_len)
+    _check_settings(config)
+    optimizer = config.optimizer.build(nn.Linear(1, 1))  # its name and options
+    data = prepare_data(config, load_tokenizer(config))
+    warmup_decay(optimizer, config.lr_scheduler, _schedule_length(config, data))
+
+
+def _check_settings(config: SFTConfig) -> None:
+    try:
+        check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
+    except ValueError:
+        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
+                        "trainer.data_parallel=fsdp") from None
+    if config.model.dtype is not None and config.lora.r is not None:
+        raise UserError("config 'model.dtype' is for full fine-tuning: with LoRA the frozen "
+                        "base's dtype is lora.base_dtype")
+    if config.model.neftune_noise_alpha is not None and config.gangs.tp_size > 1:
+        raise UserError("config 'model.neftune_noise_alpha' (NEFTune) is not supported with "
+                        "gangs.tp_size > 1 (the noise would differ between TP ranks)")
+
+
+def _schedule_length(config: SFTConfig, data: SFTData) -> int | None:
+    t = config.trainer
+    batches = None if data.train is None else len(data.train)
+    return schedule_length(config.lr_scheduler, t.max_num_steps, t.max_num_data_epochs,
+                           batches, t.num_accumulate)
 
 
 @dataclass
@@ -160,11 +229,7 @@ class _Setup:
 def _setup(config: SFTConfig, train: bool) -> _Setup:
     configure_logging()
     hf_config = check_model_dir(config.model.path, config.data.seq_len)
-    try:
-        check_hsdp(config.trainer.data_parallel, config.gangs.dp_shard_size)
-    except ValueError:
-        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
-                        "trainer.data_parallel=fsdp") from None
+    _check_settings(config)
     tokenizer = load_tokenizer(config)
     gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size, 1,
                                   config.gangs.dp_shard_size)
@@ -202,7 +267,8 @@ def main(config: SFTConfig, output_dir: Path, resume: bool) -> int:
     optimizer = config.optimizer.build(s.model)
     trainer = config.trainer.build(
         CausalLMUnit(s.model), s.data.train, optimizer, output_dir=output_dir, gangs=s.gangs,
-        lr_scheduler=warmup_cosine(optimizer, config.lr_scheduler, config.trainer.max_num_steps),
+        lr_scheduler=warmup_decay(optimizer, config.lr_scheduler,
+                                  _schedule_length(config, s.data)),
         valid_units=[s.valid_unit],
         valid_data_readers=[s.data.valid], resume=resume,
         run_config=config.model_dump(mode="json"),
@@ -231,7 +297,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     """`python -m recipes.sft ARGS` as a function; returns the exit code."""
     return run_recipe(SFTConfig, PRESETS, main, argv, prog="python -m recipes.sft",
                       default_preset="default", resume_guard=RESUME_GUARD,
-                      eval_main=eval_main)
+                      eval_main=eval_main, check_inputs=check_inputs)
 
 
 def _summary(console: Console, result: TrainResult, config: SFTConfig,
