@@ -31,6 +31,7 @@ from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import load_pretrained
 from trainer.hf.hf_config import check_model_dir
+from trainer.hf.hf_config import load_tokenizer as load_model_tokenizer
 from trainer.lr_schedules import schedule_length, warmup_decay
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
@@ -54,16 +55,7 @@ class SFTData:
 def load_tokenizer(config: SFTConfig) -> Any:
     """The tokenizer of `model.path`, with `data.chat_template` in place of its own and
     `data.eos_token` as its end token."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    except (OSError, ValueError, TypeError, KeyError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise UserError(f"config 'model.path': the tokenizer of '{config.model.path}' cannot "
-                        f"be loaded: {first}") from None
+    tokenizer = load_model_tokenizer(config.model.path)
     template = config.data.chat_template
     if template == "chatml" and not Path(template).is_file():
         missing = [t for t in CHATML_TOKENS if t not in tokenizer.get_vocab()]
@@ -262,11 +254,23 @@ def _setup(config: SFTConfig, train: bool) -> _Setup:
                   CausalLMEvalUnit(model, token_accuracy=True))
 
 
+class _TokenCountingUnit(CausalLMUnit):
+    """The stock unit, also counting the tokens the model runs on (`num_tokens`: the rows'
+    tokens, padding left out where an attention_mask marks it), from which the Trainer
+    publishes `tokens_per_s` beside `targets_per_s`."""
+
+    def __call__(self, batch: Any, metrics: Any) -> Any:
+        mask = batch.get("attention_mask")
+        metrics.update_sum("num_tokens", batch["input_ids"].numel() if mask is None
+                           else mask.sum())
+        return super().__call__(batch, metrics)
+
+
 def main(config: SFTConfig, output_dir: Path, resume: bool) -> int:
     s = _setup(config, train=True)
     optimizer = config.optimizer.build(s.model)
     trainer = config.trainer.build(
-        CausalLMUnit(s.model), s.data.train, optimizer, output_dir=output_dir, gangs=s.gangs,
+        _TokenCountingUnit(s.model), s.data.train, optimizer, output_dir=output_dir, gangs=s.gangs,
         lr_scheduler=warmup_decay(optimizer, config.lr_scheduler,
                                   _schedule_length(config, s.data)),
         valid_units=[s.valid_unit],

@@ -1,6 +1,6 @@
 """The SFT options TRL users reach for, each against an independent reference: the schedule
 types against transformers' own `get_scheduler` (through a recipe run's logged learning
-rates, whose length follows from epochs x batches), `data.train_on` against
+rates, whose length follows from epochs x batches, and tokens/s), `data.train_on` against
 `apply_chat_template`'s assistant mask, NEFTune's noise (HF's formula, training only) on the
 recipe's own model, the optimizer by name, and TRL's names hinted."""
 
@@ -93,7 +93,15 @@ def test_an_epochs_only_run_decays_over_epochs_times_batches(model_dir, tmp_path
     assert batches % 2 == 1  # each epoch's last window is one micro-batch, and a step
     steps = 2 * (batches + 1) // 2
     warmup = math.ceil(0.2 * steps)
-    logged = {r["step"]: r["lr"] for r in read_jsonl(out / "metrics" / "train.jsonl")}
+    records = read_jsonl(out / "metrics" / "train.jsonl")
+    logged = {r["step"]: r["lr"] for r in records}
+    # tokens/s beside targets/s: the rows' tokens (4 packed rows of 256 a micro-batch, 2 a
+    # step; an epoch's last step has 1), over the same window's time.
+    windows = [r["num_tokens"] for r in records]
+    assert windows == [2048.0, 2048.0, 2048.0, 1024.0] * 2
+    for r in records:
+        assert r["tokens_per_s"] == pytest.approx(
+            r["targets_per_s"] * r["num_tokens"] / r["num_targets"], rel=1e-12)
     assert sorted(logged) == list(range(1, steps + 1))
     hf = hf_rates("linear", warmup, steps)
     # Logged at step s: the rate after s scheduler steps; HF's one step later in warm-up.

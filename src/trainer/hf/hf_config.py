@@ -11,7 +11,7 @@ from typing import Any
 from trainer.errors import UserError
 from trainer.hf.safetensors_files import WeightFiles
 
-__all__ = ["TOKENIZER_FILES", "check_model_dir", "read_hf_config"]
+__all__ = ["TOKENIZER_FILES", "check_model_dir", "load_tokenizer", "read_hf_config"]
 
 
 def read_hf_config(directory: Path) -> Any:
@@ -81,3 +81,18 @@ def check_model_dir(path: str | None, seq_len: int) -> Any:
                         f"max_position_embeddings={context} in {Path(path) / 'config.json'}; "
                         "lower data.seq_len")
     return hf_config
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of the model directory `path` (the recipe setting `model.path`); files
+    transformers cannot load are a `UserError` naming the setting and transformers' reason."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' bars for loading and writing weights
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UserError(f"config 'model.path': the tokenizer of '{path}' cannot be loaded: "
+                        f"{first}") from None
