@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, get_scheduler
 from data.sft import tokenize_files
 from layers.neftune import neftune_magnitude
 from recipes.sft.config import PRESETS, SFTConfig
-from recipes.sft.recipe import cli, load_model, load_tokenizer, prepare_data
+from recipes.sft.recipe import check_inputs, cli, load_model, load_tokenizer, prepare_data
 from recipes.sft.tiny import (
     CHATML_TEMPLATE_WITH_GENERATION,
     chat_conversations,
@@ -213,3 +213,17 @@ def test_optimizer_by_name_and_its_options(model_dir):
 def test_trls_names_are_hinted(given, meant):
     with pytest.raises(UserError, match=f"did you mean '{meant}'"):
         load_config(SFTConfig, PRESETS, overrides=[f"{given}=1"])
+
+
+def test_model_dtype_and_attention_kernel_reach_the_model(model_dir):
+    gangs, _ = recipe_gangs(60)
+    config = SFTConfig.model_validate({
+        "model": {"path": str(model_dir), "dtype": "bf16", "attn_implementation": "eager"},
+        "data": {"seq_len": 256}, "trainer": {"data_parallel": "ddp"}})
+    model = load_model(config, gangs)
+    hf = model.module if hasattr(model, "module") else model
+    assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
+    assert hf.config._attn_implementation == "eager"
+    with pytest.raises(UserError, match="lora.base_dtype"):
+        check_inputs(config.model_copy(update={"lora": config.lora.model_copy(
+            update={"r": 4})}))
