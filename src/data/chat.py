@@ -70,15 +70,12 @@ def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str) -> En
 
 def normalise_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as templates expect them (checked first by `data.records.messages_problem`):
-    the keys Arrow fills with None for records that lack them dropped, content as text (a
-    list of text parts joined)."""
+    the keys Arrow fills with None for records that lack them dropped, content "" where an
+    assistant turn has tool calls only."""
     result = []
     for message in messages:
         m = {k: v for k, v in message.items() if v is not None}
-        content = m.get("content", "")
-        if isinstance(content, list):
-            content = "".join(part["text"] for part in content)
-        m["content"] = content
+        m.setdefault("content", "")
         result.append(m)
     return result
 

@@ -8,9 +8,9 @@ that is not JSON or not an object, a field whose kind changes between records) t
 first bad line itself: `datasets` reports such files by a 0-based "row" of its own, or not
 at all.
 
-Strictness, on purpose: message content is a string (a list of text parts
-``{"type": "text", "text": ...}`` is joined into one, as chat templates do for text-only
-models); ``null`` content is accepted only on an assistant turn that carries ``tool_calls``;
+Strictness, on purpose: message content is a string (not a number, an object, or a list of
+parts, which templates render each their own way); ``null`` content is accepted only on an
+assistant turn that carries ``tool_calls``;
 roles are ``ROLES``; ``tool_calls`` need a template that renders them. Anything else would be
 rendered as some text and trained without a word, so it is refused.
 """
@@ -47,13 +47,14 @@ def _text_problem(value: Any, field: str) -> str | None:
         return None
     if value is None:
         return f"field '{field}' is missing or null: give the text as a string"
-    kind = "a list of messages" if _is_messages(value) else f"a {_kind(value)}"
+    kind = "a list of messages" if _is_messages(value) else _kind(value)
     return f"field '{field}' holds {kind}, where a string is needed"
 
 
 def _kind(value: Any) -> str:
-    return {str: "string", bool: "boolean", int: "number", float: "number", list: "list",
-            dict: "object"}.get(type(value), type(value).__name__)
+    """The kind of a JSON value, with its article: "a number", "an object"."""
+    return {str: "a string", bool: "a boolean", int: "a number", float: "a number",
+            list: "a list", dict: "an object"}.get(type(value), f"a {type(value).__name__}")
 
 
 def _content_problem(content: Any, where: str, role: str, has_tool_calls: bool) -> str | None:
@@ -64,12 +65,7 @@ def _content_problem(content: Any, where: str, role: str, has_tool_calls: bool) 
             return None
         return (f"{where} has no 'content' (or null): give the {role}'s text as a string "
                 "(\"\" for an empty turn)")
-    if isinstance(content, list) and all(
-            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return None  # text parts, joined
-    return (f"{where} 'content' is a {_kind(content)}: give the text as a string (or a list "
-            "of {\"type\": \"text\", \"text\": ...} parts)")
+    return f"{where} 'content' is {_kind(content)}: give the text as a string"
 
 
 def messages_problem(messages: Any, field: str, template: str) -> str | None:
@@ -78,13 +74,13 @@ def messages_problem(messages: Any, field: str, template: str) -> str | None:
     if messages is None:
         return f"field '{field}' is missing or null: give the conversation as a list of messages"
     if not isinstance(messages, list) or not messages:
-        shown = "an empty list" if messages == [] else f"a {_kind(messages)}"
+        shown = "an empty list" if messages == [] else _kind(messages)
         return (f"field '{field}' holds {shown}: give a list of messages "
                 "[{\"role\": ..., \"content\": ...}]")
     for i, message in enumerate(messages):
         where = f"'{field}'[{i}]"
         if not isinstance(message, Mapping):
-            return f"{where} is a {_kind(message)}: each message is an object with role and content"
+            return f"{where} is {_kind(message)}: each message is an object with role and content"
         role = message.get("role")
         if role is None:
             return f"{where} has no 'role': give one of {', '.join(ROLES)}"
@@ -156,7 +152,7 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
     if isinstance(value, dict):  # one record, or {"data": [...]}: as datasets reads it
         value = next((v for v in value.values() if isinstance(v, list)), [value])
     if not isinstance(value, list):
-        raise UserError(f"data file {path} holds a {_kind(value)}: give an array of records "
+        raise UserError(f"data file {path} holds {_kind(value)}: give an array of records "
                         "(or use .jsonl, one record a line)")
     for number, record in enumerate(value, start=1):
         yield f"record {number}", record
@@ -171,7 +167,7 @@ def scan_files(files: Sequence[Path], fmt: str | None, fields: Any, template: st
         for where, record in _records(path):
             count += 1
             if not isinstance(record, Mapping):
-                raise UserError(f"data file {path}, {where}: a {_kind(record)}, not a record: "
+                raise UserError(f"data file {path}, {where}: {_kind(record)}, not a record: "
                                 "each record is a JSON object, e.g. {\"messages\": [...]}")
             if fmt is None:
                 fmt = ("chat" if fields.messages in record else "prompt_completion"
