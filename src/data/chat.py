@@ -68,10 +68,11 @@ def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str) -> En
     return head + tail, [0] * len(head) + [1] * len(tail)
 
 
-def normalise_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def normalise_messages(messages: Sequence[dict[str, Any]], template: str | None = None  # noqa: ARG001
+                       ) -> list[dict[str, Any]]:
     """Messages as templates expect them (checked first by `data.records.messages_problem`):
     the keys Arrow fills with None for records that lack them dropped, content "" where an
-    assistant turn has tool calls only."""
+    assistant turn has tool calls only. (``template``: no longer used, kept for callers.)"""
     result = []
     for message in messages:
         m = {k: v for k, v in message.items() if v is not None}

@@ -24,7 +24,7 @@ from typing import Any
 
 from gangs.errors import UserError
 
-__all__ = ["ROLES", "BadRecord", "locate", "record_problem", "scan_files"]
+__all__ = ["ROLES", "BadRecord", "locate", "messages_problem", "record_problem", "scan_files"]
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 
