@@ -36,7 +36,8 @@ SCHEDULE_TYPES: tuple[str, ...] = ("cosine", "linear", "constant", "constant_wit
 
 
 class WarmupDecay(LRScheduler):
-    """`lr * factor(step)`: `(step + 1) / warmup_steps` during the warm-up, then from 1 to
+    """`lr * factor(step)`: `(step + 1) / warmup_steps` (or `ceil(warmup_ratio * num_steps)`
+    steps) during the warm-up, then from 1 to
     `final_lr_scale` at `num_steps` by a cosine (`kind="cosine"`) or a line ("linear");
     "constant_with_warmup": 1 after the warm-up; "constant": 1 always, no warm-up. Without
     `num_steps` (None) the rate stays 1 after warm-up. `num_steps_given`: the config set
@@ -44,10 +45,13 @@ class WarmupDecay(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, warmup_steps: int, num_steps: int | None,
                  final_lr_scale: float, num_steps_given: bool = False,
-                 kind: str = "cosine") -> None:
+                 kind: str = "cosine", warmup_ratio: float | None = None) -> None:
         if kind not in SCHEDULE_TYPES:
             raise ValueError(f"schedule type {kind!r}: one of {', '.join(SCHEDULE_TYPES)}")
+        if warmup_ratio is not None and num_steps is not None:
+            warmup_steps = math.ceil(warmup_ratio * num_steps)
         self.warmup_steps = 0 if kind == "constant" else warmup_steps
+        self.warmup_ratio = warmup_ratio
         self.num_steps = num_steps
         self.final_lr_scale = final_lr_scale
         self.num_steps_given = num_steps_given
@@ -69,17 +73,20 @@ class WarmupDecay(LRScheduler):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The step and the schedule's length from the checkpoint (the length from this
-        config instead when it sets one); warm-up and final scale from this config."""
+        config instead when it sets one); warm-up (a ratio: of that length), final scale and
+        type from this config."""
         warmup, final_scale, kind = self.warmup_steps, self.final_lr_scale, self.kind
-        num_steps, given = self.num_steps, self.num_steps_given
+        num_steps, given, ratio = self.num_steps, self.num_steps_given, self.warmup_ratio
         super().load_state_dict(state_dict)
         self.warmup_steps, self.final_lr_scale, self.num_steps_given = warmup, final_scale, given
-        self.kind = kind
+        self.kind, self.warmup_ratio = kind, ratio
         saved = state_dict.get("num_steps", num_steps)
         if given and num_steps != saved:
             log.warning("lr_scheduler.num_steps is %s, the checkpoint's schedule had %s: the "
                         "learning rates of the steps to come change", num_steps, saved)
         self.num_steps = num_steps if given else saved
+        if ratio is not None and self.num_steps is not None and kind != "constant":
+            self.warmup_steps = math.ceil(ratio * self.num_steps)
 
 
 class WarmupCosine(WarmupDecay):
@@ -127,7 +134,6 @@ def warmup_decay(optimizer: Optimizer, section: Any, num_steps: int | None) -> W
             "length, and the run has no bound: set trainer.max_num_steps, "
             "trainer.max_num_data_epochs or lr_scheduler.num_steps (or "
             "lr_scheduler.type=constant_with_warmup)")
-    warmup = section.warmup_steps if section.warmup_ratio is None \
-        else math.ceil(section.warmup_ratio * num_steps)
-    return WarmupDecay(optimizer, warmup, num_steps, section.final_lr_scale,
-                       num_steps_given=section.num_steps is not None, kind=kind)
+    return WarmupDecay(optimizer, section.warmup_steps, num_steps, section.final_lr_scale,
+                       num_steps_given=section.num_steps is not None, kind=kind,
+                       warmup_ratio=section.warmup_ratio)

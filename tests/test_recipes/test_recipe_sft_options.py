@@ -66,6 +66,23 @@ def test_each_schedule_type_has_hugging_faces_shape(kind):
     assert ours[31] == pytest.approx(ours[30])  # past the end: the final rate stays
 
 
+def test_an_extended_run_keeps_the_first_runs_schedule_warm_up_ratio_included():
+    """Resumed with a larger max_num_steps, the schedule keeps the checkpoint's length, and a
+    warm-up by ratio is of that length: the steps already taken keep their rates."""
+    section = SFTConfig().lr_scheduler.model_copy(update={"type": "linear",
+                                                          "warmup_ratio": 0.2})
+    first = warmup_decay(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                         section, 20)
+    for _ in range(7):
+        first.optimizer.step()
+        first.step()
+    extended = warmup_decay(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                            section, 40)
+    extended.load_state_dict(first.state_dict())
+    assert (extended.warmup_steps, extended.num_steps) == (4, 20)
+    assert [extended.factor(s) for s in range(25)] == [first.factor(s) for s in range(25)]
+
+
 def test_a_decay_with_no_length_is_refused_by_name():
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(UserError, match="trainer.max_num_data_epochs"):
