@@ -29,7 +29,7 @@ from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
 from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
-from trainer.hf import load_pretrained
+from trainer.hf import hf_model_of, load_pretrained
 from trainer.hf.hf_config import check_model_dir
 from trainer.hf.hf_config import load_tokenizer as load_model_tokenizer
 from trainer.lr_schedules import schedule_length, warmup_decay
@@ -165,13 +165,15 @@ def load_model(config: SFTConfig, gangs: Gangs) -> nn.Module:
                             data_parallel=config.trainer.data_parallel,
                             activation_checkpointing=config.model.activation_checkpointing,
                             **options)
+    hf_model = hf_model_of(model)  # inside DDP's wrapper, where there is one
+    assert hf_model is not None  # load_pretrained's
     if config.model.attn_implementation is not None:
         try:
-            model.set_attn_implementation(config.model.attn_implementation)
+            hf_model.set_attn_implementation(config.model.attn_implementation)
         except (ValueError, ImportError) as error:
             raise UserError(f"config 'model.attn_implementation': {error}") from None
     if config.model.neftune_noise_alpha is not None:
-        add_neftune(model.get_input_embeddings(), config.model.neftune_noise_alpha)
+        add_neftune(hf_model.get_input_embeddings(), config.model.neftune_noise_alpha)
     return model
 
 

@@ -27,6 +27,7 @@ from recipes.sft.tiny import (
 from trainer.cli import recipe_gangs
 from trainer.config.loading import load_config
 from trainer.errors import UserError
+from trainer.hf import hf_model_of
 from trainer.lr_schedules import SCHEDULE_TYPES, warmup_decay
 from trainer.observe.recorders import read_jsonl
 
@@ -183,11 +184,9 @@ def test_neftune_noise_in_training_only(model_dir):
     noisy = load_model(config.model_copy(update={"model": config.model.model_copy(
         update={"neftune_noise_alpha": alpha})}), gangs)
     ids = torch.randint(0, 200, (3, 40))
-    embedding = plain.module.get_input_embeddings() if hasattr(plain, "module") \
-        else plain.get_input_embeddings()
-    clean = embedding(ids)
+    clean = hf_model_of(plain).get_input_embeddings()(ids)
     captured = []
-    target = noisy.module if hasattr(noisy, "module") else noisy
+    target = hf_model_of(noisy)
     target.get_input_embeddings().register_forward_hook(
         lambda module, args, output: captured.append(output.detach()))
     torch.manual_seed(0)
@@ -238,7 +237,7 @@ def test_model_dtype_and_attention_kernel_reach_the_model(model_dir):
         "model": {"path": str(model_dir), "dtype": "bf16", "attn_implementation": "eager"},
         "data": {"seq_len": 256}, "trainer": {"data_parallel": "ddp"}})
     model = load_model(config, gangs)
-    hf = model.module if hasattr(model, "module") else model
+    hf = hf_model_of(model)
     assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
     assert hf.config._attn_implementation == "eager"
     with pytest.raises(UserError, match="lora.base_dtype"):
