@@ -22,7 +22,7 @@ from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import hf_model_of
-from trainer.hf.hf_config import check_model_dir
+from trainer.hf.hf_config import check_model_dir, load_tokenizer
 from trainer.hf.layout import HFLayout, check_layout, load_layout
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
@@ -83,19 +83,14 @@ class _Setup:
 def _setup(config: FinetuneConfig, train: bool) -> _Setup:
     configure_logging()  # on rank 0 only: every line once
     # The user's mistakes first, before any process group or model.
-    hf_config = check_model_dir(config.model.path, config.data.seq_len)
-    g = config.gangs
-    g.check(config.trainer.data_parallel)
-    check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
-                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule)
-    d = config.data
-    documents = read_documents(d.files, d.text_field)
+    hf_config, documents = _checked_documents(config)
+    d, g = config.data, config.gangs
     gangs, console = recipe_gangs(g.timeout_s, g.tp_size, g.ep_size, g.dp_shard_size,
                                   pp_size=g.pp_size, cp_size=g.cp_size)
     dp_rank, dp_size = gangs.dp.rank, gangs.dp.size
 
     # Data: every rank tokenises the same documents into the same windows and split.
-    tokens = tokenize_documents(documents, _tokenizer(config.model.path))
+    tokens = tokenize_documents(documents, load_tokenizer(config.model.path))
     train_windows, valid_windows = split_windows(pack_windows(tokens, d.seq_len),
                                                  d.valid_fraction, d.split_seed, d.batch_size)
     reader = (WindowReader(train_windows, d.batch_size, dp_rank, dp_size, seed=d.shuffle_seed)
@@ -119,6 +114,24 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
         console.print(f"model: {config.model.path}, {num_params:,} parameters{adapters}")
     return _Setup(gangs, console, layout, [layout.valid_unit()], [valid_reader], reader,
                   _flops_per_token(hf_config, num_params, trained, d.seq_len))
+
+
+def _checked_documents(config: FinetuneConfig) -> tuple[Any, list[str]]:
+    """(the model's HF config, the documents of data.files), after the checks of the model
+    directory (as a whole) and of the layout settings that only meet at build time."""
+    hf_config = check_model_dir(config.model.path, config.data.seq_len)
+    g = config.gangs
+    g.check(config.trainer.data_parallel)
+    check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
+                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule)
+    return hf_config, read_documents(config.data.files, config.data.text_field)
+
+
+def check_inputs(config: FinetuneConfig) -> None:
+    """Every input a run needs, opened and checked before the command writes anything
+    (`trainer.cli.run_recipe`): the model directory, the data files, the tokenizer."""
+    _checked_documents(config)
+    load_tokenizer(config.model.path)
 
 
 def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
@@ -152,15 +165,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     returns the exit code (2 for a user mistake, printed as one `error:` line)."""
     return run_recipe(FinetuneConfig, PRESETS, main, argv, prog="python -m recipes.finetune",
                       default_preset="default", resume_guard=RESUME_GUARD,
-                      eval_main=eval_main)
-
-
-def _tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # transformers' bars for loading and writing weights
-    return AutoTokenizer.from_pretrained(path)
+                      eval_main=eval_main, check_inputs=check_inputs)
 
 
 def _flops_per_token(hf_config: Any, num_params: int, trained: int, seq_len: int) -> float:

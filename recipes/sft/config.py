@@ -1,5 +1,7 @@
-"""The `recipes.sft` config: sections model, data, optimizer, lr_scheduler (warm-up and
-cosine decay, `trainer.lr_schedules`), trainer, gangs, lora (adapters, off by default)."""
+"""The `recipes.sft` config: sections model, data, optimizer (any `torch.optim` class,
+`trainer.config.optimizers`), lr_scheduler (warm-up and a decay, `trainer.lr_schedules`),
+trainer, gangs, lora (adapters, off by default). docs/sft.md maps TRL's `SFTConfig` names
+to these."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveInt
 
+from trainer.config.optimizers import OptimizerConfig
 from trainer.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
-from trainer.config.trainer_config import AdamWConfig, TrainerConfig
+from trainer.config.trainer_config import TrainerConfig
 
 _Section = Section
 
@@ -20,6 +23,16 @@ class ModelSection(_Section):
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward: less memory, about a
     third more compute."""
+    dtype: Literal["fp32", "bf16"] | None = None
+    """The parameters' dtype (TRL's model_init_kwargs dtype): bf16 halves their memory, and
+    AdamW then updates bf16 weights (rounding small updates away); null: fp32. Compute
+    dtype is trainer.dtype (autocast). With LoRA use lora.base_dtype."""
+    attn_implementation: str | None = None
+    """transformers' attention kernel (eager, sdpa, flex_attention, ...); null: the model's
+    default."""
+    neftune_noise_alpha: float | None = Field(default=None, gt=0)
+    """NEFTune: uniform noise of alpha / sqrt(length x width) on the input embeddings, in
+    training only (HF's formula; length is the packed row's); null: off."""
 
 
 class DataSection(_Section):
@@ -39,8 +52,17 @@ class DataSection(_Section):
     completion_field: str = "completion"
     messages_field: str = "messages"
     chat_template: str | None = None
-    """A Jinja chat template file replacing the tokenizer's own (exported with the model);
-    null: the tokenizer's."""
+    """A Jinja chat template file replacing the tokenizer's own (exported with the model),
+    or 'chatml' (built in; needs <|im_start|> and <|im_end|> in the vocabulary); null: the
+    tokenizer's."""
+    train_on: Literal["assistant", "completion", "all"] = "assistant"
+    """The tokens the loss counts: assistant (chat: every assistant turn; prompt/completion:
+    the completion), completion (chat: the last assistant turn; prompt/completion: the
+    completion) or all (every token, the prompt's and the template's too). Text trains on
+    every token."""
+    eos_token: str | None = None
+    """A token of the vocabulary to end text and completions with (and export as the
+    tokenizer's end token); null: the tokenizer's."""
     seq_len: PositiveInt = 2048
     """Tokens per row (packed) or per example at most; no more than the model's context."""
     packing: bool = True
@@ -69,17 +91,30 @@ class DataSection(_Section):
     per 2,000 records (`data.sft.tokenizing_processes`)."""
 
 
-class OptimizerSection(AdamWConfig):
+class OptimizerSection(OptimizerConfig):
     lr: float = Field(default=2e-5, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=0.0, ge=0)
+
+
+class ScheduleSection(LRSchedulerSection):
+    type: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    """The decay after the warm-up, to lr * final_lr_scale at num_steps (HF's names;
+    constant has no warm-up)."""
+    warmup_ratio: float | None = Field(default=None, ge=0, lt=1)
+    """Warm-up over ceil(warmup_ratio x the schedule's length) steps, instead of
+    warmup_steps."""
+    num_steps: PositiveInt | None = None
+    """Length of the schedule in steps. null: the first run's: trainer.max_num_steps, or
+    trainer.max_num_data_epochs x the steps an epoch takes (the fewer when both are set),
+    kept in the checkpoint, so extending a run leaves the rates already taken as they were."""
 
 
 class SFTConfig(_Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     optimizer: OptimizerSection = OptimizerSection()
-    lr_scheduler: LRSchedulerSection = LRSchedulerSection(warmup_steps=20)
+    lr_scheduler: ScheduleSection = ScheduleSection(warmup_steps=20)
     trainer: TrainerConfig = TrainerConfig(
         max_num_steps=1000,
         validate_every_n_steps=100,
@@ -98,7 +133,8 @@ class SFTConfig(_Section):
 # Settings a resumed run may not change: the model and what a data position means.
 RESUME_GUARD = ("model.path", "data.files", "data.weights", "data.format", "data.text_field",
                 "data.prompt_field", "data.completion_field", "data.messages_field",
-                "data.chat_template", "data.seq_len", "data.packing", "data.padding",
+                "data.chat_template", "data.train_on", "data.eos_token", "data.seq_len",
+                "data.packing", "data.padding",
                 "data.over_long", "data.batch_size", "data.max_tokens", "data.valid_fraction",
                 "data.split_seed", "data.shuffle_seed", *LoraSection.RESUME_GUARD)
 

@@ -13,26 +13,33 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from rich.console import Console
 from torch import nn
 
+from data.chat import CHATML_TEMPLATE, CHATML_TOKENS
 from data.formats import Fields
 from data.mixing import hold_out, mix
 from data.sft import Tokenized, plan_examples, tokenize_files
 from data.token_batches import BinReader, Bins, EvalBatches
 from gangs import Gangs, first_error
+from layers.neftune import add_neftune
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
 from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
+from trainer.hf import hf_model_of
 from trainer.hf.hf_config import check_model_dir
+from trainer.hf.hf_config import load_tokenizer as load_model_tokenizer
 from trainer.hf.layout import HFLayout, check_layout, load_layout
-from trainer.lr_schedules import warmup_cosine
+from trainer.lr_schedules import schedule_length, warmup_decay
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from trainer.run_dir import RunDir
+from units.causal_lm import CausalLMUnit
 
-__all__ = ["cli", "eval_main", "load_tokenizer", "main", "prepare_data"]
+__all__ = ["check_inputs", "cli", "eval_main", "load_model", "load_tokenizer", "main",
+           "prepare_data"]
 
 @dataclass
 class SFTData:
@@ -46,17 +53,28 @@ class SFTData:
 
 
 def load_tokenizer(config: SFTConfig) -> Any:
-    """The tokenizer of `model.path`, with `data.chat_template` in place of its own."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    if config.data.chat_template is not None:
-        path = Path(config.data.chat_template)
-        if not path.is_file():
-            raise UserError(f"config 'data.chat_template': no such file: '{path}'")
-        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    """The tokenizer of `model.path`, with `data.chat_template` in place of its own and
+    `data.eos_token` as its end token."""
+    tokenizer = load_model_tokenizer(config.model.path)
+    template = config.data.chat_template
+    if template == "chatml" and not Path(template).is_file():
+        missing = [t for t in CHATML_TOKENS if t not in tokenizer.get_vocab()]
+        if missing:
+            raise UserError(f"config 'data.chat_template=chatml': the tokenizer of "
+                            f"'{config.model.path}' has no {' or '.join(missing)} token: give "
+                            "a template of its own tokens (a Jinja file)")
+        tokenizer.chat_template = CHATML_TEMPLATE
+    elif template is not None:
+        if not Path(template).is_file():
+            raise UserError(f"config 'data.chat_template': no such file: '{template}' (a "
+                            "Jinja file, or chatml for the built-in ChatML template)")
+        tokenizer.chat_template = Path(template).read_text(encoding="utf-8")
+    if config.data.eos_token is not None:
+        if config.data.eos_token not in tokenizer.get_vocab():
+            raise UserError(f"config 'data.eos_token': {config.data.eos_token!r} is not a token "
+                            f"of the tokenizer of '{config.model.path}': give one of its "
+                            "tokens (adding one would grow the model's vocabulary)")
+        tokenizer.eos_token = config.data.eos_token
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
         raise UserError(f"the tokenizer of '{config.model.path}' has neither a pad nor an end "
                         "token to pad rows with")
@@ -68,7 +86,7 @@ def _tokenize(config: SFTConfig, tokenizer: Any, files: list[str], setting: str)
     fields = Fields(d.text_field, d.prompt_field, d.completion_field, d.messages_field)
     return tokenize_files(files, tokenizer, name=f"'{config.model.path}'", fmt=d.format,
                           fields=fields, cache_dir=d.cache_dir, num_proc=d.num_workers,
-                          setting=setting)
+                          setting=setting, train_on=d.train_on)
 
 
 def prepare_data(config: SFTConfig, tokenizer: Any, dp_rank: int = 0, dp_size: int = 1,
@@ -116,23 +134,22 @@ def prepare_data(config: SFTConfig, tokenizer: Any, dp_rank: int = 0, dp_size: i
         batch_size = d.batch_size if d.max_tokens is None else dp_size
         reader = BinReader(train_tok.dataset, train_bins, batch_size, pad_id, dp_rank, dp_size,
                            seed=d.shuffle_seed)
-        summary.insert(0, f"train: {len(selected):,} examples ({parts[0].format}"
+        formats = ", ".join(sorted({p.format for p in parts}))
+        summary.insert(0, f"train: {len(selected):,} examples ({formats}"
                           f"{', mixed' if d.weights else ''}), {train_bins.describe()}; "
                           f"{empty} without a trained token left out")
     return SFTData(reader, valid, train_bins, valid_bins, summary)
 
 
 def _concat(parts: list[Tokenized]) -> Tokenized:
+    """One table of the datasets of data.files, each tokenised by its own format (a chat
+    file and a prompt/completion file mix fine: both are token ids with their targets)."""
     if len(parts) == 1:
         return parts[0]
     from datasets import concatenate_datasets
 
-    formats = {p.format for p in parts}
-    if len(formats) > 1:
-        raise UserError(f"the datasets of data.files have different formats {sorted(formats)}: "
-                        "each is tokenised by its own, mixing them is fine, but data.format "
-                        "must then be unset")
-    return Tokenized(concatenate_datasets([p.dataset for p in parts]), parts[0].format,
+    return Tokenized(concatenate_datasets([p.dataset for p in parts]),
+                     "+".join(sorted({p.format for p in parts})),
                      np.concatenate([p.lengths for p in parts]),
                      np.concatenate([p.num_targets for p in parts]))
 
@@ -140,14 +157,70 @@ def _concat(parts: list[Tokenized]) -> Tokenized:
 def load_model(config: SFTConfig, gangs: Gangs) -> HFLayout:
     """The pretrained model as this rank holds it under the gangs' layout, with its units
     (built on meta, TP by its own plan, cut into pipeline stages or attending over the cp
-    gang, wrapped over DP, each rank reading its slices of the weights)."""
-    return load_layout(config.model.path, gangs,
-                       data_parallel=config.trainer.data_parallel,
-                       num_accumulate=config.trainer.num_accumulate,
-                       pp_schedule=config.gangs.pp_schedule,
-                       pp_boundaries=config.gangs.pp_boundaries,
-                       activation_checkpointing=config.model.activation_checkpointing,
-                       **config.lora.load_options(config.trainer.seed))
+    gang, wrapped over DP, each rank reading its slices of the weights), with the attention
+    kernel of `model.attn_implementation` and NEFTune's noise when they are set."""
+    options = config.lora.load_options(config.trainer.seed)
+    if config.model.dtype == "bf16":
+        options["dtype"] = torch.bfloat16
+    layout = load_layout(config.model.path, gangs,
+                         data_parallel=config.trainer.data_parallel,
+                         num_accumulate=config.trainer.num_accumulate,
+                         pp_schedule=config.gangs.pp_schedule,
+                         pp_boundaries=config.gangs.pp_boundaries,
+                         activation_checkpointing=config.model.activation_checkpointing,
+                         **options)
+    hf_model = hf_model_of(layout.model)  # inside DDP's wrapper; None for pipeline stages
+    if config.model.attn_implementation is not None and hf_model is not None:
+        try:
+            hf_model.set_attn_implementation(config.model.attn_implementation)
+        except (ValueError, ImportError) as error:
+            raise UserError(f"config 'model.attn_implementation': {error}") from None
+    if config.model.neftune_noise_alpha is not None and hf_model is not None:
+        add_neftune(hf_model.get_input_embeddings(), config.model.neftune_noise_alpha)
+    return layout
+
+
+def check_inputs(config: SFTConfig) -> None:
+    """Open and check every input a run will need before anything is written: the model
+    directory as a whole, the settings that only meet at build time, the tokenizer, every
+    data file (tokenised into the cache, which the run then reads) and the schedule's
+    length. A mistake is a `UserError` naming it."""
+    hf_config = check_model_dir(config.model.path, config.data.seq_len)
+    _check_settings(config, hf_config)
+    optimizer = config.optimizer.build(nn.Linear(1, 1))  # its name and options
+    data = prepare_data(config, load_tokenizer(config))
+    warmup_decay(optimizer, config.lr_scheduler, _schedule_length(config, data))
+
+
+def _check_settings(config: SFTConfig, hf_config: Any) -> None:
+    """A `UserError` naming the first setting that does not fit the others or the model."""
+    g = config.gangs
+    g.check(config.trainer.data_parallel)
+    check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
+                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule)
+    if g.pp_size > 1 and not config.data.packing:
+        raise UserError(f"config 'data.packing' is false; with gangs.pp_size {g.pp_size} it "
+                        "must be true: a pipeline schedule runs micro-batches of one shape "
+                        "(packed rows of data.seq_len)")
+    for setting, value in (("attn_implementation", config.model.attn_implementation),
+                           ("neftune_noise_alpha", config.model.neftune_noise_alpha)):
+        if value is not None and (g.pp_size > 1 or g.cp_size > 1):
+            raise UserError(f"config 'model.{setting}' is not supported with gangs.pp_size "
+                            "or gangs.cp_size > 1 (the stages and the context-parallel "
+                            "attention run their own kernels): unset it")
+    if config.model.dtype is not None and config.lora.r is not None:
+        raise UserError("config 'model.dtype' is for full fine-tuning: with LoRA the frozen "
+                        "base's dtype is lora.base_dtype")
+    if config.model.neftune_noise_alpha is not None and config.gangs.tp_size > 1:
+        raise UserError("config 'model.neftune_noise_alpha' (NEFTune) is not supported with "
+                        "gangs.tp_size > 1 (the noise would differ between TP ranks)")
+
+
+def _schedule_length(config: SFTConfig, data: SFTData) -> int | None:
+    t = config.trainer
+    batches = None if data.train is None else len(data.train)
+    return schedule_length(config.lr_scheduler, t.max_num_steps, t.max_num_data_epochs,
+                           batches, t.num_accumulate)
 
 
 @dataclass
@@ -167,14 +240,8 @@ class _Setup:
 def _setup(config: SFTConfig, train: bool) -> _Setup:
     configure_logging()
     hf_config = check_model_dir(config.model.path, config.data.seq_len)
+    _check_settings(config, hf_config)
     g = config.gangs
-    g.check(config.trainer.data_parallel)
-    check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
-                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule)
-    if g.pp_size > 1 and not config.data.packing:
-        raise UserError(f"config 'data.packing' is false; with gangs.pp_size {g.pp_size} it "
-                        "must be true: a pipeline schedule runs micro-batches of one shape "
-                        "(packed rows of data.seq_len)")
     tokenizer = load_tokenizer(config)
     gangs, console = recipe_gangs(g.timeout_s, g.tp_size, g.ep_size, g.dp_shard_size,
                                   pp_size=g.pp_size, cp_size=g.cp_size)
@@ -208,12 +275,30 @@ def _setup(config: SFTConfig, train: bool) -> _Setup:
                   layout.valid_unit(token_accuracy=True))
 
 
+class _TokenCountingUnit(CausalLMUnit):
+    """The stock unit, also counting the tokens the model runs on (`num_tokens`: the rows'
+    tokens, padding left out where an attention_mask marks it), from which the Trainer
+    publishes `tokens_per_s` beside `targets_per_s`."""
+
+    def __call__(self, batch: Any, metrics: Any) -> Any:
+        mask = batch.get("attention_mask")
+        metrics.update_sum("num_tokens", batch["input_ids"].numel() if mask is None
+                           else mask.sum())
+        return super().__call__(batch, metrics)
+
+
+def _train_unit(layout: HFLayout) -> Any:
+    """The layout's unit; the stock one also counts the tokens it runs on."""
+    return layout.train_unit() if layout.pipeline is not None else _TokenCountingUnit(layout.model)
+
+
 def main(config: SFTConfig, output_dir: Path, resume: bool) -> int:
     s = _setup(config, train=True)
     optimizer = config.optimizer.build(s.model)
     trainer = config.trainer.build(
-        s.layout.train_unit(), s.data.train, optimizer, output_dir=output_dir, gangs=s.gangs,
-        lr_scheduler=warmup_cosine(optimizer, config.lr_scheduler, config.trainer.max_num_steps),
+        _train_unit(s.layout), s.data.train, optimizer, output_dir=output_dir, gangs=s.gangs,
+        lr_scheduler=warmup_decay(optimizer, config.lr_scheduler,
+                                  _schedule_length(config, s.data)),
         valid_units=[s.valid_unit],
         valid_data_readers=[s.data.valid], resume=resume,
         run_config=config.model_dump(mode="json"),
@@ -242,7 +327,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     """`python -m recipes.sft ARGS` as a function; returns the exit code."""
     return run_recipe(SFTConfig, PRESETS, main, argv, prog="python -m recipes.sft",
                       default_preset="default", resume_guard=RESUME_GUARD,
-                      eval_main=eval_main)
+                      eval_main=eval_main, check_inputs=check_inputs)
 
 
 def _summary(console: Console, result: TrainResult, config: SFTConfig,

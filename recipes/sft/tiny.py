@@ -23,16 +23,10 @@ import random
 from pathlib import Path
 from typing import Any
 
+from data.chat import CHATML_TEMPLATE
+
 __all__ = ["CHATML_TEMPLATE", "CHATML_TEMPLATE_WITH_GENERATION", "chat_conversations",
            "make_tiny_chat_model", "write_chat_data"]
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-"""ChatML, as Qwen2.5's template renders conversations without tools."""
 
 CHATML_TEMPLATE_WITH_GENERATION = (
     "{% for message in messages %}"

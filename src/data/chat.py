@@ -23,22 +23,30 @@ target the loss counts (its label stays), 0 when it is masked (label ``-100``):
      naming the template and the turn.
 
 Tool turns (``role: tool``) are rendered as the template renders them, as text; an
-assistant's ``tool_calls`` that the template ignores are appended to its content as JSON
-text rather than dropped.
+assistant's ``tool_calls`` that the template ignores are refused before (`data.records`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from gangs.errors import UserError
 
-__all__ = ["ChatEncoder", "encode_prompt_completion", "encode_text", "normalise_messages",
+__all__ = ["CHATML_TEMPLATE", "CHATML_TOKENS", "ChatEncoder", "Encoded", "encode_prompt_completion", "encode_text", "normalise_messages",
            "special_tokens"]
 
 Encoded = tuple[list[int], list[int]]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML, as Qwen2.5's template renders conversations without tools
+(``data.chat_template=chatml``)."""
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 
 def special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
@@ -60,22 +68,15 @@ def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str) -> En
     return head + tail, [0] * len(head) + [1] * len(tail)
 
 
-def normalise_messages(messages: Sequence[dict[str, Any]], template: str) -> list[dict[str, Any]]:
-    """Messages as templates expect them: the keys Arrow fills with None for records that
-    lack them dropped, content as text (a list of text parts joined, anything else as
-    JSON), tool calls the template does not render kept as text in the content."""
+def normalise_messages(messages: Sequence[dict[str, Any]], template: str | None = None  # noqa: ARG001
+                       ) -> list[dict[str, Any]]:
+    """Messages as templates expect them (checked first by `data.records.messages_problem`):
+    the keys Arrow fills with None for records that lack them dropped, content "" where an
+    assistant turn has tool calls only. (``template``: no longer used, kept for callers.)"""
     result = []
     for message in messages:
         m = {k: v for k, v in message.items() if v is not None}
-        content = m.get("content", "")
-        if isinstance(content, list):
-            content = "".join(part.get("text", "") if isinstance(part, dict) else str(part)
-                              for part in content)
-        elif not isinstance(content, str):
-            content = json.dumps(content)
-        if m.get("tool_calls") and "tool_calls" not in template:
-            content = f"{content}{json.dumps(m.pop('tool_calls'))}"
-        m["content"] = content
+        m.setdefault("content", "")
         result.append(m)
     return result
 
@@ -105,12 +106,18 @@ class ChatEncoder:
     def __call__(self, messages: Sequence[dict[str, Any]], train_from: int = 0) -> Encoded:
         """Encode ``messages``; only assistant turns at index ``train_from`` or later are
         trained (0: every assistant turn)."""
-        messages = normalise_messages(messages, self.template)
+        messages = normalise_messages(messages)
         if self.uses_generation_markers and train_from == 0:
             out = self.tokenizer.apply_chat_template(
                 messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
         return self._by_prefixes(messages, train_from)
+
+    def encode_all(self, messages: Sequence[dict[str, Any]]) -> Encoded:
+        """The rendering of ``messages``, every token trained (``data.train_on=all``)."""
+        ids = self.tokenizer(self.render(normalise_messages(messages)),
+                             add_special_tokens=False)["input_ids"]
+        return list(ids), [1] * len(ids)
 
     def _by_prefixes(self, messages: list[dict[str, Any]], train_from: int) -> Encoded:
         full = self.render(messages)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from data.records import scan_files
 from gangs.errors import UserError
 
 __all__ = ["FORMATS", "DataFormat", "Fields", "detect_format", "list_data_files",
@@ -74,20 +75,33 @@ def list_data_files(paths: Sequence[str | Path], setting: str = "data.files") ->
     return files
 
 
-def load_records(files: Sequence[Path], cache_dir: str | Path | None = None) -> Any:
+def load_records(files: Sequence[Path], cache_dir: str | Path | None = None,
+                 fields: Fields | None = None, given: str | None = None) -> Any:
     """A ``datasets.Dataset`` of the records of ``files`` (see `list_data_files`),
-    memory-mapped from the ``datasets`` cache (``cache_dir``, default its own)."""
+    memory-mapped from the ``datasets`` cache (``cache_dir``, default its own). Files it
+    cannot read, or that hold no record, are read line by line to name the first bad line
+    (`data.records.scan_files`; ``fields`` and ``given``, the format, say what to check)."""
     import datasets
 
     datasets.disable_progress_bars()
     builder = _BUILDERS[files[0].suffix]
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its error log repeats ours
     try:
-        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                     cache_dir=None if cache_dir is None else str(cache_dir))
+        records = datasets.load_dataset(builder, data_files=[str(f) for f in files],
+                                        split="train",
+                                        cache_dir=None if cache_dir is None else str(cache_dir))
     except Exception as error:  # noqa: BLE001  (datasets raises many kinds for bad files)
+        scan_files(files, given, fields or Fields())  # names the bad line, if it finds one
         cause = error.__cause__ or error
         raise UserError(f"data files {', '.join(map(str, files))} could not be read as "
                         f"{builder.upper()}: {type(cause).__name__}: {cause}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    if len(records) == 0:
+        scan_files(files, given, fields or Fields())
+        raise UserError(f"data files {', '.join(map(str, files))} hold no records")
+    return records
 
 
 def detect_format(columns: Sequence[str], first: dict[str, Any], fields: Fields,

@@ -27,13 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from data.chat import ChatEncoder, encode_prompt_completion, special_tokens
+from data.chat import ChatEncoder, Encoded, encode_prompt_completion, special_tokens
 from data.example_packing import OverLong
 from data.formats import Fields, detect_format, list_data_files, load_records
+from data.records import BadRecord, locate, record_problem, scan_files
 from data.token_batches import Bins, plan_bins
 from gangs.errors import UserError
 
-__all__ = ["ENCODING_VERSION", "Tokenized", "plan_examples", "tokenize_files",
+__all__ = ["ENCODING_VERSION", "TRAIN_ON", "Tokenized", "plan_examples", "tokenize_files",
            "tokenizer_digest"]
 
 ENCODING_VERSION = 1
@@ -63,37 +64,59 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _encoder(fmt: str, fields: Fields, tokenizer: Any, name: str):  # noqa: ANN202
-    """The function `map` calls on a batch of records (see `_encode_batch`)."""
+TRAIN_ON = ("assistant", "completion", "all")
+"""`data.train_on`: which tokens are targets (see `_encoder`)."""
+
+
+def _encoder(fmt: str, fields: Fields, tokenizer: Any, name: str, train_on: str):  # noqa: ANN202
+    """The function `map` calls on a batch of records and their indices (see
+    `_encode_batch`). ``train_on``: "assistant" (chat: every assistant turn; prompt/
+    completion: the completion), "completion" (chat: the last assistant turn only; prompt/
+    completion: the completion) or "all" (every token); text trains every token. A record
+    `data.records.record_problem` finds fault with raises `BadRecord` with its index."""
     chat = ChatEncoder(tokenizer, name) if fmt == "chat" else None
+    template = str(getattr(tokenizer, "chat_template", None) or "")
 
-    def encode(record: dict[str, Any]) -> tuple[list[int], list[int]]:
+    def encode_messages(messages: list[dict[str, Any]], train_from: int) -> Encoded:
+        conversation = chat or ChatEncoder(tokenizer, name)
+        if train_on == "all":
+            return conversation.encode_all(messages)
+        if train_on == "completion" and fmt == "chat":
+            assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+            train_from = assistant[-1] if assistant else len(messages)
+        return conversation(messages, train_from=train_from)
+
+    def encode(record: dict[str, Any]) -> Encoded:
         if fmt == "chat":
-            assert chat is not None
-            return chat(record[fields.messages])
+            return encode_messages(record[fields.messages], 0)
         prompt, completion = record[fields.prompt], record[fields.completion]
-        if isinstance(prompt, str) and isinstance(completion, str):
-            return encode_prompt_completion(tokenizer, prompt, completion)
+        if isinstance(prompt, str):
+            ids, trained = encode_prompt_completion(tokenizer, prompt, completion)
+            return ids, [1] * len(ids) if train_on == "all" else trained
         # Conversational prompt/completion: the completion's assistant turns trained.
-        conversation = ChatEncoder(tokenizer, name) if chat is None else chat
-        return conversation([*prompt, *completion], train_from=len(prompt))
+        return encode_messages([*prompt, *completion], len(prompt))
 
-    def encode_batch(batch: dict[str, list[Any]]) -> list[tuple[list[int], list[int]]]:
+    def encode_batch(batch: dict[str, list[Any]], indices: list[int]) -> list[Encoded]:
+        size = len(indices)
+        records = [{k: v[i] for k, v in batch.items()} for i in range(size)]
+        for index, record in zip(indices, records, strict=True):
+            if (problem := record_problem(record, fmt, fields, template)) is not None:
+                raise BadRecord(index, problem)
         if fmt == "text":  # one call for the batch: the fast tokenizer runs it in parallel
             prefix, suffix = special_tokens(tokenizer)
             ids = tokenizer(batch[fields.text], add_special_tokens=False)["input_ids"]
             return [(prefix + x + suffix, [1] * (len(x) + len(prefix) + len(suffix)))
                     for x in ids]
-        size = len(next(iter(batch.values())))
-        return [encode({k: v[i] for k, v in batch.items()}) for i in range(size)]
+        return [encode(record) for record in records]
 
     return encode_batch
 
 
-def _encode_batch(batch: dict[str, list[Any]], encode: Any) -> dict[str, list[Any]]:
+def _encode_batch(batch: dict[str, list[Any]], indices: list[int], encode: Any
+                  ) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {"input_ids": [], "trained": [], "length": [],
                                  "num_targets": []}
-    for ids, trained in encode(batch):
+    for ids, trained in encode(batch, indices):
         out["input_ids"].append(ids)
         out["trained"].append(trained)
         out["length"].append(len(ids))
@@ -118,34 +141,41 @@ def tokenizing_processes(num_records: int) -> int | None:
 def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, *, name: str,
                    fmt: str | None = None, fields: Fields | None = None,
                    cache_dir: str | Path | None = None, num_proc: int | None = None,
-                   setting: str = "data.files") -> Tokenized:
+                   setting: str = "data.files", train_on: str = "assistant") -> Tokenized:
     """Read and tokenise the files (or directories of shards) ``paths`` as one dataset
-    (see the module docstring); ``name`` names the tokenizer's model in errors;
-    ``num_proc`` None: `tokenizing_processes`."""
+    (see the module docstring); ``name`` names the tokenizer's model in errors; ``train_on``
+    one of `TRAIN_ON` (see `_encoder`); ``num_proc`` None: `tokenizing_processes`. A bad
+    record is a `UserError` naming its file, line and field."""
     from datasets import Features, Value
     from datasets import Sequence as ArrowSequence
 
     fields = fields or Fields()
     files = list_data_files(paths, setting)
-    records = load_records(files, cache_dir)
+    if train_on not in TRAIN_ON:
+        raise UserError(f"config 'data.train_on' is {train_on!r}: one of {', '.join(TRAIN_ON)}")
+    records = load_records(files, cache_dir, fields, fmt)
     where = ", ".join(map(str, paths))
-    if len(records) == 0:
-        raise UserError(f"data {where} holds no records")
     found = detect_format(records.column_names, records[0], fields, fmt, where)
     fingerprint = hashlib.sha256(json.dumps(
         [records._fingerprint, found, asdict(fields), tokenizer_digest(tokenizer),  # noqa: SLF001
-         ENCODING_VERSION]).encode()).hexdigest()[:32]
+         ENCODING_VERSION, train_on]).encode()).hexdigest()[:32]
     features = Features({"input_ids": ArrowSequence(Value("int32")),
                          "trained": ArrowSequence(Value("int8")),
                          "length": Value("int32"), "num_targets": Value("int32")})
-    encode = _encoder(found, fields, tokenizer, name)
+    encode = _encoder(found, fields, tokenizer, name, train_on)
     if num_proc is None:
         num_proc = tokenizing_processes(len(records))
     try:
         tokenized = records.map(
-            _encode_batch, batched=True, batch_size=256, fn_kwargs={"encode": encode},
+            _encode_batch, batched=True, batch_size=256, with_indices=True,
+            fn_kwargs={"encode": encode},
             remove_columns=records.column_names, features=features, num_proc=num_proc,
             new_fingerprint=fingerprint, desc=None)
+    except BadRecord as bad:
+        # The files as written name the first bad line: where datasets met mixed kinds in a
+        # column it may have read them another way (pandas' "23" as 23).
+        scan_files(files, found, fields, str(getattr(tokenizer, "chat_template", "") or ""))
+        raise UserError(f"{locate(files, bad.index)}: {bad.problem}") from None
     except UserError:
         raise
     except Exception as error:  # noqa: BLE001  (a template that fails on a record, say)

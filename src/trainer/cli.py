@@ -88,9 +88,14 @@ def run_recipe(
     default_preset: str | None = None,
     resume_guard: Sequence[str] = (),
     eval_main: Callable[[ConfigT, Path, str], int] | None = None,
+    check_inputs: Callable[[ConfigT], None] | None = None,
 ) -> int:
-    """Parses the command line, builds and validates the config, writes it to
-    ``OUTPUT_DIR/config.yaml`` and calls ``main(config, output_dir, resume)``.
+    """Parses the command line, builds and validates the config, checks it against the
+    output directory, calls ``check_inputs(config)`` (on rank 0: the recipe opens and checks
+    every input it will need, raising `UserError`), and only then changes the directory
+    (``--overwrite``'s deletions, ``OUTPUT_DIR/config.yaml``, ``config_history/``) and calls
+    ``main(config, output_dir, resume)``. A command that fails before ``main`` leaves the
+    directory as it was, the lock file aside.
 
     With ``--eval-only`` it calls ``eval_main(config, output_dir, checkpoint)`` instead
     (``checkpoint``: ``"best"``, ``"last"`` or ``"step_N"``) and writes nothing itself; a
@@ -168,25 +173,35 @@ def run_recipe(
         return _fail(f"output directory '{args.output_dir}' is not writable: "
                      f"{err.strerror or err}")
     try:
-        return _train(config, args, output_dir, rank0, main, resume_guard)
+        return _train(config, args, output_dir, rank0, main, resume_guard, check_inputs)
     finally:
         lock.release()
 
 
 def _train(config: BaseModel, args: argparse.Namespace, output_dir: Path, rank0: bool,
-           main: Callable[..., int], resume_guard: Sequence[str]) -> int:
-    """Check the directory against the config, write config.yaml and run `main`."""
-    # Before config.yaml, the record of the checkpoints' config, changes.
-    if args.overwrite:
-        if rank0:  # the Trainer's first collective waits for this
-            clear_previous_run(output_dir)
-    elif not args.resume and (reason := used_by_another_run(output_dir)):
+           main: Callable[..., int], resume_guard: Sequence[str],
+           check_inputs: Callable[[Any], None] | None) -> int:
+    """Check the directory against the config and the recipe's inputs, and only then
+    delete (--overwrite), write config.yaml and run `main`."""
+    trainer = getattr(config, "trainer", None)
+    if args.resume_from is not None:
+        if not hasattr(trainer, "resume_from"):
+            return _fail("--resume-from: this recipe's config has no trainer settings")
+        if not args.resume or args.overwrite:
+            return _fail("--resume-from resumes: it cannot go with --no-resume or --overwrite")
+    if not args.overwrite and not args.resume and (reason := used_by_another_run(output_dir)):
         return _fail(reason)
     try:
         if args.resume and not args.overwrite:
             check_resume_config(output_dir, config.model_dump(mode="json"), resume_guard)
+        if check_inputs is not None and rank0:  # the other ranks wait for rank 0 in main
+            check_inputs(config)
     except UserError as err:
         return _fail(str(err))
+    # Everything is checked: now the directory changes, config.yaml (the record of the
+    # checkpoints' config) after --overwrite's deletions.
+    if args.overwrite and rank0:  # the Trainer's first collective waits for this
+        clear_previous_run(output_dir)
     try:
         _write_config(config, output_dir)
     except OSError as err:
@@ -194,11 +209,6 @@ def _train(config: BaseModel, args: argparse.Namespace, output_dir: Path, rank0:
         return _fail(f"output directory '{args.output_dir}' is not writable: {reason}")
 
     if args.resume_from is not None:  # after config.yaml: a restarted command continues
-        trainer = getattr(config, "trainer", None)
-        if not hasattr(trainer, "resume_from"):
-            return _fail("--resume-from: this recipe's config has no trainer settings")
-        if not args.resume or args.overwrite:
-            return _fail("--resume-from resumes: it cannot go with --no-resume or --overwrite")
         trainer.resume_from = args.resume_from
     try:
         code = main(config, output_dir, args.resume and not args.overwrite)

@@ -2,9 +2,11 @@
 
 Spelling alone points the wrong way for the names users bring from other trainers:
 `max_val_steps` is closest in spelling to `max_num_steps`, and `enable_gradient_checkpointing`
-to `keep_last_n_checkpoints`. So the names those trainers use (HF `TrainingArguments`,
-Lightning's `Trainer`, fairseq2, torchtitan) map to ours by meaning; a known name whose
-setting does not exist here gets no spelling guess either.
+to `keep_last_n_checkpoints`. So the names those trainers use (HF `TrainingArguments`, TRL's
+`SFTConfig`, Lightning's `Trainer`, fairseq2, torchtitan) map to ours by meaning; a known
+name whose setting does not exist here gets no spelling guess either. A meaning written
+`section.field` names a field whose name other sections use too: it is hinted in its own
+section, or by that whole path where the config's first field of the name is that one.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ MEANINGS: dict[str, str] = {
     "enable_gradient_checkpointing": "activation_checkpointing",
     "gradient_checkpointing": "activation_checkpointing",
     "activation_checkpoint": "activation_checkpointing",
-    "mixed_precision": "dtype",
-    "bf16": "dtype",
-    "fp16": "dtype",
-    "precision": "dtype",
+    "mixed_precision": "trainer.dtype",
+    "bf16": "trainer.dtype",
+    "fp16": "trainer.dtype",
+    "precision": "trainer.dtype",
     # checkpoints
     "save_steps": "checkpoint_every_n_steps",
     "checkpoint_every_n_train_steps": "checkpoint_every_n_steps",
@@ -56,6 +58,26 @@ MEANINGS: dict[str, str] = {
     "logging_steps": "publish_metrics_every_n_steps",
     "log_every_n_steps": "publish_metrics_every_n_steps",
     "seed_everything": "seed",
+    # TRL's SFTConfig and HF's TrainingArguments, by the SFT recipe's names
+    "max_length": "seq_len",
+    "max_seq_length": "seq_len",
+    "dataset_text_field": "text_field",
+    "completion_only_loss": "train_on",
+    "assistant_only_loss": "train_on",
+    "chat_template_path": "chat_template",
+    "dataset_num_proc": "num_workers",
+    "padding_free": "padding",
+    "per_device_train_batch_size": "batch_size",
+    "per_device_eval_batch_size": "valid_batch_size",
+    "data_seed": "shuffle_seed",
+    "learning_rate": "lr",
+    "adam_beta1": "betas",
+    "adam_beta2": "betas",
+    "adam_epsilon": "eps",
+    "optim": "optimizer.name",
+    "lr_scheduler_type": "lr_scheduler.type",
+    "torch_dtype": "model.dtype",
+    "model_init_kwargs": "model.dtype",
 }
 
 
@@ -66,8 +88,10 @@ def did_you_mean(name: str, allowed: Sequence[str],
     spelling, unless `name` is a known name of a setting this config lacks (None then)."""
     meant = MEANINGS.get(name.lower())
     if meant is not None:
-        if meant in allowed:
-            return meant
-        return elsewhere(meant) if elsewhere is not None else None
+        field = meant.rpartition(".")[2]
+        if field in allowed:
+            return field
+        found = elsewhere(field) if elsewhere is not None else None
+        return found if "." not in meant or found == meant else None
     close = difflib.get_close_matches(name, allowed, n=1)
     return close[0] if close else None

@@ -474,6 +474,9 @@ class Trainer(Generic[BatchT]):
         self.system.flops_per_target = self.flops.flops_per_target  # counted on step 1
         values.update(self.system.publish(self.optimizer, window.num_steps,
                                           values.get("num_targets", 0.0)))
+        if values.get("num_tokens") and values.get("num_targets"):  # a unit counts its tokens
+            values["tokens_per_s"] = (values["targets_per_s"] * values["num_tokens"]
+                                      / values["num_targets"])
         values["epoch"] = self.data.epoch_nr
         if self.scaler is not None:
             values["loss_scale"] = self.scaler.scale

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.hf.safetensors_files import WeightFiles
 
-__all__ = ["check_model_dir", "read_hf_config"]
+__all__ = ["TOKENIZER_FILES", "check_model_dir", "load_tokenizer", "read_hf_config"]
 
 
 def read_hf_config(directory: Path) -> Any:
@@ -45,10 +46,16 @@ def read_hf_config(directory: Path) -> Any:
         raise UserError(f"{path} is not a valid {model_type} config: {first}") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A directory with none of these has no tokenizer transformers can load."""
+
+
 def check_model_dir(path: str | None, seq_len: int) -> Any:
     """The `PretrainedConfig` of the recipe setting `model.path`, after the checks a user's
-    mistake fails: not set, not a model directory, a damaged config.json, and a `data.seq_len`
-    beyond the model's context (whose position table it would index past)."""
+    mistake fails, the directory as a whole before anything else: not set, not a model
+    directory, a damaged config.json, no safetensors weights (or an index naming a missing
+    shard), no tokenizer files, and a `data.seq_len` beyond the model's context (whose
+    position table it would index past)."""
     if path is None:
         raise UserError("config 'model.path' is not set: give the Hugging Face model "
                         "directory to fine-tune, e.g. --set model.path=/models/my-model")
@@ -57,6 +64,16 @@ def check_model_dir(path: str | None, seq_len: int) -> Any:
         raise UserError(f"config 'model.path': '{path}' {reason}: it must be a local Hugging "
                         "Face model directory (config.json, safetensors, tokenizer files)")
     hf_config = read_hf_config(Path(path))
+    weights = WeightFiles(Path(path))  # opens the index or file: a damaged one is named
+    missing = sorted({f.name for f in weights.file_of.values() if not f.is_file()})
+    weights.close()
+    if missing:
+        raise UserError(f"{weights.source} names shards that are missing: "
+                        f"{', '.join(missing)}; copy the whole model directory")
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"config 'model.path': '{path}' has no tokenizer files (one of "
+                        f"{', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model "
+                        "(tokenizer.save_pretrained(DIR))")
     context = (getattr(hf_config, "max_position_embeddings", None)
                or getattr(hf_config, "n_positions", None))
     if context is not None and seq_len > context:
@@ -64,3 +81,18 @@ def check_model_dir(path: str | None, seq_len: int) -> Any:
                         f"max_position_embeddings={context} in {Path(path) / 'config.json'}; "
                         "lower data.seq_len")
     return hf_config
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of the model directory `path` (the recipe setting `model.path`); files
+    transformers cannot load are a `UserError` naming the setting and transformers' reason."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' bars for loading and writing weights
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UserError(f"config 'model.path': the tokenizer of '{path}' cannot be loaded: "
+                        f"{first}") from None
