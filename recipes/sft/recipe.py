@@ -21,6 +21,7 @@ from data.mixing import hold_out, mix
 from data.sft import Tokenized, plan_examples, tokenize_files
 from data.token_batches import BinReader, Bins, EvalBatches
 from gangs import Gangs, first_error
+from models.hf.document_attention import use_document_attention
 from parallel import check_hsdp
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
 from trainer.cli import recipe_gangs, run_recipe
@@ -190,6 +191,7 @@ def _setup(config: SFTConfig, train: bool) -> _Setup:
         raise UserError(f"the tokenizer of '{config.model.path}' has {len(tokenizer)} tokens, "
                         f"beyond the model's vocab_size {hf_config.vocab_size}")
     model = load_model(config, gangs)
+    use_document_attention(model)  # packed rows attend per document, where exact (#48)
     if console:
         console.print(f"model: {config.model.path}, "
                       f"{sum(p.numel() for p in model.parameters()):,} parameters")
