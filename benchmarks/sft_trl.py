@@ -116,16 +116,29 @@ def train_step(unit, optimizer, batch, metric_bag) -> int:
 
 
 def timed_steps(args: argparse.Namespace, batches, step) -> dict:
-    first_step, elapsed, trained = None, 0.0, 0
+    first_step, wall, cpu, trained = None, 0.0, 0.0, 0
     for n, batch in zip(range(args.steps + 1), batches, strict=False):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         targets = step(batch)
         if n == 0:
-            first_step = time.perf_counter() - START
+            first_step = first_step_times()
         else:
-            elapsed += time.perf_counter() - start
+            wall += time.perf_counter() - start
+            cpu += time.process_time() - start_cpu
             trained += targets
-    return {"trained_per_s": trained / elapsed, "first_step_s": first_step}
+    return rates(trained, wall, cpu, first_step)
+
+
+def first_step_times() -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) from its start to now."""
+    return time.perf_counter() - START, time.process_time()
+
+
+def rates(trained: int, wall: float, cpu: float, first_step: tuple[float, float]) -> dict:
+    """Trained tokens per CPU second (what a step costs: one thread, so a loaded machine's
+    waits for a core do not count) and per wall second; the first step's end."""
+    return {"trained_per_cpu_s": trained / cpu, "trained_per_s": trained / wall,
+            "first_step_s": first_step[0], "first_step_cpu_s": first_step[1]}
 
 
 def trl(args: argparse.Namespace, ids: list[list[int]], masks: list[list[int]]) -> dict:
@@ -140,17 +153,18 @@ def trl(args: argparse.Namespace, ids: list[list[int]], masks: list[list[int]]) 
                                                     unk_token="<pad>")),
         pad_token="<pad>", eos_token="</s>")
     dataset = Dataset.from_dict({"input_ids": ids, "assistant_masks": masks})
-    timings = {"elapsed": 0.0, "trained": 0, "first": None, "step": 0}
+    timings = {"wall": 0.0, "cpu": 0.0, "trained": 0, "first": None, "step": 0}
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            timings["start"] = time.perf_counter()
+            timings["start"], timings["start_cpu"] = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
             if timings["step"] == 0:
-                timings["first"] = time.perf_counter() - START
+                timings["first"] = first_step_times()
             else:
-                timings["elapsed"] += time.perf_counter() - timings["start"]
+                timings["wall"] += time.perf_counter() - timings["start"]
+                timings["cpu"] += time.process_time() - timings["start_cpu"]
             timings["step"] += 1
 
     class CountingTrainer(SFTTrainer):
@@ -172,8 +186,7 @@ def trl(args: argparse.Namespace, ids: list[list[int]], masks: list[list[int]]) 
                                   callbacks=[StepTimer()])
         torch.set_num_threads(1)
         trainer.train()
-    return {"trained_per_s": timings["trained"] / timings["elapsed"],
-            "first_step_s": timings["first"]}
+    return rates(timings["trained"], timings["wall"], timings["cpu"], timings["first"])
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -212,28 +225,53 @@ def compare(args: argparse.Namespace) -> None:
     for round_ in range(args.rounds):
         results = {run: run_once(args, *run) for run in RUNS}
         for (framework, layout), r in results.items():
-            print(f"round {round_ + 1} {framework:4s} {layout}: {r['trained_per_s']:,.0f} "
-                  f"trained tokens/s, first step at {r['first_step_s']:.1f} s, peak RSS "
-                  f"{r['peak_rss_mib']:,.0f} MiB", flush=True)
+            print(f"round {round_ + 1} {framework:4s} {layout}: {r['trained_per_cpu_s']:,.0f} "
+                  f"trained tokens per CPU s ({r['trained_per_s']:,.0f} per wall s), first "
+                  f"step at {r['first_step_cpu_s']:.1f} CPU s ({r['first_step_s']:.1f} wall "
+                  f"s), peak RSS {r['peak_rss_mib']:,.0f} MiB", flush=True)
         pairs = {
-            "packed, ours / TRL, trained tokens/s": (("ours", "packed"), ("trl", "packed"),
-                                                     "trained_per_s"),
-            "padded, ours / TRL, trained tokens/s": (("ours", "padded"), ("trl", "padded"),
-                                                     "trained_per_s"),
-            "ours, packed / padded, trained tokens/s": (("ours", "packed"), ("ours", "padded"),
-                                                        "trained_per_s"),
+            "packed, ours / TRL, trained tokens per CPU s": (
+                ("ours", "packed"), ("trl", "packed"), "trained_per_cpu_s"),
+            "padded, ours / TRL, trained tokens per CPU s": (
+                ("ours", "padded"), ("trl", "padded"), "trained_per_cpu_s"),
+            "ours, packed / padded, trained tokens per CPU s": (
+                ("ours", "packed"), ("ours", "padded"), "trained_per_cpu_s"),
+            "packed, ours / TRL, trained tokens per wall s": (
+                ("ours", "packed"), ("trl", "packed"), "trained_per_s"),
+            "padded, ours / TRL, trained tokens per wall s": (
+                ("ours", "padded"), ("trl", "padded"), "trained_per_s"),
             "packed, ours / TRL, peak RSS": (("ours", "packed"), ("trl", "packed"),
                                              "peak_rss_mib"),
             "padded, ours / TRL, peak RSS": (("ours", "padded"), ("trl", "padded"),
                                              "peak_rss_mib"),
-            "packed, ours / TRL, time to first step": (("ours", "packed"), ("trl", "packed"),
-                                                       "first_step_s"),
+            "packed, ours / TRL, CPU time to the first step's end": (
+                ("ours", "packed"), ("trl", "packed"), "first_step_cpu_s"),
         }
         for name, (a, b, key) in pairs.items():
             ratios.setdefault(name, []).append(results[a][key] / results[b][key])
     for name, values in ratios.items():
         print(f"{name}: median {statistics.median(values):.2f}x (rounds "
               f"{', '.join(f'{v:.2f}' for v in values)})")
+
+
+def memory_sweep(args: argparse.Namespace) -> None:
+    """Peak RSS of our packed step, the head on trained positions with and without the
+    chunked loss, across vocabularies and rows a step: what grows with vocabulary x tokens."""
+    print(f"memory: our packed step (rows of {args.seq_len}, {args.steps} timed steps), "
+          "peak RSS in MiB; the parameters, gradients and AdamW state take 16 bytes a "
+          "parameter")
+    for vocab in (8192, 151936):
+        params = llama(vocab, args.seq_len).num_parameters()
+        for rows in (1, 4):
+            peaks = {}
+            for chunk in (None, 1024):
+                setting = argparse.Namespace(**{**vars(args), "vocab": vocab, "rows": rows,
+                                                "loss_chunk_size": chunk})
+                peaks[chunk] = run_once(setting, "ours", "packed")["peak_rss_mib"]
+            print(f"vocabulary {vocab:,} ({params / 1e6:.1f}M parameters, "
+                  f"{16 * params / 2**20:,.0f} MiB of state), {rows} rows: whole logits "
+                  f"{peaks[None]:,.0f}, chunks of 1,024 {peaks[1024]:,.0f} "
+                  f"({peaks[None] - peaks[1024]:+,.0f})", flush=True)
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -246,6 +284,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--conversations", type=int, default=1000)
     parser.add_argument("--loss-chunk-size", type=int, default=None)
+    parser.add_argument("--memory-sweep", action="store_true",
+                        help="peak RSS of our step with and without the chunked loss")
     args = parser.parse_args(argv)
     if args.worker:
         args.framework, args.layout = args.worker
@@ -256,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     args = arguments(argv)
     if args.worker:
         worker(args)
+    elif args.memory_sweep:
+        memory_sweep(args)
     else:
         compare(args)
 

@@ -24,6 +24,7 @@ from data.sft import Tokenized, plan_examples, tokenize_files
 from data.token_batches import BinReader, Bins, EvalBatches
 from gangs import Gangs, first_error
 from layers.neftune import add_neftune
+from models.hf.document_attention import use_document_attention
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
 from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
@@ -175,6 +176,8 @@ def load_model(config: SFTConfig, gangs: Gangs) -> HFLayout:
             hf_model.set_attn_implementation(config.model.attn_implementation)
         except (ValueError, ImportError) as error:
             raise UserError(f"config 'model.attn_implementation': {error}") from None
+    elif hf_model is not None and layout.pipeline is None:
+        use_document_attention(hf_model)  # packed rows attend per document, where exact
     if config.model.neftune_noise_alpha is not None and hf_model is not None:
         add_neftune(hf_model.get_input_embeddings(), config.model.neftune_noise_alpha)
     return layout

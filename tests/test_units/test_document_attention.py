@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from model_families import tiny_model
 
 from layers.document_attention import document_attention, document_spans
-from models.hf.document_attention import use_document_attention
+from models.hf.document_attention import DOCUMENT_ATTENTION_NAME, use_document_attention
 from parallel.context import document_mask
 
 # Two rows: documents of 10, 7, 15 and of 20, 12 tokens (one row runs on, as the second's
@@ -56,20 +56,24 @@ def test_hf_model_through_the_attention_interface_equals_its_own_dense_mask(fami
         return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
     dense_logits, dense_grads = loss_and_grads()
-    use_document_attention(model)
+    assert use_document_attention(model)
     logits, grads = loss_and_grads()
     assert (logits - dense_logits).abs().max().item() <= ATOL
     for a, b in zip(grads, dense_grads, strict=True):
         assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item() + 1e-9
 
 
-def test_what_the_kernel_cannot_do_is_refused_by_name():
-    mistral = tiny_model("mistral")  # a sliding window shorter than the row
-    use_document_attention(mistral)
+def test_what_the_kernel_cannot_do_is_left_alone_or_refused_by_name():
+    for family in ("mistral", "gemma2", "gemma3"):  # sliding windows, soft-capping
+        model = tiny_model(family)
+        assert not use_document_attention(model)
+        assert model.config._attn_implementation != DOCUMENT_ATTENTION_NAME  # noqa: SLF001
+    llama = tiny_model("llama")
+    assert use_document_attention(llama)
+    mistral = tiny_model("mistral")  # switched by hand: the kernel refuses the window
+    mistral.config._attn_implementation = DOCUMENT_ATTENTION_NAME  # noqa: SLF001
     with pytest.raises(ValueError, match="does not apply a sliding window"):
         mistral(torch.ones(1, 8, dtype=torch.long), use_cache=False)
-    llama = tiny_model("llama")
-    use_document_attention(llama)
     left_padded = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     with pytest.raises(ValueError, match="padding on the right only"):
         llama(torch.ones(2, 4, dtype=torch.long), attention_mask=left_padded, use_cache=False)

@@ -178,19 +178,34 @@ def test_chunked_loss_refuses_a_model_that_changes_its_logits_after_the_head():
                 loss_and_grads(gemma2, lambda: full_head_loss(gemma2, packed())))
 
 
-def tp_loss_and_grads(directory, batch, chunk):
-    from gangs import setup_gangs, setup_root_gang
+def tp_llama(directory, gangs) -> torch.nn.Module:
     from trainer.hf import load_pretrained
 
-    gangs = setup_gangs(setup_root_gang(), tp_size=2)
-    model = load_pretrained(directory, gangs, data_parallel=None)
+    return load_pretrained(directory, gangs, data_parallel=None)
+
+
+def tp_gpt(gangs) -> torch.nn.Module:
+    from recipes.lm.parallelize import gpt_tensor_parallel
+
+    model = gpt()
+    gpt_tensor_parallel(model, gangs)  # attention and feed-forward split, head replicated
+    assert isinstance(model.layers[0].attention.wq.weight, DTensor)
+    return model
+
+
+def tp_loss_and_grads(build, batch, chunk):
+    """On each of 2 ranks: (the unit's loss and gradients, the full head's), under TP2."""
+    from gangs import setup_gangs, setup_root_gang
+
+    model = build(setup_gangs(setup_root_gang(), tp_size=2))
     if chunk is not None:
         with pytest.raises(ValueError, match="loss_chunk_size: LlamaForCausalLM's head is "
                                              "sharded"):
             CausalLMUnit(model, loss_chunk_size=chunk)
     unit = CausalLMUnit(model)
     calls = []
-    model.lm_head.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[0]))
+    model.get_output_embeddings().register_forward_pre_hook(
+        lambda m, args: calls.append(args[0].shape[0]))
     kept = loss_and_grads(model, lambda: unit(batch, MetricBag())[0])
     assert calls == [int((batch["labels"][:, 1:] != -100).sum())]
     full = loss_and_grads(model, lambda: full_head_loss(model, batch))
@@ -198,15 +213,22 @@ def tp_loss_and_grads(directory, batch, chunk):
                     for n, g in grads.items()}) for loss, grads in (kept, full)]
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_trained_position_head_under_tp2_gives_one_processs_full_head(tmp_path, layout):
+@pytest.mark.parametrize(("family", "layout"), [("hf_llama", "packed"), ("hf_llama", "padded"),
+                                                ("gpt", "packed")])
+def test_trained_position_head_under_tp2_gives_one_processs_full_head(tmp_path, family,
+                                                                      layout):
     """Llama's TP plan splits lm_head by vocabulary and gathers its output: the kept
-    positions go through it as [n, d] rows."""
-    model, batch = llama(), packed() if layout == "packed" else padded()
-    model.save_pretrained(tmp_path)
+    positions go through it as [n, d] rows. The GPT's plan splits its blocks and replicates
+    its head."""
+    model, batch = (llama(), gpt())[family == "gpt"], (packed(), padded())[layout == "padded"]
+    if family == "gpt":
+        build = tp_gpt
+    else:
+        model.save_pretrained(tmp_path)
+        build = partial(tp_llama, tmp_path)
     expected = loss_and_grads(model, lambda: full_head_loss(model, batch))
-    for kept, full in run_ranks(partial(tp_loss_and_grads, tmp_path, batch, 16 if layout ==
-                                       "packed" else None), world_size=2):
+    chunk = 16 if (family, layout) == ("hf_llama", "packed") else None
+    for kept, full in run_ranks(partial(tp_loss_and_grads, build, batch, chunk), world_size=2):
         assert_same(kept, full)  # the same layout: only the head's rows differ
         # Against one process, TP's own rounding (row-parallel layers sum partial products
         # in another order) adds up to 1.3e-6 of a gradient's scale (measured): 1e-5.

@@ -8,9 +8,11 @@ keep computing their projections and rotary embeddings; the kernel attends withi
 document found from the `position_ids` the model passes down, so a packed row costs the sum
 of its documents' squares instead of the row's square, with no [t, t] mask built.
 
-What the kernel cannot do exactly is refused by name at the first forward: a sliding window
-(Mistral, Gemma 2/3), soft-capped attention scores (Gemma 2), attention sinks, and padding on
-the left (padding on the right is exact: causal attention keeps it from every real token).
+A model whose config asks for what the kernel does not do (a sliding window: Mistral,
+Gemma 2/3; soft-capped scores: Gemma 2), or whose attention was already replaced (context
+parallelism's), is left as it is. What still reaches the kernel and cannot be exact is refused
+by name at the first forward: those keywords, attention sinks, and padding on the left
+(padding on the right is exact: causal attention keeps it from every real token).
 """
 
 from __future__ import annotations
@@ -30,18 +32,33 @@ _UNSUPPORTED = {"sliding_window": "a sliding window", "softcap": "soft-capped sc
 """Attention keywords some families pass that the per-document kernel does not apply."""
 
 
-def use_document_attention(model: Any) -> None:
+_OWN_KERNELS = ("sdpa", "eager", DOCUMENT_ATTENTION_NAME)
+"""transformers' own kernels, which this one replaces exactly."""
+
+
+def use_document_attention(model: Any) -> bool:
     """Make every attention of transformers model `model` attend per document (see the
-    module docstring)."""
+    module docstring); whether it did (False: the model is left as it is)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    configs = [module.config for module in model.modules()
+               if hasattr(getattr(module, "config", None), "_attn_implementation")]
+    if not configs or any(not _takes_document_attention(config) for config in configs):
+        return False
     AttentionInterface.register(DOCUMENT_ATTENTION_NAME, _hf_document_attention)
     AttentionMaskInterface.register(DOCUMENT_ATTENTION_NAME, _no_mask)
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if hasattr(config, "_attn_implementation"):
-            config._attn_implementation = DOCUMENT_ATTENTION_NAME  # noqa: SLF001
+    for config in configs:
+        config._attn_implementation = DOCUMENT_ATTENTION_NAME  # noqa: SLF001
+    return True
+
+
+def _takes_document_attention(config: Any) -> bool:
+    if config._attn_implementation not in _OWN_KERNELS:  # noqa: SLF001
+        return False  # replaced already (context parallelism) or flash: not ours to change
+    layer_types = getattr(config, "layer_types", None) or ()
+    return not (getattr(config, "sliding_window", None) or "sliding_attention" in layer_types
+                or getattr(config, "attn_logit_softcapping", None))
 
 
 def _no_mask(*, attention_mask: Tensor | None = None, **kwargs: Any) -> None:
