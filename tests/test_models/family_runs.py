@@ -20,7 +20,8 @@ from trainer.trainer import Trainer
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 
 SEQ_LEN = 12  # beyond the sliding windows (4) of Mistral and the Gemmas
-INPUT_IDS = torch.randint(1, VOCAB, (2, SEQ_LEN), generator=torch.Generator().manual_seed(7))
+# The shape of the batches: TP reuses the sharding DTensor worked out for them.
+INPUT_IDS = torch.randint(1, VOCAB, (8, SEQ_LEN), generator=torch.Generator().manual_seed(7))
 
 
 MAX_NORM = 0.2  # below these models' gradient norms: the norm over split weights counts

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from layers.lora import merged_weight
+from models.hf.conversion import ConvertedFiles
 from trainer.checkpoint.adapters import ADAPTER_CONFIG, BASE_REFERENCE, base_changes
 from trainer.checkpoint.streaming import ModelTensors, TensorInfo
 from trainer.errors import UserError
-from trainer.hf.conversion import ConvertedFiles
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import WeightFiles
 from trainer.run_dir import HF_FILES
@@ -46,7 +46,7 @@ def merged_tensors(
 ) -> tuple[list[TensorInfo], Callable[[str], torch.Tensor]]:
     """The merged model of the LoRA checkpoint `step_dir`: `(TensorInfo per HF model weight
     name, one tied group once; load(name) -> full tensor)`, the base read as
-    `from_pretrained` reads it (`trainer.hf.conversion`). The
+    `from_pretrained` reads it (`models.hf.conversion`). The
     base's tensors keep the base files' dtype; a `UserError` when the base changed."""
     hf_files = step_dir / HF_FILES
     config = json.loads((hf_files / ADAPTER_CONFIG).read_text())

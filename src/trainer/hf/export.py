@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from layers.lora import is_adapter
+from models.hf.conversion import saved_layout
 from trainer.checkpoint.adapters import ADAPTER_CONFIG, BASE_REFERENCE
 from trainer.checkpoint.export import export_best
 from trainer.checkpoint.loading import best_step_dir, find_step_dir
@@ -44,7 +45,6 @@ from trainer.hf.adapters import (
     is_lora_checkpoint,
     merged_tensors,
 )
-from trainer.hf.conversion import saved_layout
 from trainer.hf.load import build_on_meta, tensor_aliases
 from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
 from trainer.run_dir import ADAPTER_DIR, BEST_MODEL

@@ -9,7 +9,7 @@ every model goes through (`parallel.plan.build_model`):
            ──> FSDP2 / HSDP per block over gangs.dp (data_parallel="fsdp")
            ──> to_empty: this rank's shards allocated, uninitialised
            ──> every parameter: this rank's slice read from the safetensors files,
-               through transformers' own conversion rules (`trainer.hf.conversion`)
+               through transformers' own conversion rules (`models.hf.conversion`)
            ──> non-persistent buffers (rotary tables) recomputed by the model's own init
            ──> DDP over gangs.dp (data_parallel="ddp": DDP needs real weights to wrap)
 
@@ -34,12 +34,12 @@ from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
 from layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
+from models.hf.conversion import ConvertedFiles
 from models.hf.experts import apply_expert_parallel
 from models.hf.tensor_parallel import apply_tp_plan
 from parallel import plan
 from parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
-from trainer.hf.conversion import ConvertedFiles
 from trainer.hf.hf_config import read_hf_config
 from trainer.hf.safetensors_files import WeightFiles
 
@@ -117,7 +117,7 @@ def load_pretrained(
     The files are read as `from_pretrained` reads them: transformers' own load-time
     conversion rules rename and fuse their tensors into the model's (per-expert tensors
     fused into `experts.gate_up_proj`, GPT-NeoX's `embed_out` into `lm_head`;
-    `trainer.hf.conversion`).
+    `models.hf.conversion`).
 
     Tied weights stay tied (GPT-2's `lm_head.weight` is `transformer.wte.weight`) when the
     files hold them once or equal; a config that ties them while the files hold both with

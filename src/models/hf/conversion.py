@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.errors import UserError
-from trainer.hf.safetensors_files import WeightFiles
+from gangs.errors import UserError
 
 __all__ = ["ConvertedFiles", "SavedLayout", "saved_layout"]
 
@@ -54,13 +53,15 @@ class _Group:
 
 class ConvertedFiles:
     """The tensors of `files` under the names of `model` (on meta), converted as
-    `from_pretrained` converts them (see the module docstring).
+    `from_pretrained` converts them (see the module docstring). `files`: the checkpoint's
+    weight files by their own names (`trainer.hf.safetensors_files.WeightFiles`: `file_of`,
+    `shape`, `dtype`, `read`, `equal`, `where`, `close`, `source`).
 
     `names`: every model tensor name the files give; `unexpected`: the file keys no model
     tensor takes. A file key that two model tensors would take, or a converter whose rule
     fails on the files' shapes, is a `UserError` naming the file."""
 
-    def __init__(self, model: nn.Module, files: WeightFiles) -> None:
+    def __init__(self, model: nn.Module, files: Any) -> None:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
             WeightConverter,
