@@ -59,6 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (m * args.micro_batch, args.seq + 1), generator=g)
     inputs, targets = ids[:, :-1], ids[:, 1:]
+    positions = torch.arange(args.seq).repeat(inputs.shape[0], 1)  # the stages' 2nd input
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     group = dist.group.WORLD
     pipe = pipeline_model(model, group, spec=GPT_SPEC, loss_fn=summed_loss, num_microbatches=m,
@@ -70,8 +71,8 @@ def worker(args: argparse.Namespace) -> None:
 
     stages = [ProcessGroupGang(group, torch.device("cpu"))]
     runs = {"baseline": (baseline_step, list(whole.parameters()), []),
-            "pipeline": (lambda: pipe.step(inputs, targets), list(pipe.model.parameters()),
-                         stages)}
+            "pipeline": (lambda: pipe.step((inputs, positions), targets),
+                         list(pipe.model.parameters()), stages)}
     optimizers = {name: torch.optim.AdamW(params, lr=1e-4)
                   for name, (_, params, _) in runs.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
