@@ -384,11 +384,12 @@ class Trainer(Generic[BatchT]):
             if self._profiler is not None:
                 self._profiler.step()
             self.callbacks.on_step_end(self)
-            due = self.state.step_nr % sync_every == 0
-            if self.replicas is not None:  # [fault tolerance] an uncommitted step is undone
-                due = due and self.replicas.committed
+            # [fault tolerance] a step the replica groups did not commit is undone: no
+            # schedule (publish, validation, checkpoint, epoch end) runs for it.
+            committed = self.replicas is None or self.replicas.committed
+            due = committed and self.state.step_nr % sync_every == 0
             stop_reason = self._post_step(stop) if due else None
-            if stop_reason is None and self.data.window_closes_epoch:
+            if stop_reason is None and committed and self.data.window_closes_epoch:
                 stop_reason = self._end_epoch(self.data.window_epoch, stop)
             if stop_reason is not None:
                 reason = stop_reason

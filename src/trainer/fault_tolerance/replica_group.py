@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import subprocess
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -57,10 +56,10 @@ def import_torchft() -> Any:
 
 class ReplicaGroup:
     def __init__(self, settings: FaultToleranceSettings, gangs: Gangs, *,
-                 lighthouse: subprocess.Popen[bytes] | None = None) -> None:
+                 lighthouse: Any = None) -> None:
         """Join the lighthouse as replica group `settings.replica_id`; `gangs` are this
-        group's own (one job: torchrun's world, or one process). `lighthouse`: a local
-        lighthouse process this group started (ended by `close`)."""
+        group's own (one job: torchrun's world, or one process). `lighthouse`: the local
+        lighthouse this group owns (its `stop()` is called by `close`)."""
         torchft = import_torchft()
         if settings.lighthouse is None:
             raise UserError("gangs.fault_tolerance.lighthouse: no address given (the recipe "
@@ -199,5 +198,4 @@ class ReplicaGroup:
         groups end together: their last quorum is behind them)."""
         self.manager.shutdown(wait=False)
         if self.lighthouse is not None:
-            self.lighthouse.terminate()
-            self.lighthouse.wait(10)
+            self.lighthouse.stop()
