@@ -180,9 +180,9 @@ def test_neftune_noise_in_training_only(model_dir):
     gangs, _ = recipe_gangs(60)
     config = SFTConfig.model_validate({"model": {"path": str(model_dir)},
                                        "trainer": {"data_parallel": "ddp"}})
-    plain = load_model(config, gangs)
+    plain = load_model(config, gangs).model
     noisy = load_model(config.model_copy(update={"model": config.model.model_copy(
-        update={"neftune_noise_alpha": alpha})}), gangs)
+        update={"neftune_noise_alpha": alpha})}), gangs).model
     ids = torch.randint(0, 200, (3, 40))
     clean = hf_model_of(plain).get_input_embeddings()(ids)
     captured = []
@@ -236,7 +236,7 @@ def test_model_dtype_and_attention_kernel_reach_the_model(model_dir):
     config = SFTConfig.model_validate({
         "model": {"path": str(model_dir), "dtype": "bf16", "attn_implementation": "eager"},
         "data": {"seq_len": 256}, "trainer": {"data_parallel": "ddp"}})
-    model = load_model(config, gangs)
+    model = load_model(config, gangs).model
     hf = hf_model_of(model)
     assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
     assert hf.config._attn_implementation == "eager"
