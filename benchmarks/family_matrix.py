@@ -153,9 +153,15 @@ def main(argv: list[str] | None = None) -> None:
         paths = prepare(Path(tmp), families)
         reference = run_layout(paths, families, "one", args.steps)
         print(f"recipes.sft, {args.steps} steps of 2 micro-batches of 4 rows x 64 tokens; "
-              "largest relative gap of train and valid losses to one process")
+              "largest relative gap of train and valid losses to one process", flush=True)
+        table = {}
+        for name in args.layouts:  # each cell as it comes (a run can take minutes)
+            table[name] = run_layout(paths, families, name, args.steps)
+            for family, got in table[name].items():
+                cell = got if isinstance(got, str) else \
+                    f"{relative_gap(got, reference[family]):.1e}"
+                print(f"  {name} {family}: {cell}", flush=True)
         print(f"{'family':<10}" + "".join(f"{name:>16}" for name in args.layouts))
-        table = {name: run_layout(paths, families, name, args.steps) for name in args.layouts}
         for family in families:
             cells = []
             for name in args.layouts:

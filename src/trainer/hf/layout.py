@@ -26,6 +26,7 @@ from torch import nn
 
 from gangs import Gangs
 from models.hf import spec_for
+from models.hf.spec import DecoderStage
 from parallel.pipeline import PipelinedModel, pipeline_model
 from trainer.checkpoint.model_files import hf_model_of
 from trainer.errors import UserError
@@ -106,6 +107,11 @@ def load_layout(path: str, gangs: Gangs, *, data_parallel: str | None, num_accum
                                    **load_options)
         except ValueError as error:  # a schedule, boundaries or options the split refuses
             raise UserError(f"config 'gangs': {error}") from None
+        # What no checkpoint holds (rotary tables) is computed by the model's own init: the
+        # loader reaches one stage's, not those of a rank holding several (interleaved).
+        for stage in pipe.stages:
+            if isinstance(stage.submod, DecoderStage):
+                stage.submod.initialize_weights()
         return HFLayout(pipe.model, pipe)
     model = load_pretrained(path, gangs, data_parallel=data_parallel, **load_options)
     if gangs.cp.size > 1:
