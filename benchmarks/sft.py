@@ -129,7 +129,7 @@ def tokenising_throughput(model_dir: Path, work: Path, num: int) -> None:
         for messages in chat_conversations(num, seed=5):
             f.write(json.dumps({"messages": messages}) + "\n")
     cache = work / "tok_cache"
-    for num_proc, label in ((None, "cold, 1 process"), (2, "cold, 2 processes")):
+    for num_proc, label in ((1, "cold, 1 process"), (2, "cold, 2 processes")):
         shutil.rmtree(cache, ignore_errors=True)
         start = time.perf_counter()
         t = tokenize_files([path], tokenizer, name="tiny", cache_dir=cache, num_proc=num_proc)
@@ -254,6 +254,8 @@ def main() -> None:
             tokenising_throughput(model_dir, work, args.conversations)
         if not args.skip_rss:
             peak_rss(model_dir, work, args.rss_gb)
+    print("TRL: `python -m benchmarks.sft --against-trl` compares with its SFTTrainer "
+          "(benchmarks.sft_trl; needs `pip install trl`)")
 
 
 if __name__ == "__main__":

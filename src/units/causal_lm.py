@@ -115,7 +115,20 @@ def keeps_trained_logits(model: nn.Module) -> bool:
     hidden states gathered before the head). transformers causal LMs do (5.x), as does the
     LM recipe's GPT. A compiled model is left on the plain path (a mask of another shape
     each step would recompile it)."""
-    return takes_keyword(model, "logits_to_keep") and not hasattr(model, "_orig_mod")
+    return takes_keyword(model, "logits_to_keep") and not compiled(model)
+
+
+def compiled(model: nn.Module) -> bool:
+    """Whether `torch.compile` wraps the model under any DDP wrappers."""
+    seen = model
+    for _ in range(4):  # as `unwrapped`
+        if hasattr(seen, "_orig_mod"):
+            return True
+        inner = getattr(seen, "module", None)
+        if not isinstance(inner, nn.Module):
+            return False
+        seen = inner
+    return False
 
 
 def model_keywords(batch: LMBatch, use_cache_keyword: bool) -> dict[str, Any]:

@@ -77,3 +77,6 @@ def test_what_the_kernel_cannot_do_is_left_alone_or_refused_by_name():
     left_padded = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     with pytest.raises(ValueError, match="padding on the right only"):
         llama(torch.ones(2, 4, dtype=torch.long), attention_mask=left_padded, use_cache=False)
+    with pytest.raises(ValueError, match="is for training, without a KV cache"):
+        llama.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=2, do_sample=False,
+                       use_cache=True)

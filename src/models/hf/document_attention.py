@@ -87,6 +87,11 @@ def _hf_document_attention(module: Any, query: Tensor, key: Tensor, value: Tenso
                 f"per-document attention does not apply {what} ({type(module).__name__} "
                 f"passes `{keyword}`): leave this model on its own attention "
                 "(do not call use_document_attention)")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            "per-document attention is for training, without a KV cache: it got "
+            f"{query.shape[2]} queries for {key.shape[2]} keys (generation?); set "
+            "`config._attn_implementation = 'sdpa'` to generate with this model")
     if not getattr(module, "is_causal", True):
         raise ValueError(f"per-document attention is causal; {type(module).__name__} is not")
     out = document_attention(query, key, value, position_ids, scale=scaling,
