@@ -179,10 +179,11 @@ def _group_process(plan: GroupPlan) -> None:
 
 def _lighthouse_process(conn: Any, min_replicas: int) -> None:
     from torchft.coordination import LighthouseServer
-    # A dead group is dropped after 1 s without a heartbeat; a quorum waits 0.5 s for
-    # late joiners once it has min_replicas.
-    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=500,
-                              heartbeat_timeout_ms=1000)
+    # A dead group is dropped after 2 s without a heartbeat; a quorum waits up to 3 s for a
+    # live (heartbeating) group that has not asked yet: a group slowed by a loaded machine
+    # is waited for, not left out.
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=3000,
+                              heartbeat_timeout_ms=2000)
     conn.send(server.address())
     time.sleep(3600)
 
