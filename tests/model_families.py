@@ -77,3 +77,24 @@ def save_tiny(family: str, directory: Path, seed: int = 0) -> Path:
     `directory`."""
     tiny_model(family, seed).save_pretrained(directory)
     return directory
+
+
+def save_tokenizer(directory: Path) -> Path:
+    """A tiny word-level tokenizer (fewer tokens than `VOCAB`) with a ChatML template beside a
+    model in `directory`, for the recipes' whole-directory check. Returns `directory`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from data.chat import CHATML_TEMPLATE
+
+    words = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<unk>", "user", "assistant",
+             "system", *(f"w{i}" for i in range(40))]
+    word_level = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                            unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>",
+                                        bos_token="<s>", eos_token="<|im_end|>",
+                                        unk_token="<unk>")
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -21,6 +21,7 @@ rounding, so 2 steps do not amplify them).
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Mapping
 from functools import partial
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_families import FAMILIES, VOCAB, save_tiny
+from model_families import FAMILIES, VOCAB, save_tiny, save_tokenizer
 from ranks import run_ranks
 
 from data.global_batches import GlobalBatchReader
@@ -158,6 +159,13 @@ def test_combined_layouts_on_four_ranks_train_as_one_process(model_dirs, one_pro
     assert_equal_losses(results, one_process, str(layout))
 
 
+def with_tokenizer(model_dir: Path, tmp_path: Path) -> Path:
+    """A copy of `model_dir` with a tokenizer beside it: a whole model directory."""
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    return save_tokenizer(copy)
+
+
 @pytest.mark.parametrize(("settings", "expected"), [
     (["gangs.pp_size=2"], "config 'trainer.data_parallel' is 'fsdp'; with gangs.pp_size 2 it "
                           "must be ddp"),
@@ -179,7 +187,8 @@ def test_sft_refuses_what_a_layout_cannot_make_exact_by_name(model_dirs, tmp_pat
     from recipes.sft.recipe import cli
 
     args = [str(tmp_path / "out"), "--preset", "tiny", "--set",
-            f"model.path={model_dirs['mistral']}", "--set", "data.files=[unused.jsonl]"]
+            f"model.path={with_tokenizer(model_dirs['mistral'], tmp_path)}",
+            "--set", "data.files=[unused.jsonl]"]
     code = cli([*args, *(x for s in settings for x in ("--set", s))])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and expected in err, err
