@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -286,7 +286,6 @@ class PairReader(GlobalBatchReader[dict[str, torch.Tensor]]):
 class PairEvalBatches(EvalBatches):
     """Validation micro-batches of pairs, dealt to DP ranks as `EvalBatches` deals bins."""
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for chosen in self._slices:
-            pairs = [int(self.bins.bin(b)[0]) for b in chosen]
-            yield pair_batch(self.dataset, pairs, self.bins.seq_len, self.pad_id)
+    def make_batch(self, bin_indices: list[int]) -> dict[str, torch.Tensor]:
+        pairs = [int(self.bins.bin(b)[0]) for b in bin_indices]
+        return pair_batch(self.dataset, pairs, self.bins.seq_len, self.pad_id)

@@ -192,4 +192,8 @@ class EvalBatches:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for chosen in self._slices:
-            yield make_batch(self.dataset, self.bins, list(chosen), self.pad_id)
+            yield self.make_batch(list(chosen))
+
+    def make_batch(self, bin_indices: list[int]) -> dict[str, Any]:
+        """The micro-batch of bins `bin_indices` (a subclass batches its own examples)."""
+        return make_batch(self.dataset, self.bins, bin_indices, self.pad_id)
