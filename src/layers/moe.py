@@ -34,7 +34,6 @@ from gangs.gang import Gang
 __all__ = [
     "GroupedExperts",
     "MoEFeedForward",
-    "moe_aux_loss",
     "moe_layers",
 ]
 
@@ -195,6 +194,7 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoEFeedForward]]:
 
 
 def moe_aux_loss(model: nn.Module) -> Tensor | None:
-    """The sum of the MoE layers' load-balancing losses of the last forward (None: no MoE)."""
+    """Kept for the `gangs.parallel.moe_aux_loss` alias (one release; unused inside: units
+    sum the losses themselves). The sum of the MoE layers' load-balancing losses of the last forward (None: no MoE)."""
     losses = [m.aux_loss for _, m in moe_layers(model) if m.aux_loss is not None]
     return torch.stack(losses).sum() if losses else None
