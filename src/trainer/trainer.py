@@ -155,7 +155,7 @@ class Trainer(Generic[BatchT]):
         prepare_output_dir(self.output_dir, resume=resume, overwrite=overwrite,
                            root=self.gangs.root, lock=self.run_lock)
 
-        # The components that hold the run's state (checkpointed by name, `_states`).
+        # The components that hold the run's state (checkpointed by name, `states`).
         self.state = TrainState()
         self.data = DataPosition(data_reader, s.max_num_data_epochs, self.gangs.dp)
         self.metrics = MetricBag(self.device)
@@ -303,7 +303,7 @@ class Trainer(Generic[BatchT]):
         """The jobs due at the end of pass `epoch` (0 for the first), then its event; the
         reason to stop, if any."""
         due = due_at_epoch(self.jobs, epoch + 1)
-        if self._run_jobs(due):
+        if _run(due):
             return "early_stop"
         self.epoch_open = None
         self.callbacks.on_epoch_end(self, epoch)
@@ -345,11 +345,7 @@ class Trainer(Generic[BatchT]):
     # -- where all ranks meet ------------------------------------------------------------
     def _sync_point(self, due: list[SyncJob], stop: StopSignal) -> str | None:
         """Run the due jobs; the reason to stop, if any."""
-        return "early_stop" if self._run_jobs(due) else self._agree_stop(due, stop)
-
-    def _run_jobs(self, due: list[SyncJob]) -> bool:
-        """Each due job in turn; True as soon as one says stop (an early stop)."""
-        return any(job.run() for job in due)
+        return "early_stop" if _run(due) else self._agree_stop(due, stop)
 
     def _agree_stop(self, due: list[SyncJob], stop: StopSignal) -> str | None:
         """Where a job ran every rank met (a collective ran): a stop signal can be agreed."""
@@ -373,3 +369,7 @@ class Trainer(Generic[BatchT]):
 Trainer.__doc__ = (f"{Trainer.__doc__}{ARGUMENTS_DOC}\n    Settings (validated at construction; "
                    f"`trainer.settings.TrainerSettings`):\n{settings_doc()}\n")
 
+
+def _run(due: list[SyncJob]) -> bool:
+    """Each due job in turn; True as soon as one says stop (an early stop)."""
+    return any(job.run() for job in due)
