@@ -32,19 +32,7 @@ def worker(args: argparse.Namespace) -> None:
     from gangs import ReduceOperation, setup_gangs, setup_root_gang
     from parallel import data_parallel
     from trainer.trainer import Trainer
-    from units import TrainUnit
-
-    class Unit(TrainUnit):
-        def __init__(self, model: nn.Module) -> None:
-            self._model = model
-
-        @property
-        def model(self) -> nn.Module:
-            return self._model
-
-        def __call__(self, batch, metrics):
-            x, y = batch
-            return (self._model(x) - y).square().sum(), y.numel()
+    from units.regression import SquaredErrorUnit
 
     class Blocks(nn.Module):
         def __init__(self) -> None:
@@ -82,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
 
     baseline = memory()
     with tempfile.TemporaryDirectory() as out:
-        Trainer(Unit(model), reader(), torch.optim.AdamW(model.parameters(), lr=1e-4),
+        Trainer(SquaredErrorUnit(model), reader(), torch.optim.AdamW(model.parameters(), lr=1e-4),
                 output_dir=out, gangs=gangs, num_accumulate=args.num_accumulate,
                 max_num_steps=args.steps, progress=False, validate_at_end=False,
                 fsdp_reduce_every_micro_batch=args.reduce_every == 1).run()

@@ -35,7 +35,6 @@ __all__ = [
     "GroupedExperts",
     "MoEFeedForward",
     "dispatch_to_experts",
-    "moe_aux_loss",
     "moe_layers",
 ]
 
@@ -206,6 +205,7 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoEFeedForward]]:
 
 
 def moe_aux_loss(model: nn.Module) -> Tensor | None:
-    """The sum of the MoE layers' load-balancing losses of the last forward (None: no MoE)."""
+    """Kept for the `gangs.parallel.moe_aux_loss` alias (one release; unused inside: units
+    sum the losses themselves). The sum of the MoE layers' load-balancing losses of the last forward (None: no MoE)."""
     losses = [m.aux_loss for _, m in moe_layers(model) if m.aux_loss is not None]
     return torch.stack(losses).sum() if losses else None

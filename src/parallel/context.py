@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.nn.functional import all_to_all_single
 
+from gangs.moved import forward_names
+
 __all__ = [
     "document_mask",
     "gather_sequence",
@@ -51,6 +53,11 @@ __all__ = [
     "uses_context_parallel",
     "whole_sequences",
 ]
+# Moved this round (aliases for one release, `gangs.moved`).
+__getattr__ = forward_names("parallel.context", {
+    "enable_context_parallel": "recipes.lm.spec:GPT_SPEC.attend_over",
+    "register_hf_attention": "models.hf.attention:register_hf_attention",
+})
 
 def shard_sequence(tensor: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
     """This rank's contiguous slice of `tensor` along `dim` (the sequence): rank r of a group

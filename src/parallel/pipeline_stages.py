@@ -24,10 +24,16 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from gangs.moved import forward_names
 from parallel.spec import ModelSpec
 
 __all__ = ["build_stage", "layer_split", "merge_stages", "refuse_tied"]
 
+# Gone this round: a model's family is its spec (an alias that refuses, for one release).
+__getattr__ = forward_names("parallel.pipeline_stages", {
+    "model_family": "gone:the family's spec (models.hf.spec_for(model), "
+                    "recipes.lm.spec.GPT_SPEC; parallel.spec.ModelSpec)",
+})
 
 def layer_split(num_layers: int, num_stages: int,
                 boundaries: Sequence[int] | None = None) -> list[range]:

@@ -200,6 +200,45 @@ def describe_errors(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
+ARGUMENTS_DOC = """
+    Args:
+        unit: turns a batch into `(summed loss, num_targets)`; its `model` is trained.
+        data_reader: any iterable of batches (a pass is an epoch); with `state_dict()` and
+            `load_state_dict()` (e.g. `StatefulDataLoader`) it resumes mid-epoch exactly.
+        optimizer: over the model's parameters. `AdamW(fused=True)` normalises, clips and
+            skips on the device (no host read a step).
+        output_dir: where checkpoints (`checkpoints/`), metrics (`metrics/*.jsonl`) and
+            TensorBoard events (`tb/`) go.
+        gangs: the process gangs (`gangs.setup_gangs`); default: the torchrun world under
+            torchrun (`setup_gangs(setup_root_gang())`), else one process.
+        lr_scheduler: stepped once per step, skipped steps included.
+        valid_units: `EvalUnit`s run at each validation; their metrics are recorded as
+            `<unit name>/<metric>`. To split validation data over DP ranks, give each rank
+            its shard: metrics are summed over the DP gang.
+        valid_data_readers: one reader per valid unit, iterated afresh at each validation.
+        early_stopper: `(step_nr, score) -> bool`, called on rank 0 after each scheduled
+            validation (never the extra one at the end of a run: its score is recorded and
+            may rank for best); see `trainer.early_stoppers` for the built-ins.
+        recorders: where metrics go (rank 0); a list replaces the defaults (JSONL,
+            TensorBoard, the console, W&B when `wandb_project` is set).
+        callbacks: `Callback`s, called on every rank at the run's events; one with
+            `state_dict`/`load_state_dict` is checkpointed as `callback.<state_key or class>`.
+        stateful: other objects with `state_dict`/`load_state_dict` (a curriculum, a
+            counter), saved with every checkpoint under their name and restored on resume.
+        resume: continue from the newest complete checkpoint in `output_dir`, if any.
+            Starting over (False) where another run left checkpoints or metrics is refused.
+        overwrite: start over, deleting another run's checkpoints, metrics and TensorBoard
+            files in `output_dir` first.
+        run_config: the run's whole config (plain data), kept beside each checkpoint as
+            `config.yaml` (sha256: the manifest's `config_digest`) and compared on resume,
+            naming changed keys in a warning. Default: these settings, `{"trainer": {...}}`.
+        replica_group: this job's seat among torchft replica groups
+            (`trainer.fault_tolerance.ReplicaGroup`, YAML `gangs.fault_tolerance`): steps
+            commit over the live groups; a restarted group recovers live from a peer.
+"""
+"""The Trainer's arguments other than settings, for `help(Trainer)`."""
+
+
 def settings_doc(model: type[BaseModel] = TrainerSettings) -> str:
     """Each setting with its default and description, for `help(Trainer)`."""
     lines = []

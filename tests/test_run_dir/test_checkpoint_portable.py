@@ -18,7 +18,7 @@ from pathlib import PosixPath
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tiny import GlobalRows, RegressionUnit, make_model
+from tiny import GlobalRows, make_model
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -26,11 +26,12 @@ from trainer import Trainer
 from trainer.checkpoint import read_model_state
 from trainer.checkpoint.manifest import read_dcp_metadata
 from trainer.errors import UserError
+from units.regression import SquaredErrorUnit
 
 
 def train(out, max_num_steps: int) -> dict[str, torch.Tensor]:
     model = make_model()
-    Trainer(RegressionUnit(model), GlobalRows(), torch.optim.AdamW(model.parameters()),
+    Trainer(SquaredErrorUnit(model), GlobalRows(), torch.optim.AdamW(model.parameters()),
             output_dir=out, max_num_steps=max_num_steps, checkpoint_every_n_steps=3,
             recorders=[], progress=False).run()
     return {k: v.clone() for k, v in model.state_dict().items()}

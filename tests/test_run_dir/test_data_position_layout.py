@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 from ranks import run_ranks
-from tiny import GlobalRows, RegressionUnit, dataset, make_model
+from tiny import GlobalRows, dataset, make_model
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
@@ -18,6 +18,7 @@ from gangs import FakeGang, setup_gangs, setup_root_gang
 from parallel import data_parallel
 from trainer import Trainer
 from trainer.errors import UserError
+from units.regression import SquaredErrorUnit
 
 
 def loader(rank: int, size: int) -> StatefulDataLoader:
@@ -28,7 +29,7 @@ def loader(rank: int, size: int) -> StatefulDataLoader:
 def train(out: str, reader_of, max_num_steps: int, gangs=None):
     gangs = gangs if gangs is not None else setup_gangs(FakeGang())
     model = data_parallel(make_model(), gangs)
-    trainer = Trainer(RegressionUnit(model), reader_of(gangs.dp.rank, gangs.dp.size),
+    trainer = Trainer(SquaredErrorUnit(model), reader_of(gangs.dp.rank, gangs.dp.size),
                       torch.optim.SGD(model.parameters(), lr=0.05), output_dir=out,
                       gangs=gangs, max_num_steps=max_num_steps, checkpoint_every_n_steps=5,
                       recorders=[], progress=False)

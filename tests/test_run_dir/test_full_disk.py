@@ -8,12 +8,13 @@ import subprocess
 
 import pytest
 import torch
-from tiny import GlobalRows, RegressionUnit
+from tiny import GlobalRows
 from torch import nn
 
 from trainer import Trainer
 from trainer.checkpoint import CheckpointError, verify
 from trainer.checkpoint.disk_space import is_disk_full
+from units.regression import SquaredErrorUnit
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ class Wide(nn.Module):
 def test_a_save_that_does_not_fit_says_the_disk_is_full_and_how_much_it_needed(small_disk):
     model = Wide()
     out = small_disk / "run"
-    trainer = Trainer(RegressionUnit(model), GlobalRows(), torch.optim.AdamW(model.parameters()),
+    trainer = Trainer(SquaredErrorUnit(model), GlobalRows(), torch.optim.AdamW(model.parameters()),
                       output_dir=out, max_num_steps=4, checkpoint_every_n_steps=1,
                       keep_last_n_checkpoints=1, recorders=[], progress=False)
     with pytest.raises(CheckpointError) as failed:

@@ -11,9 +11,10 @@ import logging
 import torch
 import yaml
 from recipe_runs import describe, run_module
-from tiny import RegressionUnit, make_batches, make_model
+from tiny import make_batches, make_model
 
 from trainer import Trainer
+from units.regression import SquaredErrorUnit
 
 
 def step_config(out, step: int) -> dict:
@@ -63,7 +64,7 @@ def test_recipe_resume_with_a_changed_config_warns_and_keeps_each_config(tmp_pat
 
 def train(out, max_num_steps: int, **settings) -> None:
     model = make_model()
-    Trainer(RegressionUnit(model), make_batches(8), torch.optim.SGD(model.parameters(), lr=0.1),
+    Trainer(SquaredErrorUnit(model), make_batches(8), torch.optim.SGD(model.parameters(), lr=0.1),
             output_dir=out, max_num_steps=max_num_steps, checkpoint_every_n_steps=2,
             recorders=[], progress=False, **settings).run()
 
@@ -83,3 +84,18 @@ def test_trainer_without_a_recipe_keeps_its_settings_and_warns_on_a_change(tmp_p
     with caplog.at_level(logging.WARNING, logger="gangtrain"):
         train(out, 6, num_accumulate=2, max_gradient_norm=1.0)  # the same config: silent
     assert "differs" not in caplog.text
+
+
+def test_result_neutral_keys_name_real_settings_and_cover_the_schedules():
+    """A setting added or renamed must not drift out of the list: each trainer key in it is
+    a real setting, and the settings that only say how often or how many (checkpoints, model
+    saves, valid batches, where to resume) are in it."""
+    from trainer.checkpoint.run_config import RESULT_NEUTRAL
+    from trainer.config.trainer_config import TrainerConfig
+
+    trainer_keys = {key.split(".", 1)[1] for key in RESULT_NEUTRAL if key.startswith("trainer.")}
+    assert trainer_keys <= set(TrainerConfig.model_fields), trainer_keys - set(
+        TrainerConfig.model_fields)
+    schedules = {name for name in TrainerConfig.model_fields
+                 if name.startswith(("checkpoint_every", "keep_", "model_checkpoint_every"))}
+    assert schedules | {"max_num_valid_batches", "resume_from"} <= trainer_keys

@@ -16,7 +16,7 @@ import pytest
 import torch
 from ranks import run_ranks
 from recipe_runs import REPO, TIMEOUT_S, describe, recipe_env
-from tiny import RegressionUnit, make_batches, make_model
+from tiny import make_batches, make_model
 
 from gangs import setup_gangs, setup_root_gang
 from parallel import data_parallel
@@ -25,6 +25,7 @@ from trainer.checkpoint import read_model_state
 from trainer.errors import UserError
 from trainer.lifecycle.run_lock import LOCK_FILE, RunLock
 from trainer.observe.recorders import read_jsonl
+from units.regression import SquaredErrorUnit
 
 HERE = Path(__file__).resolve().parent
 
@@ -146,7 +147,7 @@ def _trainer_on_two_ranks(out: str) -> str:
     model = data_parallel(make_model(), gangs)
     try:
         batches = make_batches(4)[gangs.dp.rank::gangs.dp.size]  # each rank its own share
-        Trainer(RegressionUnit(model), batches, torch.optim.SGD(model.parameters(), lr=0.1),
+        Trainer(SquaredErrorUnit(model), batches, torch.optim.SGD(model.parameters(), lr=0.1),
                 output_dir=out, gangs=gangs, max_num_steps=2, recorders=[], progress=False)
     except UserError as error:
         return str(error)

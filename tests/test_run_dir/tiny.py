@@ -3,25 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from data.global_batches import GlobalBatchReader
-from units import MetricBag, TrainUnit
-
-
-class RegressionUnit(TrainUnit):
-    def __init__(self, model: nn.Module) -> None:
-        self._model = model
-
-    @property
-    def model(self) -> nn.Module:
-        return self._model
-
-    def __call__(self, batch, metrics: MetricBag):
-        x, y = batch
-        return F.mse_loss(self._model(x).squeeze(-1), y, reduction="sum"), y.numel()
 
 
 def make_model(seed: int = 0) -> nn.Module:

@@ -6,28 +6,14 @@ checkpoint by a second Trainer ends with the parameters of a run never stopped, 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from trainer.trainer import Trainer
-from units import MetricBag, TrainUnit
+from units.regression import SquaredErrorUnit
 
 BATCHES_PER_EPOCH = 10
-
-
-class RegressionUnit(TrainUnit):
-    def __init__(self, model: nn.Module) -> None:
-        self._model = model
-
-    @property
-    def model(self) -> nn.Module:
-        return self._model
-
-    def __call__(self, batch, metrics: MetricBag):
-        x, y = batch
-        return F.mse_loss(self._model(x).squeeze(-1), y, reduction="sum"), y.numel()
 
 
 def run(output_dir, max_num_steps: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
@@ -40,7 +26,7 @@ def run(output_dir, max_num_steps: int) -> tuple[dict[str, torch.Tensor], list[t
                                 generator=torch.Generator().manual_seed(1))
     drawn: list[torch.Tensor] = []
 
-    class Recording(RegressionUnit):
+    class Recording(SquaredErrorUnit):
         def __call__(self, batch, metrics):
             drawn.append(batch[0][0].clone())
             return super().__call__(batch, metrics)

@@ -22,7 +22,7 @@ from gangs import setup_gangs, setup_root_gang
 from parallel import data_parallel
 from trainer import Callback
 from trainer.trainer import Trainer
-from units import TrainUnit
+from units.regression import SquaredErrorUnit
 
 NUM_ACCUMULATE = 4
 NUM_STEPS = 2
@@ -41,21 +41,6 @@ class Net(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return self.head(x).squeeze(-1)
-
-
-class SquaredError(TrainUnit):
-    """Sum of squared errors over the batch's rows, and the number of rows."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self._model = model
-
-    @property
-    def model(self) -> nn.Module:
-        return self._model
-
-    def __call__(self, batch, metrics):
-        x, y = batch
-        return (self._model(x) - y).square().sum(), y.numel()
 
 
 def micro_batches(rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -116,7 +101,7 @@ def train(reduce_every: bool, dp_shard_size: int | None = None):
     counter = PerStep(CollectiveCounter())
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(
-            SquaredError(model), micro_batches(dp_rank, dp_size),
+            SquaredErrorUnit(model), micro_batches(dp_rank, dp_size),
             torch.optim.SGD(model.parameters(), lr=0.1), output_dir=out, gangs=gangs,
             num_accumulate=NUM_ACCUMULATE, max_num_steps=NUM_STEPS, progress=False,
             publish_metrics_every_n_steps=100, validate_at_end=False,

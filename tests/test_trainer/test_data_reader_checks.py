@@ -17,20 +17,7 @@ from gangs import setup_gangs, setup_root_gang
 from parallel import data_parallel
 from trainer.errors import UserError
 from trainer.trainer import Trainer
-from units import MetricBag, TrainUnit
-
-
-class Regression(TrainUnit):
-    def __init__(self, model: nn.Module) -> None:
-        self._model = model
-
-    @property
-    def model(self) -> nn.Module:
-        return self._model
-
-    def __call__(self, batch, metrics: MetricBag):
-        x, y = batch
-        return ((self._model(x).squeeze(-1) - y) ** 2).sum(), y.numel()
+from units.regression import SquaredErrorUnit
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -45,14 +32,14 @@ def test_a_map_style_dataset_is_refused(tmp_path):
     model = nn.Linear(3, 1)
     with pytest.raises(UserError, match="data_reader is a map-style dataset \\(TensorDataset\\)"
                                         ".* one unbatched sample"):
-        Trainer(Regression(model), TensorDataset(x, x.sum(-1)),
+        Trainer(SquaredErrorUnit(model), TensorDataset(x, x.sum(-1)),
                 torch.optim.SGD(model.parameters(), lr=0.1), output_dir=tmp_path,
                 max_num_steps=2, progress=False)
     from datasets import Dataset
 
     rows = Dataset.from_dict({"x": x.tolist()})
     with pytest.raises(UserError, match="data_reader is a map-style dataset \\(Dataset\\)"):
-        Trainer(Regression(model), rows, torch.optim.SGD(model.parameters(), lr=0.1),
+        Trainer(SquaredErrorUnit(model), rows, torch.optim.SGD(model.parameters(), lr=0.1),
                 output_dir=tmp_path / "hf", max_num_steps=2, progress=False)
     assert not (tmp_path / "hf").exists()  # refused before anything is written
 
@@ -101,7 +88,7 @@ def train_on_two_ranks(out: str, kinds: list[str]) -> list[str]:
     for kind in kinds:
         model = data_parallel(nn.Linear(3, 1), gangs, "ddp")
         try:
-            result = Trainer(Regression(model), reader(kind, gangs.dp.rank, gangs.dp.size),
+            result = Trainer(SquaredErrorUnit(model), reader(kind, gangs.dp.rank, gangs.dp.size),
                              torch.optim.SGD(model.parameters(), lr=0.1),
                              output_dir=f"{out}/{kind}", gangs=gangs, max_num_steps=3,
                              progress=False).run()

@@ -30,27 +30,23 @@ from trainer import Trainer  # noqa: E402
 from trainer.evaluate import evaluate  # noqa: E402
 from trainer.lifecycle.threads import set_threads  # noqa: E402
 from trainer.observe.recorders import read_jsonl  # noqa: E402
-from units import EvalUnit, MetricBag, TrainUnit  # noqa: E402
+from units import EvalUnit, MetricBag  # noqa: E402
+from units.regression import SquaredErrorUnit  # noqa: E402
 
 SLOW_S = 0.05  # a step on the slow count sleeps this long; the others take a few ms
 
 
-class SlowOn(TrainUnit):
+class SlowOn(SquaredErrorUnit):
     """Regression whose step sleeps when torch runs on `slow_count` threads."""
 
     def __init__(self, model: nn.Module, slow_count: int) -> None:
-        self._model = model
+        super().__init__(model)
         self.slow_count = slow_count
-
-    @property
-    def model(self) -> nn.Module:
-        return self._model
 
     def __call__(self, batch, metrics: MetricBag):
         if torch.get_num_threads() == self.slow_count:
             time.sleep(SLOW_S)
-        x, y = batch
-        return F.mse_loss(self._model(x).squeeze(-1), y, reduction="sum"), y.numel()
+        return super().__call__(batch, metrics)
 
 
 class Loss(EvalUnit):

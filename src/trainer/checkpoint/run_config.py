@@ -36,7 +36,9 @@ RESULT_NEUTRAL = (
     "trainer.wandb_project", "trainer.profiler", "trainer.callbacks",
     "trainer.checkpoint_every_n_steps", "trainer.keep_last_n_checkpoints",
     "trainer.keep_best_n_checkpoints", "trainer.async_checkpoint", "trainer.validate_at_end",
-    "gangs.timeout_s",
+    "trainer.checkpoint_every_n_epochs", "trainer.model_checkpoint_every_n_steps",
+    "trainer.keep_last_n_model_checkpoints", "trainer.max_num_valid_batches",
+    "trainer.resume_from", "gangs.timeout_s",
     # Intra-op threads change float results in the last bits at most (trainer.lifecycle.threads).
     "trainer.num_threads", "threads",
 )

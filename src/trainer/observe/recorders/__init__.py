@@ -14,7 +14,7 @@ from trainer.observe.recorders.console import ConsoleRecorder, format_record, fo
 from trainer.observe.recorders.defaults import default_recorders, training_recorder
 from trainer.observe.recorders.jsonl import JsonlRecorder, read_jsonl, section_file_name
 from trainer.observe.recorders.tensorboard import TensorBoardRecorder
-from trainer.observe.recorders.wandb import WandbRecorder, wandb_available
+from trainer.observe.recorders.wandb import WandbRecorder
 
 __all__ = [
     "BackgroundRecorder",
@@ -31,5 +31,4 @@ __all__ = [
     "read_jsonl",
     "section_file_name",
     "training_recorder",
-    "wandb_available",
 ]

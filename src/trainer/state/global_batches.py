@@ -1,0 +1,6 @@
+"""Moved: `trainer.state.global_batches` is now `data.global_batches` (an alias for one
+release)."""
+
+from gangs.moved import alias_module
+
+alias_module(__name__, "data.global_batches")
