@@ -47,6 +47,22 @@ class Validator:
         self._last_counts = [0] * len(self.units)
         if score_metric is not None:
             self._check_score_metric(score_metric)
+        self._refuse_empty_sized_readers()
+
+    def _refuse_empty_sized_readers(self) -> None:
+        """A reader with a length of 0 on every DP rank is refused now, not at the first
+        validation steps later (one collective; a reader without a length is checked when it
+        runs, `_check_not_spent`)."""
+        has_data = [not (hasattr(r, "__len__") and len(r) == 0) for r in self.readers]
+        if self.gangs.dp.size > 1 and has_data:
+            has_data = any_rank_each(self.gangs.dp, has_data)
+        for index, (unit, reader) in enumerate(zip(self.units, self.readers)):
+            if not has_data[index]:
+                ranks = " on every rank" if self.gangs.dp.size > 1 else ""
+                raise UserError(
+                    f"valid_data_readers[{index}] (of valid unit '{unit.name}', a "
+                    f"{type(reader).__name__}) is empty (length 0){ranks}: give it data or "
+                    "leave the valid unit out")
 
     def _check_score_metric(self, score_metric: str) -> None:
         unit_name, _, metric = score_metric.rpartition("/")

@@ -90,6 +90,15 @@ class EmptyReader:
         return iter(())
 
 
+def test_an_empty_validation_list_is_refused_at_construction(tmp_path):
+    model = make_model()
+    with pytest.raises(UserError, match=r"^valid_data_readers\[0\] \(of valid unit 'valid', a "
+                                        r"list\) is empty \(length 0\): give it data"):
+        trainer_of(TokenUnit(model), tmp_path, valid_units=[StepScore(model, {})],
+                   valid_data_readers=[[]], validate_every_n_steps=4)
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_an_empty_validation_reader_is_refused_at_the_first_validation(tmp_path):
     model = make_model()
     unit = StepScore(model, {})
