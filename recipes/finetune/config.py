@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, PositiveInt
 
 from trainer.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
-from trainer.config.trainer_config import AdamWConfig, TrainerConfig
+from trainer.config.trainer_config import FINETUNING_TRAINER, AdamWConfig, TrainerConfig
 
 
 class ModelSection(Section):
@@ -49,17 +49,7 @@ class FinetuneConfig(Section):
     data: DataSection = DataSection()
     optimizer: OptimizerSection = OptimizerSection()
     lr_scheduler: LRSchedulerSection = LRSchedulerSection()
-    trainer: TrainerConfig = TrainerConfig(
-        max_num_steps=1000,
-        validate_every_n_steps=100,
-        checkpoint_every_n_steps=100,
-        keep_last_n_checkpoints=1,
-        keep_best_n_checkpoints=1,
-        score_metric="valid/loss",
-        max_gradient_norm=1.0,
-        dtype="bf16",
-        data_parallel="fsdp",
-    )
+    trainer: TrainerConfig = FINETUNING_TRAINER
     gangs: GangsSection = GangsSection()
     lora: LoraSection = LoraSection()
 

@@ -3,7 +3,8 @@ import time
 
 import pytest
 
-from trainer.observe.recorders import WandbRecorder, wandb_available
+from trainer.observe.recorders import WandbRecorder
+from trainer.observe.recorders.wandb import wandb_available
 
 
 def test_missing_wandb_raises_a_clear_error(tmp_path, monkeypatch):

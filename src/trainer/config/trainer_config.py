@@ -73,3 +73,18 @@ class TrainerConfig(TrainerSettings):
             )
         except ValueError as ex:
             raise UserError(f"config 'trainer': {ex}") from None
+
+
+FINETUNING_TRAINER = TrainerConfig(
+    max_num_steps=1000,
+    validate_every_n_steps=100,
+    checkpoint_every_n_steps=100,
+    keep_last_n_checkpoints=1,
+    keep_best_n_checkpoints=1,
+    score_metric="valid/loss",
+    max_gradient_norm=1.0,
+    dtype="bf16",
+    data_parallel="fsdp",
+)
+"""The `trainer` defaults of the recipes that fine-tune a pretrained model (finetune, SFT,
+preference): validate every 100 steps and keep the best by valid/loss, bf16, FSDP2, clip at 1."""
