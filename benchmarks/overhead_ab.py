@@ -71,9 +71,9 @@ def _minimal_step(trainer: Trainer, batches: list[Any]) -> None:
 
 # name: (owner, attribute, alternative, what B - A tells)
 EXPERIMENTS: dict[str, tuple[Any, str, Callable[..., Any], str]] = {
-    "same": (Trainer, "_post_step", Trainer._post_step, "nothing: the noise floor"),
-    "publish": (Trainer, "_post_step", lambda self, stop: None,
-                "minus the cost of publishing every 10 steps"),
+    "same": (Trainer, "_sync_point", Trainer._sync_point, "nothing: the noise floor"),
+    "publish": (Trainer, "_sync_point", lambda self, due, stop: None,
+                "minus the cost of the sync point (publishing every 10 steps)"),
     "record_norm": (gradients, "gradient_norm_parts", lambda params, *split: [],
                     "minus the gradient norm measured for the record on publish steps"),
     "system_metrics": (SystemMetrics, "publish", lambda self, *args: {},

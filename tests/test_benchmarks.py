@@ -67,16 +67,16 @@ def test_overhead_ab_switches_a_piece_per_window_and_puts_it_back(capsys):
     from benchmarks import overhead_ab
     from trainer.trainer import Trainer
 
-    real = Trainer._post_step
+    real = Trainer._sync_point
     published = []
     overhead_ab.EXPERIMENTS["test_publish"] = (
-        Trainer, "_post_step", lambda self, stop: published.append(self.step_nr),
+        Trainer, "_sync_point", lambda self, due, stop: published.append(self.step_nr),
         "publish steps of B windows")
     try:
         overhead_ab.measure("test_publish", runs=1, steps=40)
     finally:
         del overhead_ab.EXPERIMENTS["test_publish"]
-    assert Trainer._post_step is real  # put back for the next experiment
+    assert Trainer._sync_point is real  # put back for the next experiment
     # Steps 11-20 and 31-40 are the B windows of each of the two runs (warm-up and measured).
     assert published == [20, 40, 20, 40]
     assert re.search(r"test_publish +B - A +[-+]\d+\.\d us a step \(runs", capsys.readouterr().out)
