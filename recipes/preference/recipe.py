@@ -24,14 +24,14 @@ from torch import nn
 from data.mixing import hold_out
 from data.preference import PairEvalBatches, PairFields, PairReader, plan_pairs, tokenize_pairs
 from data.sft import Tokenized
-from gangs import Gangs, first_error
+from gangs import Gangs, rank0_first
 from parallel import check_hsdp
 from recipes.preference.config import PRESETS, RESUME_GUARD, PreferenceConfig
 from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import load_pretrained
-from trainer.hf.hf_config import check_model_dir
+from trainer.hf.hf_config import check_model_dir, check_tokenizer_fits
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.run_dir import RunDir
@@ -158,23 +158,12 @@ def _setup(config: PreferenceConfig, train: bool) -> _Setup:
                                   config.gangs.dp_shard_size)
     # Rank 0 tokenises into the cache first, the others then read it; a mistake found on
     # rank 0 is raised on every rank.
-    data, message = None, None
-    if gangs.root.rank == 0:
-        try:
-            data = prepare_pairs(config, tokenizer, gangs.dp.rank, gangs.dp.size, train)
-        except UserError as error:
-            message = str(error)
-    message = first_error(gangs.root, message)
-    if message is not None:
-        raise UserError(message)
-    if data is None:
-        data = prepare_pairs(config, tokenizer, gangs.dp.rank, gangs.dp.size, train)
+    data = rank0_first(gangs.root, lambda: prepare_pairs(config, tokenizer, gangs.dp.rank,
+                                                     gangs.dp.size, train))
     if console:
         for line in data.summary:
             console.print(f"data {line}")
-    if len(tokenizer) > hf_config.vocab_size:
-        raise UserError(f"the tokenizer of '{config.model.path}' has {len(tokenizer)} tokens, "
-                        f"beyond the model's vocab_size {hf_config.vocab_size}")
+    check_tokenizer_fits(tokenizer, hf_config, config.model.path)
     model, reference = load_models(config, gangs)
     if console:
         console.print(f"model: {config.model.path}, "

@@ -22,7 +22,7 @@ from data.formats import Fields
 from data.mixing import hold_out, mix
 from data.sft import Tokenized, plan_examples, tokenize_files
 from data.token_batches import BinReader, Bins, EvalBatches
-from gangs import Gangs, first_error
+from gangs import Gangs, rank0_first
 from layers.neftune import add_neftune
 from models.hf.document_attention import use_document_attention
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
@@ -30,7 +30,7 @@ from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
 from trainer.evaluate import evaluate
 from trainer.hf import hf_model_of
-from trainer.hf.hf_config import check_model_dir
+from trainer.hf.hf_config import check_model_dir, check_tokenizer_fits
 from trainer.hf.hf_config import load_tokenizer as load_model_tokenizer
 from trainer.hf.layout import HFLayout, check_layout, load_layout
 from trainer.lr_schedules import schedule_length, warmup_decay
@@ -252,23 +252,12 @@ def _setup(config: SFTConfig, train: bool) -> _Setup:
     # Rank 0 reads and tokenises into the cache first; the others then read the cache
     # rather than all converting the same files at once. A mistake found on rank 0 (a bad
     # file, a template that cannot be masked) is raised on every rank, none left waiting.
-    data, message = None, None
-    if root.rank == 0:
-        try:
-            data = prepare_data(config, tokenizer, gangs.dp.rank, gangs.dp.size, train)
-        except UserError as error:
-            message = str(error)
-    message = first_error(root, message)
-    if message is not None:
-        raise UserError(message)
-    if data is None:
-        data = prepare_data(config, tokenizer, gangs.dp.rank, gangs.dp.size, train)
+    data = rank0_first(root, lambda: prepare_data(config, tokenizer, gangs.dp.rank,
+                                                     gangs.dp.size, train))
     if console:
         for line in data.summary:
             console.print(f"data {line}")
-    if len(tokenizer) > hf_config.vocab_size:
-        raise UserError(f"the tokenizer of '{config.model.path}' has {len(tokenizer)} tokens, "
-                        f"beyond the model's vocab_size {hf_config.vocab_size}")
+    check_tokenizer_fits(tokenizer, hf_config, config.model.path)
     layout = load_model(config, gangs)
     if console:
         console.print(f"model: {config.model.path}, "

@@ -2,7 +2,14 @@
 one table of named mesh axes (`gangs.setup.mesh_views`), and the decisions every rank shares.
 Imports torch only: model layers live in `layers`, wrappers and the build plan in `parallel`."""
 
-from gangs.decisions import any_rank, any_rank_each, describe, first_error, on_rank0
+from gangs.decisions import (
+    any_rank,
+    any_rank_each,
+    describe,
+    first_error,
+    on_rank0,
+    rank0_first,
+)
 from gangs.fake import FakeGang
 from gangs.gang import Gang, GangError, ReduceOperation
 from gangs.process_group import ProcessGroupGang, default_device, host_gang, setup_root_gang
@@ -23,6 +30,7 @@ __all__ = [
     "first_error",
     "host_gang",
     "on_rank0",
+    "rank0_first",
     "setup_gangs",
     "setup_root_gang",
 ]

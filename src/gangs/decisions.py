@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from gangs.errors import UserError
 from gangs.gang import Gang, ReduceOperation
 
 T = TypeVar("T")
@@ -71,3 +72,20 @@ def on_rank0(gang: Gang, action: Callable[[], T], what: str,
     if outcome[1] is not None:
         raise error_type(outcome[1]) from error
     return outcome[0]
+
+
+def rank0_first(gang: Gang, make: Callable[[], T]) -> T:
+    """`make()` on rank 0 first, then on the other ranks (which then read what rank 0 left
+    in a cache rather than all doing the same work at once). A `UserError` rank 0 raises is
+    raised on every rank, none left waiting."""
+    value: T | None = None
+    message = None
+    if gang.rank == 0:
+        try:
+            value = make()
+        except UserError as error:
+            message = str(error)
+    message = first_error(gang, message)
+    if message is not None:
+        raise UserError(message)
+    return make() if gang.rank != 0 else value  # type: ignore[return-value]

@@ -32,6 +32,18 @@ def document_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
     return spans
 
 
+# The spans of the last `position_ids` seen: every layer of one forward is handed the same
+# tensor, so the spans (a host copy) are read once a forward, not once a layer.
+_last: tuple[Tensor, int, list[list[tuple[int, int]]]] | None = None
+
+
+def _spans_of(position_ids: Tensor, rows: int) -> list[list[tuple[int, int]]]:
+    global _last
+    if _last is None or _last[0] is not position_ids or _last[1] != rows:
+        _last = (position_ids, rows, document_spans(position_ids.expand(rows, -1)))
+    return _last[2]
+
+
 def document_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor | None, *,
                        scale: float | None = None, dropout_p: float = 0.0) -> Tensor:
     """Causal attention of `q` [b, heads, t, d] to `k`, `v` [b, kv_heads, t, d] (grouped
@@ -47,7 +59,7 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor | N
     t = q.shape[2]
     if position_ids is None:
         return attend(slice(None), 0, t)
-    spans = document_spans(position_ids.expand(q.shape[0], -1))
+    spans = _spans_of(position_ids, q.shape[0])
     if all(row == spans[0] for row in spans):  # padded rows, or rows packed alike: one call each
         return torch.cat([attend(slice(None), s, e) for s, e in spans[0]], dim=2)
     rows = [torch.cat([attend(slice(r, r + 1), s, e) for s, e in row], dim=2)

@@ -96,3 +96,11 @@ def load_tokenizer(path: str) -> Any:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise UserError(f"config 'model.path': the tokenizer of '{path}' cannot be loaded: "
                         f"{first}") from None
+
+
+def check_tokenizer_fits(tokenizer: Any, hf_config: Any, path: str) -> None:
+    """A `UserError` when the tokenizer of model directory `path` has more tokens than the
+    model's embedding has rows."""
+    if len(tokenizer) > hf_config.vocab_size:
+        raise UserError(f"the tokenizer of '{path}' has {len(tokenizer)} tokens, beyond the "
+                        f"model's vocab_size {hf_config.vocab_size}")
