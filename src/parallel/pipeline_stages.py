@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from gangs.moved import forward_names
+from layers.wrappers import WHOLE_MODEL
 from parallel.spec import ModelSpec
 
 __all__ = ["build_stage", "layer_split", "merge_stages", "refuse_tied"]
@@ -91,6 +92,9 @@ def merge_stages(stages: Sequence[nn.Module]) -> nn.Module:
     merged = nn.Module()
     for stage in stages:
         _merge_into(merged, stage)
+    whole = getattr(stages[0], WHOLE_MODEL, None)
+    if whole is not None:  # the model they were cut from (`layers.wrappers`), not a submodule
+        merged.__dict__[WHOLE_MODEL] = whole
     return merged
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from layers.wrappers import WHOLE_MODEL
 from models.hf.attention import register_hf_attention
 from parallel.pipeline_stages import refuse_tied
 
@@ -97,8 +98,9 @@ class DecoderStage(nn.Module):
     """Decoder layers `layers` of a HF causal LM run by the model's own forward (see the
     module docstring). It holds, under their names in the whole model, the base model's
     modules a stage runs (rotary tables and the like), its own layers, the embedding when
-    `first` and the final norm and output head when `last`; the whole model is kept aside,
-    not as a submodule, so its other (meta) parameters are not this stage's.
+    `first` and the final norm and output head when `last`; the whole model is kept aside
+    as its `whole_model` (`layers.wrappers`), not as a submodule, so its other (meta)
+    parameters are not this stage's.
 
     forward(h, position_ids): `h` the input ids (first stage) or the previous stage's hidden
     states; returns the logits (last stage) or (hidden states, position_ids)."""
@@ -108,7 +110,7 @@ class DecoderStage(nn.Module):
         super().__init__()
         base = _base(model)
         self.first, self.last, self.layout, self.span = first, last, layout, layers
-        self.__dict__["whole"] = model  # not registered: the other stages' parameters
+        self.__dict__[WHOLE_MODEL] = model  # not registered: the other stages' parameters
         kept = nn.Module()
         for name, child in base.named_children():
             if name == layout.layers:
@@ -126,10 +128,10 @@ class DecoderStage(nn.Module):
         """The model's own initialisation, which computes what no checkpoint holds (rotary
         tables); what was loaded carries transformers' flag and is left alone, and the
         other stages' tensors are on the meta device, where it writes nothing."""
-        self.__dict__["whole"].initialize_weights()
+        self.__dict__[WHOLE_MODEL].initialize_weights()
 
     def forward(self, h: Tensor, position_ids: Tensor) -> Any:
-        model: nn.Module = self.__dict__["whole"]
+        model: nn.Module = self.__dict__[WHOLE_MODEL]
         base = _base(model)
         layout = self.layout
         all_layers = getattr(base, layout.layers)
