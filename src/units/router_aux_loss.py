@@ -3,27 +3,68 @@ added to the trained loss when the model's config asks for it (`output_router_lo
 weight `router_aux_loss_coef`), as the model's own `forward(labels=...)` adds it to its mean
 loss: the unit sums its loss over targets, so it adds `coef * aux_loss * num_targets`.
 
-The model computes `aux_loss` over the tokens of the batch it is given (its own
-`load_balancing_loss_func`): under data parallelism each rank's share is its own batch's,
-weighted by its targets, as in transformers' own data-parallel training."""
+transformers' `load_balancing_loss_func` (Switch Transformer's, pooled over the layers):
+
+    aux = E * sum_e f_e * P_e     f_e = tokens routed to e / R,  P_e = router probability of e
+                                  summed over the tokens / R,   R = tokens x layers
+                                  (padding, attention mask 0, left out)
+
+The global-batch rule: a micro-batch's `aux` is that of the tokens of every data-parallel
+(and context-parallel) rank's micro-batch together, the loss one process holding them all
+computes, whatever the layout. `f` is not differentiable (top-k choices): each rank's counts,
+token count `R` and target count are summed over those ranks (one all-reduce of E + 2
+numbers per micro-batch, on the device), and each rank adds
+
+    coef * n * E * sum_e f_e * p_e / R       (n, f, R global; p_e its own probability sums)
+
+so that the ranks' shares add up to `coef * n * aux` of the global micro-batch, and its
+gradient reaches each router through the rank's own tokens. Computed per rank instead (as
+transformers' own data-parallel training does), DP2 would train another objective than one
+process: a product of two means over half the tokens is not that over all of them. As
+Megatron-Core's `global_aux_loss` (counts reduced over tp x dp x cp) and the global-batch
+balancing of Qwen's "Demons in the Detail" (2025); tensor-parallel ranks see the same tokens
+and take no part.
+
+The ranks are those `share_router_statistics(model, gangs)` names (`trainer.hf.load_pretrained`
+names `gangs.dp` and `gangs.cp`); a model under a process group that names none is refused,
+never trained per rank silently. The first forward checks the formula against the model's
+own `aux_loss` (one host sync): a family whose aux loss is another is refused by name."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["RouterAuxLoss"]
+from gangs import Gang, ReduceOperation
+from layers.wrappers import wrapped_chain
+
+__all__ = ["ROUTER_STATISTICS_GANGS", "RouterAuxLoss", "share_router_statistics"]
+
+ROUTER_STATISTICS_GANGS = "router_statistics_gangs"
+"""The attribute by which a model names the gangs its router statistics are summed over."""
+
+
+def share_router_statistics(model: nn.Module, gangs: Sequence[Gang]) -> None:
+    """Sum the router statistics of `model`'s aux loss over `gangs` (the ranks that hold other
+    tokens of the same micro-batch: data and context parallel; see the module docstring)."""
+    setattr(model, ROUTER_STATISTICS_GANGS, tuple(g for g in gangs if g.size > 1))
 
 
 class RouterAuxLoss:
-    """Keeps the `aux_loss` of `model`'s last forward (a forward hook) and gives its share of
-    the summed loss."""
+    """Keeps the router logits and attention mask of `model`'s last forward (a forward hook)
+    and gives its share of the summed loss (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, weight: float) -> None:
-        self.weight = weight
-        self._last: Tensor | None = None
-        model.register_forward_hook(self._keep)
+    def __init__(self, model: nn.Module, weight: float, num_experts: int, top_k: int,
+                 gangs: Sequence[Gang]) -> None:
+        self.weight, self.num_experts, self.top_k = weight, num_experts, top_k
+        self.gangs = tuple(gangs)
+        self._last: tuple[tuple[Tensor, ...], Tensor | None, Any] | None = None
+        self._checked = False
+        model.register_forward_hook(self._keep, with_kwargs=True)
 
     @classmethod
     def of(cls, model: nn.Module) -> RouterAuxLoss | None:
@@ -33,15 +74,73 @@ class RouterAuxLoss:
         weight = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
         if not getattr(config, "output_router_logits", False) or weight == 0.0:
             return None
-        return cls(model, float(weight))
+        kind = type(getattr(model, "module", model)).__name__
+        num_experts = getattr(config, "num_experts", None) or getattr(
+            config, "num_local_experts", None)
+        top_k = getattr(config, "num_experts_per_tok", None)
+        if not num_experts or not top_k:
+            raise ValueError(f"{kind}: its config asks for the router aux loss "
+                             "(output_router_logits) but names no num_experts and "
+                             "num_experts_per_tok; set output_router_logits false")
+        gangs = next((getattr(seen, ROUTER_STATISTICS_GANGS) for seen in wrapped_chain(model)
+                      if hasattr(seen, ROUTER_STATISTICS_GANGS)), None)
+        if gangs is None:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                raise ValueError(
+                    f"{kind}: its config asks for the router aux loss (output_router_logits) "
+                    "and it runs on several ranks without knowing which hold other tokens: "
+                    "load it with trainer.hf.load_pretrained, or name them with "
+                    "units.router_aux_loss.share_router_statistics(model, [gangs.dp, gangs.cp])")
+            gangs = ()
+        return cls(model, float(weight), int(num_experts), int(top_k), gangs)
 
-    def _keep(self, _: nn.Module, __: Any, output: Any) -> None:
-        self._last = getattr(output, "aux_loss", None)
+    def _keep(self, _: nn.Module, __: Any, kwargs: dict[str, Any], output: Any) -> None:
+        self._last = (getattr(output, "router_logits", None), kwargs.get("attention_mask"),
+                      getattr(output, "aux_loss", None))
 
     def summed(self, num_targets: Tensor) -> Tensor:
-        """`weight * aux_loss * num_targets` of the last forward."""
-        if self._last is None:
+        """`weight * aux_loss * num_targets` of the last forward's global micro-batch, this
+        rank's share (see the module docstring). Every rank of the gangs must call it."""
+        if self._last is None or not self._last[0]:
             raise RuntimeError("the model's config asks for the router aux loss "
-                               "(output_router_logits), but its output has no aux_loss")
-        aux, self._last = self._last, None
-        return self.weight * aux * num_targets
+                               "(output_router_logits), but its output has no router_logits")
+        (router_logits, mask, own), self._last = self._last, None
+        counts, probs, rows = self._statistics(router_logits, mask)
+        if not self._checked:
+            self._check(counts, probs, rows, own)
+        shared = torch.cat([counts, rows.reshape(1), num_targets.detach().reshape(1).float()])
+        for gang in self.gangs:
+            gang.all_reduce(shared, ReduceOperation.SUM)
+        counts, rows, targets = shared[:-2], shared[-2], shared[-1]
+        aux_share = self.num_experts * (counts / rows * probs / rows).sum()
+        return self.weight * aux_share * targets
+
+    def _statistics(self, router_logits: Sequence[Tensor], mask: Tensor | None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(tokens routed to each expert, router probabilities summed per expert, counted
+        tokens x layers) over this rank's tokens, padding left out, as transformers counts."""
+        device = router_logits[0].device
+        counts = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+        probs = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+        rows = torch.zeros((), dtype=torch.float32, device=device)
+        keep = None if mask is None else mask.reshape(-1).to(device, torch.float32)
+        for layer_logits in router_logits:
+            weights = torch.softmax(layer_logits, dim=-1)
+            chosen = torch.topk(weights, self.top_k, dim=-1).indices.detach()
+            token = torch.ones(len(weights), device=device) if keep is None else keep
+            counts = counts.scatter_add(0, chosen.reshape(-1), token.repeat_interleave(self.top_k))
+            probs = probs + (weights.float() * token.unsqueeze(-1)).sum(dim=0)
+            rows = rows + token.sum()
+        return counts, probs, rows
+
+    def _check(self, counts: Tensor, probs: Tensor, rows: Tensor, own: Tensor | None) -> None:
+        """This rank's aux loss by the formula against the model's own (once)."""
+        self._checked = True
+        mine = (self.num_experts * (counts / rows * probs / rows).sum()).item()
+        theirs = float(own) if own is not None else float("nan")
+        # The same float32 sums in the same order: equal to rounding.
+        if not abs(mine - theirs) <= 1e-5 * abs(theirs):
+            raise ValueError(
+                f"the model's router aux loss ({theirs:.6g}) is not transformers' "
+                f"load_balancing_loss_func ({mine:.6g}), which gangtrain sums over "
+                "data-parallel ranks: train it with output_router_logits false")

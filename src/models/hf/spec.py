@@ -72,6 +72,13 @@ class HFSpec:
                        last: bool) -> nn.Module:
         layout = PipelineLayout(model, self.name)
         refuse_tied(getattr(_base(model), layout.embedding), model.get_output_embeddings())
+        if getattr(model.config, "output_router_logits", False):
+            # The last stage's forward sees only its own routers, and the loss its logits.
+            raise ValueError(
+                f"pipeline parallelism: {self.name}'s config asks for the router's auxiliary "
+                "loss (output_router_logits), which a pipeline stage cannot compute over "
+                "every layer's router; set output_router_logits false in config.json, or "
+                "gangs.pp_size 1")
         return DecoderStage(model, layout, layers, first, last)
 
     def attend_over(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:

@@ -42,6 +42,7 @@ from parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
 from trainer.hf.hf_config import read_hf_config
 from trainer.hf.safetensors_files import WeightFiles
+from units.router_aux_loss import share_router_statistics
 
 __all__ = ["build_on_meta", "load_pretrained", "tensor_aliases"]
 
@@ -178,8 +179,10 @@ class _Pretrained:
 
 def _tensor_parallel(model: nn.Module, gangs: Gangs) -> None:
     """The experts split over `gangs.ep` (`models.hf.experts`), and the model's own TP plan
-    over `gangs.tp`, when there is more than one rank to split over."""
+    over `gangs.tp`, when there is more than one rank to split over; the router's aux loss
+    statistics summed over the ranks that hold other tokens (`units.router_aux_loss`)."""
     apply_expert_parallel(model, gangs.ep)
+    share_router_statistics(model, (gangs.dp, gangs.cp))
     if gangs.tp.size == 1:
         return
     if gangs.mesh is None:

@@ -1,0 +1,99 @@
+"""The router's auxiliary (load-balancing) loss of a HF mixture of experts under data and
+expert parallelism: with `output_router_logits` on, DP2 (FSDP2) and EP2 train Qwen3-MoE and
+Mixtral as one process does on the same global batches.
+
+The rule (`units.router_aux_loss`, docs/models.md): a micro-batch's aux loss is that of the
+tokens of every data-parallel rank's micro-batch together, as one process holding them all
+computes it. Each rank's per-expert token counts (not differentiable) are summed over the DP
+ranks before the loss is formed; each rank keeps the gradient of its own router
+probabilities. Computed per rank instead (transformers' own data-parallel training), DP2 is
+another objective: the product of two means over half the tokens is not the product over
+all of them."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+from family_runs import train_family
+from model_families import MOE_FAMILIES, save_tiny
+from ranks import run_ranks
+from transformers import AutoModelForCausalLM
+
+from gangs import setup_gangs, setup_root_gang
+from trainer.errors import UserError
+from trainer.hf.layout import load_layout
+
+COEF = 0.5  # large, so that the aux loss weighs in the losses and updates compared
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Each MoE family's `save_pretrained` directory, its config asking for the aux loss."""
+    root = tmp_path_factory.mktemp("aux")
+    dirs = {}
+    for family in MOE_FAMILIES:
+        directory = save_tiny(family, root / family)
+        config = json.loads((directory / "config.json").read_text())
+        config.update(output_router_logits=True, router_aux_loss_coef=COEF)
+        (directory / "config.json").write_text(json.dumps(config))
+        dirs[family] = directory
+    return dirs
+
+
+def train_each(saved, root, **layout):
+    name = "-".join(f"{key}{value}" for key, value in layout.items()) or "one"
+    return {family: train_family(saved[family], root / f"{family}-{name}", **layout)
+            for family in MOE_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def one_process(saved, tmp_path_factory):
+    return run_ranks(partial(train_each, saved, tmp_path_factory.mktemp("one")),
+                     world_size=1)[0]
+
+
+@pytest.mark.parametrize("layout", [pytest.param({}, id="dp2_fsdp2"),
+                                    pytest.param({"ep_size": 2}, id="ep2")])
+def test_the_aux_loss_trains_on_two_ranks_as_on_one_process(saved, one_process, tmp_path,
+                                                            layout):
+    runs = run_ranks(partial(train_each, saved, tmp_path, **layout), world_size=2,
+                     timeout=300)[0]
+    for family, b in one_process.items():
+        a = runs[family]
+        losses = list(zip(a.train_losses + a.valid_losses, b.train_losses + b.valid_losses,
+                          strict=True))
+        loss_gap = max(abs(x - y) / abs(y) for x, y in losses)
+        initial = AutoModelForCausalLM.from_pretrained(saved[family]).state_dict()
+        # Each weight's change, 2 ranks against one process, in units of the change itself
+        # (the router's, which the aux loss moves most, included).
+        update_gap = max(((a.params[n] - b.params[n]).abs().max()
+                          / (b.params[n] - initial[n]).abs().max()).item() for n in b.params
+                         if (b.params[n] - initial[n]).abs().max() > 0)
+        print(f"{family} {layout}: loss gap {loss_gap:.1e}, update gap {update_gap:.1e}")
+        assert len(a.train_losses) == 2
+        # float32 sums (the cross-entropy over ~80 targets, the router statistics over ~300
+        # routed tokens a layer, the gradients) taken in another order on 2 ranks, and EP
+        # sums a token's experts in another order: measured loss gaps <= 1.2e-7 relative,
+        # update gaps <= 8.6e-5 of the change. The aux loss per rank (the old rule) was
+        # 3.9e-5 and 1.8 (the router's update 180% off).
+        assert loss_gap <= 1e-6, (family, losses)
+        assert update_gap <= 1e-3, family
+
+
+def pipeline_refusal(directory):
+    gangs = setup_gangs(setup_root_gang(), pp_size=2)
+    with pytest.raises(UserError) as error:
+        load_layout(str(directory), gangs, data_parallel=None, num_accumulate=2)
+    return str(error.value)
+
+
+def test_a_pipeline_is_refused_by_name_when_the_config_asks_for_the_aux_loss(saved):
+    """The last stage's forward sees its own routers only, and the pipeline's loss is the
+    logits': the aux loss would be dropped silently. Refused while the model is cut, before
+    any weight is read."""
+    message = run_ranks(partial(pipeline_refusal, saved["qwen3_moe"]), world_size=2)[0]
+    assert "config 'gangs': pipeline parallelism: hf:qwen3_moe's config asks for the " \
+           "router's auxiliary loss (output_router_logits)" in message, message
+    assert "set output_router_logits false in config.json, or gangs.pp_size 1" in message
