@@ -137,7 +137,7 @@ class RouterAuxLoss:
         """This rank's aux loss by the formula against the model's own (once)."""
         self._checked = True
         mine = (self.num_experts * (counts / rows * probs / rows).sum()).item()
-        theirs = float(own) if own is not None else float("nan")
+        theirs = float(own.detach()) if own is not None else float("nan")
         # The same float32 sums in the same order: equal to rounding.
         if not abs(mine - theirs) <= 1e-5 * abs(theirs):
             raise ValueError(

@@ -3,7 +3,8 @@
 its stages' weights under the whole model's names; rank 0's stage names the model it was cut
 from, whose config, generation config and tokenizer travel with the checkpoint), which
 `from_pretrained` loads with no missing or unexpected keys and whose logits are those of one
-process trained on the same steps. A family whose attention differs (Mistral's sliding
+process trained on the same steps; the model-only saves (`model_checkpoint_every_n_steps`)
+are written as transformers' sharded layout, a shard a stage. A family whose attention differs (Mistral's sliding
 window) with 1F1B; Qwen3 with LoRA adapters (merged into the export) and two stages a rank
 (interleaved 1F1B: the rank's stages merged into one module)."""
 
@@ -65,7 +66,7 @@ def logits_of(directory: Path) -> torch.Tensor:
 def test_a_pipeline_run_exports_the_model_one_process_trains(tmp_path, family, settings):
     model_dir = save_tokenizer(save_tiny(family, tmp_path / "model"))
     chats = write_chats(tmp_path / "chats.jsonl", 60)
-    pipeline = ["gangs.pp_size=2"]
+    pipeline = ["gangs.pp_size=2", f"trainer.model_checkpoint_every_n_steps={STEPS}"]
     if "lora.r=4" in settings:
         pipeline.append("gangs.pp_schedule=interleaved_1f1b")
     one = tmp_path / "one" / "out"
@@ -87,6 +88,15 @@ def test_a_pipeline_run_exports_the_model_one_process_trains(tmp_path, family, s
     assert gap < 1e-6, gap
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
         assert (two / "hf" / name).read_bytes() == (one / "hf" / name).read_bytes(), name
+
+    # The model-only save of the last step: each stage's shard, the index, the HF files;
+    # the same weights as the export of that step's checkpoint, bit for bit.
+    saved = two / "models" / f"step_{STEPS}"
+    assert sorted(p.name for p in saved.glob("model*")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json"]
+    if "lora.r=4" not in settings:  # a LoRA run's model saves hold the adapters unmerged
+        assert torch.equal(logits_of(saved), exported)
 
 
 def test_tied_embeddings_under_a_pipeline_are_refused_by_name_before_anything_runs(

@@ -29,7 +29,11 @@ from trainer.checkpoint.loading import load_dcp, require_verified
 from trainer.checkpoint.manifest import MODEL_OPTIM, SafeFileSystemReader, saved_model_entries
 from trainer.errors import UserError
 
-__all__ = ["ModelTensors", "TensorInfo", "plan_shards", "write_safetensors"]
+__all__ = ["SHARDS_INDEX", "ModelTensors", "TensorInfo", "plan_shards", "shard_file_name",
+           "write_safetensors", "write_shards_index"]
+
+SHARDS_INDEX = "model.safetensors.index.json"
+"""transformers' index of a model's weights split into shards (`shard_file_name`)."""
 
 # torch dtype -> safetensors' dtype code (the format's own names).
 _DTYPE_CODES = {
@@ -131,3 +135,15 @@ def write_safetensors(
             del value, flat
         f.flush()
         os.fsync(f.fileno())
+
+
+def shard_file_name(number: int, count: int) -> str:
+    """transformers' name of weight shard `number` (from 1) of `count`."""
+    return f"model-{number:05d}-of-{count:05d}.safetensors"
+
+
+def write_shards_index(directory: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """`directory/model.safetensors.index.json`: which shard holds each tensor, as
+    `save_pretrained` writes it and `from_pretrained` reads it."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (Path(directory) / SHARDS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -37,7 +37,14 @@ from trainer.checkpoint.export import export_best
 from trainer.checkpoint.loading import best_step_dir, find_step_dir
 from trainer.checkpoint.manifest import fsync_dir
 from trainer.checkpoint.model_files import HF_FILES
-from trainer.checkpoint.streaming import ModelTensors, TensorInfo, plan_shards, write_safetensors
+from trainer.checkpoint.streaming import (
+    ModelTensors,
+    TensorInfo,
+    plan_shards,
+    shard_file_name,
+    write_safetensors,
+    write_shards_index,
+)
 from trainer.errors import UserError
 from trainer.hf.adapters import (
     ADAPTER_WEIGHTS,
@@ -46,7 +53,7 @@ from trainer.hf.adapters import (
     merged_tensors,
 )
 from trainer.hf.load import build_on_meta, tensor_aliases
-from trainer.hf.safetensors_files import INDEX_FILE, SINGLE_FILE
+from trainer.hf.safetensors_files import SINGLE_FILE
 from trainer.run_dir import ADAPTER_DIR, BEST_MODEL
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_adapter", "export_best_model", "export_pretrained",
@@ -235,12 +242,10 @@ def _write_weights(directory: Path, infos: list[TensorInfo],
         return
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
-        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        name = shard_file_name(number, len(shards))
         write_safetensors(directory / name, shard, load)
         weight_map.update(dict.fromkeys((info.name for info in shard), name))
-    index = {"metadata": {"total_size": sum(info.num_bytes for info in infos)},
-             "weight_map": weight_map}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_shards_index(directory, weight_map, sum(info.num_bytes for info in infos))
 
 
 def _set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
