@@ -5,8 +5,9 @@ from, whose config, generation config and tokenizer travel with the checkpoint),
 `from_pretrained` loads with no missing or unexpected keys and whose logits are those of one
 process trained on the same steps; the model-only saves (`model_checkpoint_every_n_steps`)
 are written as transformers' sharded layout, a shard a stage. A family whose attention differs (Mistral's sliding
-window) with 1F1B; Qwen3 with LoRA adapters (merged into the export) and two stages a rank
-(interleaved 1F1B: the rank's stages merged into one module)."""
+window) with 1F1B, and with TP2 inside each stage on 4 ranks; Qwen3 with LoRA adapters (merged
+into the export) and two stages a rank (interleaved 1F1B: the rank's stages merged into one
+module)."""
 
 from __future__ import annotations
 
@@ -57,23 +58,26 @@ def logits_of(directory: Path) -> torch.Tensor:
         return model.eval()(INPUT_IDS).logits
 
 
-@pytest.mark.parametrize(("family", "settings"), [
-    pytest.param("mistral", (), id="mistral_1f1b"),
-    pytest.param("qwen3", ("lora.r=4", "lora.alpha=8",
-                           "lora.target_modules=[q_proj,v_proj,gate_proj]"),
+LORA = ("lora.r=4", "lora.alpha=8", "lora.target_modules=[q_proj,v_proj,gate_proj]")
+
+
+@pytest.mark.parametrize(("family", "settings", "layout", "ranks"), [
+    pytest.param("mistral", (), (), 2, id="mistral_1f1b"),
+    pytest.param("qwen3", LORA, ("gangs.pp_schedule=interleaved_1f1b",), 2,
                  id="qwen3_lora_interleaved"),
+    # Each stage's weights DTensors split over 2 TP ranks: made whole by both.
+    pytest.param("mistral", (), ("gangs.tp_size=2",), 4, id="mistral_pp2_tp2"),
 ])
-def test_a_pipeline_run_exports_the_model_one_process_trains(tmp_path, family, settings):
+def test_a_pipeline_run_exports_the_model_one_process_trains(tmp_path, family, settings,
+                                                             layout, ranks):
     model_dir = save_tokenizer(save_tiny(family, tmp_path / "model"))
     chats = write_chats(tmp_path / "chats.jsonl", 60)
-    pipeline = ["gangs.pp_size=2", f"trainer.model_checkpoint_every_n_steps={STEPS}"]
-    if "lora.r=4" in settings:
-        pipeline.append("gangs.pp_schedule=interleaved_1f1b")
+    pipeline = ["gangs.pp_size=2", f"trainer.model_checkpoint_every_n_steps={STEPS}", *layout]
     one = tmp_path / "one" / "out"
     assert run_ranks(partial(sft, one, model_dir, chats, *settings), world_size=1)[0] == 0
     two = tmp_path / "pp2" / "out"
     assert run_ranks(partial(sft, two, model_dir, chats, *settings, *pipeline),
-                     world_size=2, timeout=300) == [0, 0]
+                     world_size=ranks, timeout=300) == [0] * ranks
 
     assert not (two / "checkpoints" / "best_model.safetensors").exists()
     exported, reference = logits_of(two / "hf"), logits_of(one / "hf")
@@ -83,7 +87,7 @@ def test_a_pipeline_run_exports_the_model_one_process_trains(tmp_path, family, s
     assert moved > 1e-2  # the export is of a trained model, not the pretrained one
     # float32 weights after 3 AdamW steps whose gradients were summed in another order
     # (micro-batches through the stage boundary): logits of size ~1 differ by rounding,
-    # measured 0.9e-7 to 1.2e-7; 1e-6 leaves room for other CPUs' kernels, while a stage's
+    # measured 0.9e-7 to 1.2e-7 (PP2, PP2xTP2); 1e-6 leaves room for other CPUs' kernels, while a stage's
     # weights left out or adapters not merged move them by 4e-2 or more (`moved`).
     assert gap < 1e-6, gap
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
@@ -95,7 +99,7 @@ def test_a_pipeline_run_exports_the_model_one_process_trains(tmp_path, family, s
     assert sorted(p.name for p in saved.glob("model*")) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
         "model.safetensors.index.json"]
-    if "lora.r=4" not in settings:  # a LoRA run's model saves hold the adapters unmerged
+    if not settings:  # a LoRA run's model saves hold the adapters unmerged
         assert torch.equal(logits_of(saved), exported)
 
 
