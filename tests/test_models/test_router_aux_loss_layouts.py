@@ -16,7 +16,7 @@ import json
 from functools import partial
 
 import pytest
-from family_runs import train_family
+from family_runs import TRAIN, train_family
 from model_families import MOE_FAMILIES, save_tiny
 from ranks import run_ranks
 from transformers import AutoModelForCausalLM
@@ -24,6 +24,8 @@ from transformers import AutoModelForCausalLM
 from gangs import setup_gangs, setup_root_gang
 from trainer.errors import UserError
 from trainer.hf.layout import load_layout
+from units.causal_lm import CausalLMUnit
+from units.metrics import MetricBag
 
 COEF = 0.5  # large, so that the aux loss weighs in the losses and updates compared
 
@@ -97,3 +99,32 @@ def test_a_pipeline_is_refused_by_name_when_the_config_asks_for_the_aux_loss(sav
     assert "config 'gangs': pipeline parallelism: hf:qwen3_moe's config asks for the " \
            "router's auxiliary loss (output_router_logits)" in message, message
     assert "set output_router_logits false in config.json, or gangs.pp_size 1" in message
+
+
+def unit_on(directory):
+    """A CausalLMUnit of a model built by hand (not `load_pretrained`): the refusal's text."""
+    with pytest.raises(ValueError) as error:
+        CausalLMUnit(AutoModelForCausalLM.from_pretrained(directory))
+    return str(error.value)
+
+
+def test_a_model_on_several_ranks_that_names_no_data_gangs_is_refused(saved):
+    """Per rank, silently, is what the rule is there to prevent."""
+    message = run_ranks(partial(unit_on, saved["mixtral"]), world_size=2)[0]
+    assert "MixtralForCausalLM: its config asks for the router aux loss" in message
+    assert "share_router_statistics(model, [gangs.dp, gangs.cp])" in message
+
+
+def test_an_aux_loss_that_is_not_transformers_formula_is_refused_at_the_first_step(saved):
+    """The formula is checked against the model's own `aux_loss` once: a family computing
+    another (here: the model's own doubled) is refused by name, not reduced as if it were."""
+    model = AutoModelForCausalLM.from_pretrained(saved["qwen3_moe"])
+    model.register_forward_hook(lambda _, __, output: setattr(output, "aux_loss",
+                                                              2 * output.aux_loss))
+    unit = CausalLMUnit(model)
+    batch = {k: v[:2] for k, v in TRAIN.items()}
+    with pytest.raises(ValueError, match="is not transformers' load_balancing_loss_func"):
+        unit(batch, MetricBag())
+    own = CausalLMUnit(AutoModelForCausalLM.from_pretrained(saved["qwen3_moe"]))
+    loss, targets = own(batch, MetricBag())  # the model's own formula passes
+    assert loss.isfinite() and targets > 0
