@@ -24,12 +24,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from trainer.checkpoint.streaming import SHARDS_INDEX
 from trainer.errors import UserError
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "WeightFiles"]
 
 SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = SHARDS_INDEX  # transformers' name, which the exports write too
 
 
 # safetensors' dtype codes (the format's own names) -> torch dtype.
