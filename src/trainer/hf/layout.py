@@ -11,7 +11,9 @@ the units that train and validate it: what `recipes.sft` and `recipes.finetune` 
   pipeline's (`units.pipeline`);
 - ``gangs.cp.size > 1``: every attention of the model attends over the cp gang through
   transformers' attention interface (window, soft-capping and scaling kept);
-- TP, FSDP2/HSDP and DDP as `load_pretrained` applies them.
+- TP, FSDP2/HSDP and DDP as `load_pretrained` applies them; under PP, FSDP2/HSDP shard
+  each stage, and "ddp" leaves the stages unwrapped (the pipeline step sums their
+  gradients over DP).
 
 What cannot be exact is refused by name before any model is built: the layout's own rules
 (`trainer.config.sections.GangsSection.check`), then the model's sizes (`check_layout`).
@@ -103,7 +105,7 @@ def load_layout(path: str, gangs: Gangs, *, data_parallel: str | None, num_accum
                 device=gangs.device)
 
         try:
-            pipe = load_pretrained(path, gangs, data_parallel=None, pipeline=split,
+            pipe = load_pretrained(path, gangs, data_parallel=data_parallel, pipeline=split,
                                    **load_options)
         except ValueError as error:  # a schedule, boundaries or options the split refuses
             raise UserError(f"config 'gangs': {error}") from None
