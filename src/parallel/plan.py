@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from gangs.setup import Gangs
-from parallel.blocks import find_blocks
+from parallel.blocks import checkpoint_blocks, find_blocks
 from parallel.data import data_parallel as wrap_data_parallel
-from parallel.pipeline import PipelinedModel
+from parallel.pipeline import SPLIT_BACKWARD, PipelinedModel
 
 __all__ = ["DataParallel", "Materialize", "Split", "TensorParallel", "Transform",
            "build_model", "build_pipeline", "check_hsdp", "parallelize"]
@@ -92,9 +92,12 @@ def build_model(
         each stage (over more than one DP rank); "ddp" or None leave the stages unwrapped,
         the pipeline's step seam sums their gradients over DP.
     options: of `parallel.data_parallel` (`activation_checkpointing`, `param_dtype`,
-        `blocks`, ... for FSDP2; `find_unused_parameters` for DDP).
+        `blocks`, ... for FSDP2; `find_unused_parameters` for DDP). Under `pipeline`,
+        `activation_checkpointing` (each stage's blocks) with any `data_parallel`.
     """
-    if pipeline is not None:
+    checkpointed = False
+    if pipeline is not None:  # activation checkpointing takes any stage, wrapped or not
+        checkpointed = bool(options.pop("activation_checkpointing", False))
         kind, options = _pipeline_data_parallel(data_parallel, gangs, options)
     else:
         kind, options = _data_parallel_layout(data_parallel, gangs, options)
@@ -105,12 +108,21 @@ def build_model(
     if tensor_parallel is not None:
         tensor_parallel(model, gangs)
     if pipeline is not None:  # after TP/EP; only this rank's stages are materialised
-        if kind == "fsdp" and "blocks" not in options:  # by class: the stages hold them
-            options["blocks"] = sorted({type(b).__name__ for b in find_blocks(model)})
+        # The blocks by class, found on the whole model: a stage holds them in a ModuleDict.
+        blocks = options.pop("blocks", None) or sorted(
+            {type(b).__name__ for b in find_blocks(model)})
         pipe = pipeline(model)
-        if kind == "fsdp":
-            for stage in pipe.stages:  # in place: the stage runs its FSDP2 module
-                wrap_data_parallel(stage.submod, gangs, "fsdp", **options)
+        if checkpointed and pipe.schedule_name in SPLIT_BACKWARD:
+            raise ValueError(
+                f"activation checkpointing with the {pipe.schedule_name!r} pipeline schedule "
+                "(its backward runs as an input pass and a weight pass, which one "
+                "recomputation cannot serve): use 1f1b, gpipe or interleaved_1f1b, or no "
+                "activation checkpointing")
+        for stage in pipe.stages:  # in place: the schedule runs the stage modules it holds
+            if checkpointed:
+                checkpoint_blocks(find_blocks(stage.submod, blocks))
+            if kind == "fsdp":
+                wrap_data_parallel(stage.submod, gangs, "fsdp", blocks=blocks, **options)
         materialize(pipe.model, gangs.device)
         return pipe
     if kind == "fsdp":

@@ -32,6 +32,7 @@ import pytest
 import torch
 from model_families import FAMILIES, VOCAB, save_tiny, save_tokenizer
 from ranks import run_ranks
+from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor
 
 from data.global_batches import GlobalBatchReader
@@ -74,17 +75,22 @@ class Rows(GlobalBatchReader[dict[str, torch.Tensor]]):
         return {k: v[indices] for k, v in self.rows.items()}
 
 
-def train(model_dir: Path, gangs: Gangs, data_parallel: str,
-          pp_schedule: str = "1f1b") -> dict[str, float]:
-    """The layout's train and valid losses by step (rank 0's), or the refusal's message."""
+def train(model_dir: Path, gangs: Gangs, data_parallel: str, pp_schedule: str = "1f1b",
+          checkpointing: bool = False) -> dict[str, float]:
+    """The layout's train and valid losses by step (rank 0's), or the refusal's message;
+    `checkpointing`: activation checkpointing of every block."""
     dp = (gangs.dp.rank, gangs.dp.size)
+    options = {"activation_checkpointing": True} if checkpointing else {}
     try:
         layout = load_layout(str(model_dir), gangs, num_accumulate=ACC, pp_schedule=pp_schedule,
-                             data_parallel=data_parallel if gangs.dp.size > 1 else None)
+                             data_parallel=data_parallel if gangs.dp.size > 1 else None,
+                             **options)
     except (UserError, ValueError) as error:  # refused by name, before training
         return {"refused": str(error)}  # type: ignore[dict-item]
     if data_parallel == "fsdp" and gangs.dp.size > 1:  # sharded, not quietly replicated
         assert all(isinstance(p, DTensor) for p in layout.model.parameters())
+    if checkpointing:  # really recomputed, not quietly dropped
+        assert any(checkpoint.state(m) is not None for m in layout.model.modules())
     optimizer = torch.optim.AdamW(layout.model.parameters(), lr=1e-3)
     losses = Losses()
     with tempfile.TemporaryDirectory() as out:
@@ -99,11 +105,11 @@ def train(model_dir: Path, gangs: Gangs, data_parallel: str,
 
 def train_each(model_dirs: dict[str, Path], families: tuple[str, ...] = FAMILIES, *,
                data_parallel: str = "fsdp", pp_schedule: str = "1f1b",
-               **sizes: int) -> dict[str, dict[str, float]]:
+               checkpointing: bool = False, **sizes: int) -> dict[str, dict[str, float]]:
     """Every family in turn on the same gangs (process groups are made once)."""
     gangs = setup_gangs(setup_root_gang(), **sizes)
-    return {family: train(model_dirs[family], gangs, data_parallel, pp_schedule)
-            for family in families}
+    return {family: train(model_dirs[family], gangs, data_parallel, pp_schedule,
+                          checkpointing) for family in families}
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +153,10 @@ FSDP2_FAMILIES = ("llama", "qwen3", "mistral", "gemma2")
     pytest.param({"pp_size": 2, "data_parallel": "ddp"}, FAMILIES, id="pp2"),
     pytest.param({"cp_size": 2}, FAMILIES, id="cp2"),
     pytest.param({}, FSDP2_FAMILIES, id="fsdp2"),
-    # Two stages a rank: each stage's rotary tables computed (once lost: 6e-2 off on Gemma 2).
-    pytest.param({"pp_size": 2, "data_parallel": "ddp", "pp_schedule": "interleaved_1f1b"},
-                 ("llama", "gemma2"), id="pp2_interleaved"),
+    # Two stages a rank: each stage's rotary tables computed (once lost: 6e-2 off on Gemma 2);
+    # every block's activations recomputed in backward (exact: the same ops again).
+    pytest.param({"pp_size": 2, "data_parallel": "ddp", "pp_schedule": "interleaved_1f1b",
+                  "checkpointing": True}, ("llama", "gemma2"), id="pp2_interleaved"),
 ])
 def test_every_family_trains_on_two_ranks_as_on_one_process(model_dirs, one_process, layout,
                                                             families):
@@ -186,6 +193,9 @@ def with_tokenizer(model_dir: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize(("settings", "expected"), [
     (["gangs.pp_size=2", "data.packing=false"],
      "config 'data.packing' is false; with gangs.pp_size 2 it must be true"),
+    (["gangs.pp_size=2", "gangs.pp_schedule=interleaved_zero_bubble",
+      "model.activation_checkpointing=true"],
+     "config 'model.activation_checkpointing' with gangs.pp_schedule interleaved_zero_bubble"),
     (["gangs.pp_size=2", "trainer.data_parallel=ddp", "gangs.pp_schedule=zbv_zero_bubble"],
      "config 'gangs.pp_schedule' zbv_zero_bubble cannot run the recipe's validation"),
     (["gangs.pp_size=2", "gangs.cp_size=2", "trainer.data_parallel=ddp"],
