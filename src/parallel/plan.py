@@ -109,8 +109,7 @@ def build_model(
         tensor_parallel(model, gangs)
     if pipeline is not None:  # after TP/EP; only this rank's stages are materialised
         # The blocks by class, found on the whole model: a stage holds them in a ModuleDict.
-        blocks = options.pop("blocks", None) or sorted(
-            {type(b).__name__ for b in find_blocks(model)})
+        blocks = options.pop("blocks", None) or [type(b).__name__ for b in find_blocks(model)]
         pipe = pipeline(model)
         if checkpointed and pipe.schedule_name in SPLIT_BACKWARD:
             raise ValueError(
@@ -119,10 +118,11 @@ def build_model(
                 "recomputation cannot serve): use 1f1b, gpipe or interleaved_1f1b, or no "
                 "activation checkpointing")
         for stage in pipe.stages:  # in place: the schedule runs the stage modules it holds
+            held = _classes_held(stage.submod, blocks)
             if checkpointed:
-                checkpoint_blocks(find_blocks(stage.submod, blocks))
+                checkpoint_blocks(find_blocks(stage.submod, held))
             if kind == "fsdp":
-                wrap_data_parallel(stage.submod, gangs, "fsdp", blocks=blocks, **options)
+                wrap_data_parallel(stage.submod, gangs, "fsdp", blocks=held, **options)
         materialize(pipe.model, gangs.device)
         return pipe
     if kind == "fsdp":
@@ -166,6 +166,14 @@ def parallelize(
     if kind is not None:
         model = wrap_data_parallel(model, gangs, kind, **options)
     return model
+
+
+def _classes_held(stage: nn.Module, blocks: Sequence[str | type[nn.Module]]) -> list[Any]:
+    """The block classes (or class names) of which `stage` holds a module: a stage may hold
+    only some of a model's kinds of blocks."""
+    kinds = {type(m) for m in stage.modules()}
+    return list(dict.fromkeys(b for b in blocks if any(
+        k.__name__ == b if isinstance(b, str) else issubclass(k, b) for k in kinds)))
 
 
 def _pipeline_data_parallel(
