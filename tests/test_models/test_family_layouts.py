@@ -17,7 +17,9 @@ Tolerance: float32 throughout; a loss is a sum over ~500 targets of log-softmaxe
 logits, each computed in a different order on another layout (the all-to-all, the stage
 boundary, FSDP2's reduce-scatter): measured gaps are 0 to 3e-7 relative, against the 1e-5
 the issue asks (AdamW's first steps move every weight by ~lr whatever the gradient's
-rounding, so 2 steps do not amplify them).
+rounding, so 2 steps do not amplify them). A gradient norm is a float64 sum of squares of
+float32 gradients, each the sum of the same products in another order (its rounding,
+~1e-7 relative, is what moves it): measured 0 to 1e-7 on PP, FSDP2 and TP.
 """
 
 from __future__ import annotations
