@@ -9,7 +9,7 @@ restarting), then validated: train losses and gradient norms by step, the valid 
 process is the reference; PP2 (1F1B) and CP2 (every family) and FSDP2 (four) run on 2
 forked Gloo ranks, the families on the same ranks one after the other; PP2xTP2, PP2xDP2
 (stages replicated), PP2xFSDP2 and PP2xHSDP (each stage sharded) and CP2xTP2 on 4 ranks
-for Mistral. `python -m recipes.sft` (its `cli`) refuses by name what
+for Mistral, and PP2xFSDP2 stopped after step 1 and resumed from its checkpoint. `python -m recipes.sft` (its `cli`) refuses by name what
 a layout cannot make exact (the last test); the recipe's runs of the full matrix, more
 steps and every schedule are `python -m benchmarks.family_matrix`.
 
@@ -105,6 +105,22 @@ def train(model_dir: Path, gangs: Gangs, data_parallel: str, pp_schedule: str = 
     return losses.values
 
 
+def train_until(model_dir: Path, out: Path, steps: int, **sizes: int) -> dict[str, float]:
+    """Rank 0's losses of a run to step `steps` in `out` (FSDP2 over dp), resuming from
+    the newest checkpoint there, with a checkpoint every step."""
+    gangs = setup_gangs(setup_root_gang(), **sizes)
+    dp = (gangs.dp.rank, gangs.dp.size)
+    layout = load_layout(str(model_dir), gangs, num_accumulate=ACC, data_parallel="fsdp")
+    optimizer = torch.optim.AdamW(layout.model.parameters(), lr=1e-3)
+    losses = Losses()
+    Trainer(layout.train_unit(), Rows(packed_rows(STEPS * ACC * ROWS, 1), *dp), optimizer,
+            gangs=gangs, output_dir=out, max_num_steps=steps, num_accumulate=ACC,
+            publish_metrics_every_n_steps=1, recorders=[losses], progress=False,
+            valid_units=[layout.valid_unit()], valid_data_readers=[Rows(packed_rows(6, 2), *dp)],
+            validate_at_end=False, validate_every_n_steps=STEPS, checkpoint_every_n_steps=1).run()
+    return losses.values
+
+
 def train_each(model_dirs: dict[str, Path], families: tuple[str, ...] = FAMILIES, *,
                data_parallel: str = "fsdp", pp_schedule: str = "1f1b",
                checkpointing: bool = False, **sizes: int) -> dict[str, dict[str, float]]:
@@ -183,6 +199,18 @@ def test_combined_layouts_on_four_ranks_train_as_one_process(model_dirs, one_pro
     results = run_ranks(partial(train_each, model_dirs, ("mistral",), **layout), world_size=4,
                         timeout=300)[0]
     assert_equal_losses(results, one_process, str(layout))
+
+
+def test_pp2_x_fsdp2_stopped_and_resumed_trains_as_one_process(model_dirs, one_process,
+                                                                tmp_path):
+    """Step 1 on PP2 x FSDP2, then step 2 by new processes from its checkpoint (DCP of the
+    sharded stages' DTensors and AdamW's state): the losses and gradient norms of one
+    process never stopped."""
+    first, resumed = (run_ranks(partial(train_until, model_dirs["mistral"], tmp_path, steps,
+                                        pp_size=2), world_size=4, timeout=300)[0]
+                      for steps in (1, STEPS))
+    assert "train/1" in first and "train/1" not in resumed  # it resumed, not started over
+    assert_equal_losses({"mistral": first | resumed}, one_process, "pp2_fsdp2 resumed")
 
 
 def with_tokenizer(model_dir: Path, tmp_path: Path) -> Path:
