@@ -55,6 +55,10 @@ LAYOUTS: dict[str, Layout] = {
     "tp2": Layout(2, ("gangs.tp_size=2", "trainer.data_parallel=ddp")),
     "pp2_tp2": Layout(4, ("gangs.pp_size=2", "gangs.tp_size=2", "trainer.data_parallel=ddp")),
     "pp2_dp2": Layout(4, ("gangs.pp_size=2", "trainer.data_parallel=ddp")),
+    # Each stage sharded over its 2 DP ranks (the recipe's default trainer.data_parallel=fsdp).
+    "pp2_fsdp2": Layout(4, ("gangs.pp_size=2",)),
+    "pp2_hsdp": Layout(4, ("gangs.pp_size=2", "gangs.dp_shard_size=1")),
+    "pp2_fsdp2_tp2": Layout(8, ("gangs.pp_size=2", "gangs.tp_size=2")),
     "cp2_tp2": Layout(4, ("gangs.cp_size=2", "gangs.tp_size=2",
                           "trainer.data_parallel=ddp")),
     "cp2_fsdp2": Layout(4, ("gangs.cp_size=2",)),

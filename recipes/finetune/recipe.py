@@ -123,7 +123,8 @@ def _checked_documents(config: FinetuneConfig) -> tuple[Any, list[str]]:
     g = config.gangs
     g.check(config.trainer.data_parallel)
     check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
-                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule)
+                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule,
+                 activation_checkpointing=config.model.activation_checkpointing)
     return hf_config, read_documents(config.data.files, config.data.text_field)
 
 

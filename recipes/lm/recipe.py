@@ -94,7 +94,8 @@ def _setup(config: LMConfig, train: bool) -> _Setup:
     if gangs.pp.size > 1:
         pipe = build_pipelined_model(gpt_config, gangs, config.trainer.seed,
                                      num_microbatches=config.trainer.num_accumulate,
-                                     schedule=g.pp_schedule, boundaries=g.pp_boundaries)
+                                     schedule=g.pp_schedule, boundaries=g.pp_boundaries,
+                                     data_parallel=config.trainer.data_parallel)
         model = pipe.model
         valid_unit: Any = PipelineLMEvalUnit(pipe, bytes_per_token=1)
     else:
@@ -172,10 +173,12 @@ def build_model(gpt_config: GPTConfig, gangs: Gangs, data_parallel: str = "ddp",
 
 def build_pipelined_model(gpt_config: GPTConfig, gangs: Gangs, seed: int, *,
                           num_microbatches: int, schedule: str,
-                          boundaries: list[int] | None = None) -> PipelinedModel:
+                          boundaries: list[int] | None = None,
+                          data_parallel: str | None = "ddp") -> PipelinedModel:
     """The recipe's GPT cut into pipeline stages over `gangs.pp` (tensor parallel inside each
-    stage over `gangs.tp`), this rank's stages materialised by the same seeded rule as
-    `build_model`: the same initial bits as one process."""
+    stage over `gangs.tp`; each stage sharded over DP with data_parallel "fsdp", else
+    replicated), this rank's stages materialised by the same seeded rule as `build_model`:
+    the same initial bits as one process."""
     from recipes.lm.parallelize import gpt_tensor_parallel
 
     def init(model: torch.nn.Module, device: torch.device) -> None:
@@ -190,23 +193,20 @@ def build_pipelined_model(gpt_config: GPTConfig, gangs: Gangs, seed: int, *,
     with torch.device("meta"):
         whole = GPT(gpt_config)
     rule = whole.init_parameter  # by whole-model name: the stages keep those names
-    return plan.build_pipeline(lambda: whole, gangs, materialize=init, split=split,
-                               tensor_parallel=gpt_tensor_parallel)
+    return plan.build_model(lambda: whole, gangs, materialize=init, pipeline=split,
+                            tensor_parallel=gpt_tensor_parallel, data_parallel=data_parallel)
 
 
 def check_pp_cp_config(config: LMConfig) -> None:
     """The recipe's settings that pipeline and context parallelism cannot take, by name."""
-    g, m, t = config.gangs, config.model, config.trainer
+    g, m = config.gangs, config.model
     if g.pp_size > 1:
         problems = {
             "model.tie_embeddings": (m.tie_embeddings, "false: the embedding and the output "
                                      "layer sit on different stages"),
             "model.num_experts": (m.num_experts, "0: no mixture of experts under PP yet"),
-            "trainer.data_parallel": (t.data_parallel, "ddp: the stages are replicated over "
-                                      "DP, their gradients averaged by the pipeline step"),
         }
-        bad = {"model.tie_embeddings": m.tie_embeddings, "model.num_experts": m.num_experts > 0,
-               "trainer.data_parallel": t.data_parallel != "ddp"}
+        bad = {"model.tie_embeddings": m.tie_embeddings, "model.num_experts": m.num_experts > 0}
         for key, is_bad in bad.items():
             if is_bad:
                 value, allowed = problems[key]

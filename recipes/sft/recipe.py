@@ -200,7 +200,8 @@ def _check_settings(config: SFTConfig, hf_config: Any) -> None:
     g = config.gangs
     g.check(config.trainer.data_parallel)
     check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
-                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule)
+                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule,
+                 activation_checkpointing=config.model.activation_checkpointing)
     if g.pp_size > 1 and not config.data.packing:
         raise UserError(f"config 'data.packing' is false; with gangs.pp_size {g.pp_size} it "
                         "must be true: a pipeline schedule runs micro-batches of one shape "

@@ -124,9 +124,9 @@ def check_sizes(
 def _refuse_unsupported(tp_size: int, ep_size: int, dp_shard_size: int | None, pp_size: int,
                         cp_size: int, dp_size: int) -> None:
     """Combinations that are not built or not tested yet, refused by name: pipeline
-    parallelism runs with DP and TP; context parallelism with DP and TP."""
+    parallelism runs with DP (DDP, FSDP2, HSDP) and TP; context parallelism with DP and TP."""
     hsdp = dp_shard_size if dp_shard_size is not None and dp_shard_size < dp_size else 1
-    unsupported = {"pp_size": {"ep_size": ep_size, "dp_shard_size": hsdp, "cp_size": cp_size},
+    unsupported = {"pp_size": {"ep_size": ep_size, "cp_size": cp_size},
                    "cp_size": {"ep_size": ep_size, "dp_shard_size": hsdp}}
     for axis, size in (("pp_size", pp_size), ("cp_size", cp_size)):
         if size == 1:

@@ -47,6 +47,7 @@ from parallel.spec import ModelSpec
 
 __all__ = [
     "SCHEDULES",
+    "SPLIT_BACKWARD",
     "PipelinedModel",
     "gradient_norm_over",
     "num_layers",
@@ -57,6 +58,10 @@ __all__ = [
 PadParts = Callable[[tuple[Tensor, ...], Tensor, int, int], tuple[tuple[Tensor, ...], Tensor]]
 """(inputs, targets, rows, length) -> the same filled up to ``[rows, length]`` with entries
 that score nothing: the batch format's own rule (`units.pipeline.pad_parts`)."""
+
+# Schedules that run a stage's backward as two passes, inputs then weights (zero bubble):
+# activation checkpointing's recomputation cannot serve both (measured: torch raises).
+SPLIT_BACKWARD = frozenset({"interleaved_zero_bubble", "zbv_zero_bubble"})
 
 # name -> (torch class name, default stages per rank, whether more than that is allowed)
 SCHEDULES: dict[str, tuple[str, int, bool]] = {
@@ -113,6 +118,7 @@ class PipelinedModel:
     num_microbatches: int
     eval_shape: tuple[int, int] | None = None  # (rows, length) of evaluation micro-batches
     cannot_evaluate: str | None = None  # why `evaluate` cannot run with this schedule
+    schedule_name: str = "1f1b"  # of `SCHEDULES`
 
     def step(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
         """Forward and backward of every micro-batch (`inputs`: the first stage's arguments,
@@ -206,7 +212,8 @@ def pipeline_model(
     return PipelinedModel(
         model=merge_stages(modules), stages=stages, schedule=runner, group=group,
         has_first=0 in indices, has_last=last in indices, last_rank=last_rank,
-        num_microbatches=num_microbatches, cannot_evaluate=cannot_evaluate)
+        num_microbatches=num_microbatches, cannot_evaluate=cannot_evaluate,
+        schedule_name=schedule)
 
 
 def gradient_norm_over(params: list[Tensor], group: dist.ProcessGroup | None,

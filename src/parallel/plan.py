@@ -8,9 +8,10 @@ Hugging Face models, the fine-tuning recipe), in this order:
                             over `gangs.ep` by the MoE layer itself when it is built
     pipeline split          `pipeline=` given (gangs.pp > 1): cut the model into stages
                             (`parallel.pipeline`) and keep this rank's, then materialise only
-                            those; no DP wrapper (the pipeline's step seam averages the
-                            stages' gradients over DP, as DDP would), so FSDP2 is refused
-    FSDP2 / HSDP            per block over `gangs.dp_mesh` (data_parallel="fsdp")
+                            those
+    FSDP2 / HSDP            per block over `gangs.dp_mesh` (data_parallel="fsdp"); under a
+                            pipeline each of this rank's stages is sharded apart (its blocks,
+                            then the stage as root), as torchtitan does
     materialize             each rank allocates its shards and fills them (an init rule or
                             the slices of a checkpoint, see `parallel.materialize`)
     DDP                     over `gangs.dp` (data_parallel="ddp"): DDP broadcasts rank 0's
@@ -23,6 +24,11 @@ The rules between the steps live here and nowhere else:
   from forward to backward (ZeRO-2 like) is the closest to it.
 - HSDP (`dp_shard_size`) shards with FSDP2, so it needs data_parallel="fsdp"
   (`check_hsdp`, which recipes call on their config before any process group exists).
+- Pipeline stages under "ddp" (or None) get no DP wrapper: the pipeline's step seam sums
+  their gradients over DP (`parallel.gradient_sum`), as DDP would. Under "fsdp" FSDP2
+  reduce-scatters them itself, once a step: torch's `PipelineStage` defers the reduction of
+  an FSDP2 stage to its last micro-batch. The blocks to shard are found on the whole model
+  before the split (a stage holds its blocks in a `ModuleDict`), by class.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ import torch
 from torch import nn
 
 from gangs.setup import Gangs
+from parallel.blocks import checkpoint_blocks, find_blocks
 from parallel.data import data_parallel as wrap_data_parallel
-from parallel.pipeline import PipelinedModel
+from parallel.pipeline import SPLIT_BACKWARD, PipelinedModel
 
 __all__ = ["DataParallel", "Materialize", "Split", "TensorParallel", "Transform",
            "build_model", "build_pipeline", "check_hsdp", "parallelize"]
@@ -81,17 +88,19 @@ def build_model(
     (build the optimizer from its `.model`); else the module to train.
 
     data_parallel: "fsdp" (FSDP2, or HSDP when the gangs have a `dp_shard_size`), "ddp", or
-        None (no data-parallel wrapper: the caller wraps). Under `pipeline`, "ddp" or None:
-        the pipeline's step seam averages the stages' gradients over DP.
+        None (no data-parallel wrapper: the caller wraps). Under `pipeline`: "fsdp" shards
+        each stage (over more than one DP rank); "ddp" or None leave the stages unwrapped,
+        the pipeline's step seam sums their gradients over DP.
     options: of `parallel.data_parallel` (`activation_checkpointing`, `param_dtype`,
-        `blocks`, ... for FSDP2; `find_unused_parameters` for DDP).
+        `blocks`, ... for FSDP2; `find_unused_parameters` for DDP). Under `pipeline`,
+        `activation_checkpointing` (each stage's blocks) with any `data_parallel`.
     """
-    if pipeline is not None and (data_parallel == "fsdp" or options):
-        raise ValueError(
-            f"pipeline parallelism replicates its stages over DP (the pipeline step averages "
-            f"their gradients, as DDP): data_parallel must be 'ddp' or None, not "
-            f"{data_parallel!r}{f', without options {sorted(options)}' if options else ''}")
-    kind, options = _data_parallel_layout(data_parallel, gangs, options)
+    checkpointed = False
+    if pipeline is not None:  # activation checkpointing takes any stage, wrapped or not
+        checkpointed = bool(options.pop("activation_checkpointing", False))
+        kind, options = _pipeline_data_parallel(data_parallel, gangs, options)
+    else:
+        kind, options = _data_parallel_layout(data_parallel, gangs, options)
     with torch.device("meta"):  # no memory, no init cost
         model = make_on_meta()
     for transform in transforms:
@@ -99,7 +108,21 @@ def build_model(
     if tensor_parallel is not None:
         tensor_parallel(model, gangs)
     if pipeline is not None:  # after TP/EP; only this rank's stages are materialised
+        # The blocks by class, found on the whole model: a stage holds them in a ModuleDict.
+        blocks = options.pop("blocks", None) or [type(b).__name__ for b in find_blocks(model)]
         pipe = pipeline(model)
+        if checkpointed and pipe.schedule_name in SPLIT_BACKWARD:
+            raise ValueError(
+                f"activation checkpointing with the {pipe.schedule_name!r} pipeline schedule "
+                "(its backward runs as an input pass and a weight pass, which one "
+                "recomputation cannot serve): use 1f1b, gpipe or interleaved_1f1b, or no "
+                "activation checkpointing")
+        for stage in pipe.stages:  # in place: the schedule runs the stage modules it holds
+            held = _classes_held(stage.submod, blocks)
+            if checkpointed:
+                checkpoint_blocks(find_blocks(stage.submod, held))
+            if kind == "fsdp":
+                wrap_data_parallel(stage.submod, gangs, "fsdp", blocks=held, **options)
         materialize(pipe.model, gangs.device)
         return pipe
     if kind == "fsdp":
@@ -143,6 +166,31 @@ def parallelize(
     if kind is not None:
         model = wrap_data_parallel(model, gangs, kind, **options)
     return model
+
+
+def _classes_held(stage: nn.Module, blocks: Sequence[str | type[nn.Module]]) -> list[Any]:
+    """The block classes (or class names) of which `stage` holds a module: a stage may hold
+    only some of a model's kinds of blocks."""
+    kinds = {type(m) for m in stage.modules()}
+    return list(dict.fromkeys(b for b in blocks if any(
+        k.__name__ == b if isinstance(b, str) else issubclass(k, b) for k in kinds)))
+
+
+def _pipeline_data_parallel(
+    data_parallel: DataParallel | None, gangs: Gangs, options: dict[str, Any]
+) -> tuple[DataParallel | None, dict[str, Any]]:
+    """The wrapper of pipeline stages: FSDP2 (when there is more than one DP rank), or none
+    ("ddp": the step seam sums the gradients over DP; DDP's options are refused)."""
+    if data_parallel not in ("fsdp", "ddp", None):
+        raise ValueError(f"data_parallel must be 'fsdp', 'ddp' or None, got {data_parallel!r}")
+    if data_parallel != "fsdp" and options:
+        raise ValueError(
+            f"pipeline stages under data_parallel {data_parallel!r} are not wrapped (the "
+            f"pipeline step sums their gradients over DP): options {sorted(options)} apply to "
+            "nothing; use data_parallel 'fsdp' or drop them")
+    if data_parallel == "fsdp" and gangs.dp.size > 1:
+        return "fsdp", dict(options)
+    return None, {}
 
 
 def _data_parallel_layout(

@@ -44,6 +44,14 @@ def test_pp_and_cp_gangs_on_8_ranks(sizes, expected):
             assert (gang.size, gang.rank) == (len(ranks), ranks.index(rank)), (rank, axis)
 
 
+def test_pp_with_hsdp_splits_each_stages_dp_axis():
+    """PP2 x HSDP on 8 ranks: each stage's 4 DP ranks are 2 replicas of 2 shards."""
+    gangs = setup_gangs(FakeGang(5, 8), pp_size=2, dp_shard_size=2)
+    sizes = {axis: getattr(gangs, axis).size for axis in ("pp", "dp", "dp_shard", "dp_replicate")}
+    assert sizes == {"pp": 2, "dp": 4, "dp_shard": 2, "dp_replicate": 2}
+    assert (gangs.pp.rank, gangs.dp.rank, gangs.dp_shard.rank) == (1, 1, 1)
+
+
 def test_default_gangs_have_size_one_pp_and_cp():
     gangs = setup_gangs(FakeGang(1, 4), tp_size=2)
     assert gangs.pp.size == 1 and gangs.cp.size == 1
@@ -55,7 +63,6 @@ def test_default_gangs_have_size_one_pp_and_cp():
     (8, {"pp_size": 2, "ep_size": 2}, "pp_size 2 with ep_size 2 is not supported yet"),
     (8, {"pp_size": 2, "cp_size": 2}, "pp_size 2 with cp_size 2 is not supported yet"),
     (8, {"cp_size": 2, "ep_size": 2}, "cp_size 2 with ep_size 2 is not supported yet"),
-    (8, {"pp_size": 2, "dp_shard_size": 2}, "pp_size 2 with dp_shard_size 2"),
 ])
 def test_bad_sizes_and_combinations_are_named(world, sizes, message):
     with pytest.raises(ValueError, match=message):

@@ -1,6 +1,9 @@
-"""Pipeline parallelism through the real Trainer: the LM recipe's GPT on PP2 (every schedule)
-and PP2 x DP2 trains 30 steps of 4 micro-batches to the one-process losses and gradient norms
-(clipping engaged), and a PP2 checkpoint resumes on one process to the uninterrupted run."""
+"""Pipeline parallelism through the real Trainer: the LM recipe's GPT, cut by the one build
+plan (`parallel.plan.build_model(pipeline=...)`), on PP2 (every schedule), PP2 x DP2 (stages
+replicated), PP2 x FSDP2 (each stage sharded) and PP2 x TP2 trains 30 steps of 4
+micro-batches to the one-process losses and gradient norms (clipping engaged), and a PP2
+checkpoint resumes on PP2 x FSDP2, whose checkpoint resumes on one process, to the
+uninterrupted run."""
 
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
 from data.global_batches import GlobalBatchReader
-from gangs import setup_gangs, setup_root_gang
-from parallel.pipeline import available_schedules, pipeline_model
+from gangs import Gangs, setup_gangs, setup_root_gang
+from parallel import plan
+from parallel.materialize import materialize
+from parallel.pipeline import PipelinedModel, available_schedules, pipeline_model
 from recipes.lm.model import GPT, GPTConfig
 from recipes.lm.parallelize import gpt_tensor_parallel
 from recipes.lm.spec import GPT_SPEC
@@ -65,17 +70,33 @@ def gpt() -> GPT:
     return GPT(CONFIG)
 
 
+def pipelined(gangs: Gangs, schedule: str, data_parallel: str) -> PipelinedModel:
+    """`gpt()` through the build plan: on meta, TP, cut into stages, FSDP2 per stage under
+    "fsdp", then this rank's stages filled with `gpt()`'s own values."""
+    whole = gpt()
+    values = dict(whole.named_parameters()) | dict(whole.named_buffers())
+
+    def split(model: torch.nn.Module) -> PipelinedModel:
+        return pipeline_model(model, gangs.pp.as_process_group(), spec=GPT_SPEC,
+                              loss_fn=summed_lm_loss, num_microbatches=ACC, schedule=schedule,
+                              device=gangs.device)
+
+    def fill(model: torch.nn.Module, device: torch.device) -> None:
+        materialize(model, device, lambda name, like: values[name].detach())
+
+    return plan.build_model(lambda: GPT(CONFIG), gangs, materialize=fill, pipeline=split,
+                            tensor_parallel=gpt_tensor_parallel, data_parallel=data_parallel)
+
+
 def train(output_dir: str, *, pp_size: int = 1, tp_size: int = 1, schedule: str = "1f1b",
-          max_num_steps: int = STEPS, checkpoint_every_n_steps: int | None = None):
+          max_num_steps: int = STEPS, checkpoint_every_n_steps: int | None = None,
+          data_parallel: str = "ddp"):
     """(losses and gradient norms by step, this rank's parameters by name)."""
     gangs = setup_gangs(setup_root_gang(), tp_size=tp_size, pp_size=pp_size)
     if pp_size > 1:
-        model = gpt()
-        if tp_size > 1:  # the build plan's order: tensor parallel, then the pipeline split
-            gpt_tensor_parallel(model, gangs)
-        pipe = pipeline_model(model, gangs.pp.as_process_group(), spec=GPT_SPEC,
-                              loss_fn=summed_lm_loss,
-                              num_microbatches=ACC, schedule=schedule)
+        pipe = pipelined(gangs, schedule, data_parallel)
+        if data_parallel == "fsdp" and gangs.dp.size > 1:  # sharded, not quietly replicated
+            assert all(isinstance(p, DTensor) for p in pipe.model.parameters())
         unit, model = PipelineLMUnit(pipe), pipe.model
     else:
         model = gpt()
@@ -110,10 +131,11 @@ def assert_close_curves(curve, ref_curve, steps) -> None:
         assert abs(norm / ref_norm - 1) < 1e-5, (step, norm, ref_norm)
 
 
-def run_layout(world_size: int, schedule: str, tp_size: int = 1):
+def run_layout(world_size: int, schedule: str, tp_size: int = 1, data_parallel: str = "ddp"):
     def rank_fn():
         with tempfile.TemporaryDirectory() as out:
-            return train(out, pp_size=2, tp_size=tp_size, schedule=schedule)
+            return train(out, pp_size=2, tp_size=tp_size, schedule=schedule,
+                         data_parallel=data_parallel)
 
     return run_ranks(rank_fn, world_size=world_size, timeout=300)
 
@@ -130,9 +152,13 @@ def test_pp2_trainer_matches_one_process(schedule):
     assert set(results[0][1]) | set(results[1][1]) == set(ref_params)
 
 
-def test_pp2_x_dp2_trainer_matches_one_process():
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_pp2_x_dp2_trainer_matches_one_process(data_parallel):
+    """Stages replicated (the pipeline step sums their gradients over DP) or sharded by FSDP2
+    (which reduces them at the last micro-batch; the norm of its DTensor shards is reduced
+    over DP, then summed over pp)."""
     ref_curve, ref_params = reference()
-    results = run_layout(4, "1f1b")
+    results = run_layout(4, "1f1b", data_parallel=data_parallel)
     assert_close_curves(results[0][0], ref_curve, range(1, STEPS + 1))
     for _, params in results:
         for name, value in params.items():
@@ -149,15 +175,16 @@ def test_pp2_x_tp2_trainer_matches_one_process():
             torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5)
 
 
-def test_pp2_checkpoint_resumes_on_pp2_x_dp2_then_on_one_process(tmp_path):
-    """Steps 1-10 on PP2, 11-20 on PP2 x DP2 from its checkpoint, 21-30 on one process from
+def test_pp2_checkpoint_resumes_on_pp2_x_fsdp2_then_on_one_process(tmp_path):
+    """Steps 1-10 on PP2, 11-20 on PP2 x FSDP2 from its checkpoint, 21-30 on one process from
     that one: the curve and the weights of the uninterrupted one-process run (DCP reshards
-    the stages by name; the data position is global)."""
+    the stages by name, and the sharded stages' DTensors and optimizer state; the data
+    position is global)."""
     ref_curve, ref_params = reference()
     out = str(tmp_path / "run")
     run_ranks(lambda: train(out, pp_size=2, max_num_steps=10, checkpoint_every_n_steps=10)[0],
               world_size=2, timeout=300)
-    middle = run_ranks(lambda: train(out, pp_size=2, max_num_steps=20,
+    middle = run_ranks(lambda: train(out, pp_size=2, max_num_steps=20, data_parallel="fsdp",
                                      checkpoint_every_n_steps=10)[0], world_size=4, timeout=300)
     assert min(middle[0]) == 11
     assert_close_curves(middle[0], ref_curve, range(11, 21))

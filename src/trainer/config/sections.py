@@ -45,7 +45,8 @@ class GangsSection(Section):
     pp_size: PositiveInt = 1
     """Pipeline parallelism: the model's layers cut into stages over this many ranks (the
     outermost axis: stages may sit on different nodes); trainer.num_accumulate micro-batches
-    a step are the schedule's. With DP and TP; untied embeddings."""
+    a step are the schedule's. With DP (DDP, FSDP2: each stage sharded) and TP; untied
+    embeddings."""
     pp_schedule: PipelineScheduleName = "1f1b"
     """gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble (2 stages a rank) or
     zbv_zero_bubble (2 stages a rank, in a V)."""
@@ -68,11 +69,6 @@ class GangsSection(Section):
         if self.dp_shard_size is not None and data_parallel != "fsdp":
             raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
                             "trainer.data_parallel=fsdp")
-        if self.pp_size > 1 and data_parallel == "fsdp":
-            raise UserError(
-                f"config 'trainer.data_parallel' is 'fsdp'; with gangs.pp_size {self.pp_size} "
-                "it must be ddp: the stages are replicated over DP, their gradients averaged "
-                "by the pipeline step")
         if self.pp_size > 1 and self.cp_size > 1:
             raise UserError(
                 f"config 'gangs.cp_size' {self.cp_size} with gangs.pp_size {self.pp_size}: "

@@ -11,7 +11,9 @@ the units that train and validate it: what `recipes.sft` and `recipes.finetune` 
   pipeline's (`units.pipeline`);
 - ``gangs.cp.size > 1``: every attention of the model attends over the cp gang through
   transformers' attention interface (window, soft-capping and scaling kept);
-- TP, FSDP2/HSDP and DDP as `load_pretrained` applies them.
+- TP, FSDP2/HSDP and DDP as `load_pretrained` applies them; under PP, FSDP2/HSDP shard
+  each stage, and "ddp" leaves the stages unwrapped (the pipeline step sums their
+  gradients over DP).
 
 What cannot be exact is refused by name before any model is built: the layout's own rules
 (`trainer.config.sections.GangsSection.check`), then the model's sizes (`check_layout`).
@@ -27,7 +29,7 @@ from torch import nn
 from gangs import Gangs
 from models.hf import spec_for
 from models.hf.spec import DecoderStage
-from parallel.pipeline import PipelinedModel, pipeline_model
+from parallel.pipeline import SPLIT_BACKWARD, PipelinedModel, pipeline_model
 from trainer.checkpoint.model_files import hf_model_of
 from trainer.errors import UserError
 from trainer.hf.load import load_pretrained
@@ -38,7 +40,8 @@ __all__ = ["HFLayout", "check_layout", "load_layout"]
 
 
 def check_layout(hf_config: Any, *, tp_size: int, pp_size: int, cp_size: int,
-                 seq_len: int, pp_schedule: str = "1f1b") -> None:
+                 seq_len: int, pp_schedule: str = "1f1b",
+                 activation_checkpointing: bool = False) -> None:
     """A `UserError` naming the setting when the model of `hf_config` (its config.json)
     cannot be split by these settings of the config's `gangs` section (the recipes that
     call this validate, which torch's V schedule cannot)."""
@@ -46,6 +49,11 @@ def check_layout(hf_config: Any, *, tp_size: int, pp_size: int, cp_size: int,
         raise UserError("config 'gangs.pp_schedule' zbv_zero_bubble cannot run the recipe's "
                         "validation (torch's V schedule runs backward actions in a "
                         "forward-only pass): use interleaved_zero_bubble or 1f1b")
+    if pp_size > 1 and activation_checkpointing and pp_schedule in SPLIT_BACKWARD:
+        raise UserError(f"config 'model.activation_checkpointing' with gangs.pp_schedule "
+                        f"{pp_schedule}: a zero-bubble schedule runs each backward as two "
+                        "passes, which one recomputation cannot serve; use 1f1b, gpipe or "
+                        "interleaved_1f1b, or set it to false")
     heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
     if cp_size > 1:
         if seq_len % cp_size:
@@ -91,10 +99,6 @@ def load_layout(path: str, gangs: Gangs, *, data_parallel: str | None, num_accum
     `num_accumulate`: the micro-batches of a step (a pipeline schedule's); `load_options`:
     `load_pretrained`'s (adapters, activation checkpointing, ...)."""
     if gangs.pp.size > 1:
-        if load_options.pop("activation_checkpointing", False):
-            raise UserError(f"config 'model.activation_checkpointing' with gangs.pp_size "
-                            f"{gangs.pp.size} is not supported yet: set it to false")
-
         def split(model: nn.Module) -> PipelinedModel:
             return pipeline_model(
                 model, gangs.pp.as_process_group(), spec=spec_for(model),
@@ -103,7 +107,7 @@ def load_layout(path: str, gangs: Gangs, *, data_parallel: str | None, num_accum
                 device=gangs.device)
 
         try:
-            pipe = load_pretrained(path, gangs, data_parallel=None, pipeline=split,
+            pipe = load_pretrained(path, gangs, data_parallel=data_parallel, pipeline=split,
                                    **load_options)
         except ValueError as error:  # a schedule, boundaries or options the split refuses
             raise UserError(f"config 'gangs': {error}") from None

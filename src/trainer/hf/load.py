@@ -130,7 +130,7 @@ def load_pretrained(
     """
     if data_parallel not in ("fsdp", "ddp", None):
         raise UserError(f"data_parallel must be 'fsdp', 'ddp' or None, got {data_parallel!r}")
-    if data_parallel is None and kwargs:
+    if data_parallel is None and kwargs and pipeline is None:  # the plan checks a pipeline's
         raise UserError(f"load_pretrained options {sorted(kwargs)} configure data_parallel, "
                         "which is None")
     pretrained = _Pretrained(Path(path), dtype, seed, attn_implementation)

@@ -10,9 +10,11 @@ first stage's arguments and the last stage's targets, how many targets those hol
 targets score nothing.
 
 The gradient normalisation is the trainer's, unchanged: the schedule backpropagates SUMMED
-losses (no scaling by the micro-batch count), the gradients are averaged over DP here (what
-DDP would have done), and `OptimizerStep` divides them once by the step's global target
-count. The gradient norm is taken over every stage's parameters (squares summed over pp).
+losses (no scaling by the micro-batch count), the gradients are averaged over DP (here, what
+DDP would have done, for stages without a DP wrapper; by FSDP2 itself for sharded stages,
+once a step at the last micro-batch), and `OptimizerStep` divides them once by the step's
+global target count. The gradient norm is taken over every stage's parameters (squares
+summed over pp; a sharded stage's DTensor norms first reduced over their DP mesh).
 
 A short last window (fewer micro-batches than the schedule's) is filled up with copies of
 its first micro-batch whose targets score nothing: no loss, no gradient, no target, and
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from gangs import Gang
+from parallel.data import is_data_parallel
 from parallel.gradient_sum import sum_gradients
 from trainer.errors import UserError
 from trainer.step.forward_backward import StepGradients
@@ -46,13 +49,15 @@ class PipelineSchedule:
         self.dp = dp
         self.autocast = autocast
         self.params = [p for p in unit.pipeline.model.parameters() if p.requires_grad]
+        # FSDP2 stages reduce their gradients themselves; unwrapped stages are summed here.
+        self.sum_over_dp = dp.size > 1 and not is_data_parallel(unit.pipeline.model)
 
     def __call__(self, batches: list[Any], step_nr: int) -> StepGradients:
         inputs, targets = self._concatenate([self.unit.batch_parts(b) for b in batches],
                                             step_nr)
         with self.autocast:
             loss = self.unit.pipeline.step(inputs, targets)
-        if self.dp.size > 1:  # a stage that received no gradient still enters
+        if self.sum_over_dp:  # a stage that received no gradient still enters
             sum_gradients(self.params, self.dp, divide_by=self.dp.size)
         return StepGradients(loss, self.unit.num_targets(targets), False)
 
