@@ -5,7 +5,8 @@ from, whose config, generation config and tokenizer travel with the checkpoint),
 `from_pretrained` loads with no missing or unexpected keys and whose logits are those of one
 process trained on the same steps; the model-only saves (`model_checkpoint_every_n_steps`)
 are written as transformers' sharded layout, a shard a stage. A family whose attention differs (Mistral's sliding
-window) with 1F1B, and with TP2 inside each stage on 4 ranks; Qwen3 with LoRA adapters (merged
+window) with 1F1B, with TP2 inside each stage and with each stage sharded by FSDP2 over 2
+DP ranks (4 ranks each); Qwen3 with LoRA adapters (merged
 into the export) and two stages a rank (interleaved 1F1B: the rank's stages merged into one
 module)."""
 
@@ -67,6 +68,8 @@ LORA = ("lora.r=4", "lora.alpha=8", "lora.target_modules=[q_proj,v_proj,gate_pro
                  id="qwen3_lora_interleaved"),
     # Each stage's weights DTensors split over 2 TP ranks: made whole by both.
     pytest.param("mistral", (), ("gangs.tp_size=2",), 4, id="mistral_pp2_tp2"),
+    # ... sharded over 2 DP ranks by FSDP2: made whole by both.
+    pytest.param("mistral", (), ("trainer.data_parallel=fsdp",), 4, id="mistral_pp2_fsdp2"),
 ])
 def test_a_pipeline_run_exports_the_model_one_process_trains(tmp_path, family, settings,
                                                              layout, ranks):
