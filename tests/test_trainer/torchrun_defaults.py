@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from toy import PAD, TokenUnit, collate, make_model, make_samples
 
@@ -81,6 +82,10 @@ def main(out: Path) -> None:
     report["evaluated"] = evaluate([TokenEval(fresh)], [valid], output_dir=out / "run",
                                    checkpoint="last")
     print(f"RESULT rank {rank} {json.dumps(report)}", flush=True)
+    # As torch asks of a script: its groups' threads stopped before the interpreter exits
+    # (an exit under load once aborted in Gloo's teardown).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
