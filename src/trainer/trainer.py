@@ -283,28 +283,31 @@ class Trainer(Generic[BatchT]):
                 reason = "max_num_steps"
                 break
             batches = self.system.data_wait.timed(self.data.next_window, s.num_accumulate)
-            if not batches and self.data.at_boundary:  # the last step ended an epoch
-                reason = self._end_epoch(self.data.epoch_nr - 1, stop)
-                continue
             if not batches:  # on every rank at the same step
+                if self.data.at_boundary:  # the last step ended an epoch
+                    reason = self._end_epoch(self.data.epoch_nr - 1, stop)
+                    continue
                 reason = self.data.stop_reason
                 break
             if self.data.window_epoch != self.epoch_open:
                 self.epoch_open = self.data.window_epoch
                 self.callbacks.on_epoch_start(self, self.epoch_open)
-            self.state.step_nr += 1
+            self.state.step_nr = step_nr = self.state.step_nr + 1
             if self._step_start_event:
                 self.callbacks.on_step_start(self, batches)
-            self._timed_step(batches)
-            self.recorder.advance(self.state.step_nr)
+            if self.threads.choosing:  # num_threads="auto": this step is timed
+                self._choose_threads(batches)
+            else:
+                self._train_step(batches)
+            self.recorder.advance(step_nr)
             if self._profiler is not None:
                 self._profiler.step()
             self.callbacks.on_step_end(self)
-            # A step the replica groups did not commit is undone: no job runs for it.
-            committed = self.replicas is None or self.replicas.committed
-            if committed and self.state.step_nr % every == 0:
-                reason = self._sync_point(due_at_step(self.jobs, self.state.step_nr), stop)
-            if reason is None and committed and self.data.window_closes_epoch:
+            if self.replicas is not None and not self.replicas.committed:
+                continue  # a step the replica groups did not commit is undone: no job runs
+            if step_nr % every == 0:
+                reason = self._sync_point(due_at_step(self.jobs, step_nr), stop)
+            if reason is None and self.data.window_closes_epoch:
                 reason = self._end_epoch(self.data.window_epoch, stop)
         self._finish(reason)
         return reason
@@ -320,12 +323,10 @@ class Trainer(Generic[BatchT]):
         return self._agree_stop(due, stop)
 
     # -- one step ------------------------------------------------------------------------
-    def _timed_step(self, batches: list[BatchT]) -> None:
-        """The step; with `num_threads="auto"`, timed while the thread count is chosen."""
-        if not self.threads.choosing:
-            self._train_step(batches)
-        elif self.threads.time_step(self._train_step, batches, self.state.step_nr,
-                                    self.gangs.root):  # just chosen
+    def _choose_threads(self, batches: list[BatchT]) -> None:
+        """The step, timed while `num_threads="auto"` chooses the thread count."""
+        if self.threads.time_step(self._train_step, batches, self.state.step_nr,
+                                  self.gangs.root):  # just chosen
             self.publishing.record_threads(publish=True)
 
     def _train_step(self, batches: list[BatchT]) -> None:
