@@ -26,7 +26,7 @@ def any_rank(gang: Gang, flag: bool) -> bool:
 def any_rank_each(gang: Gang, flags: Sequence[bool]) -> list[bool]:
     """Element-wise `any_rank` of several flags, in one all-reduce."""
     if gang.size == 1 or not flags:
-        return [bool(flag) for flag in flags]
+        return list(map(bool, flags))
     agreed = torch.tensor([float(flag) for flag in flags], device=gang.device)
     gang.all_reduce(agreed, ReduceOperation.MAX)
     return [value > 0 for value in agreed.tolist()]

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -23,9 +25,15 @@ from trainer.checkpoint import CheckpointManager
 from trainer.checkpoint.model_saves import ModelSaves
 from trainer.data_checks import check_data_reader
 from trainer.observe.callbacks import CallbackList
+from trainer.observe.flops import FirstStepFlops
+from trainer.observe.profiler import StepProfiler
+from trainer.observe.recorders import MetricRecorder, training_recorder
+from trainer.observe.recorders.buffered import BufferedRecorder
+from trainer.observe.system_metrics import SystemMetrics, flops_per_target_of
 from trainer.run_checks import check_run
 from trainer.run_dir import RunDir
 from trainer.same_start import check_same_start
+from trainer.schedule import NEVER, Every, SyncJob
 from trainer.score_direction import score_direction
 from trainer.settings import TrainerSettings
 from trainer.step.forward_backward import ForwardBackward
@@ -117,3 +125,58 @@ def build_model_saves(output_dir: Path, gangs: Gangs, s: TrainerSettings) -> Mod
         return None
     return ModelSaves(RunDir(output_dir).models, gangs, s.keep_last_n_model_checkpoints)
 
+
+
+class Observers(NamedTuple):
+    """What watches the run: the recorders (behind one buffer), the system metrics, and the
+    first step's FLOP count."""
+
+    recorder: BufferedRecorder
+    system: SystemMetrics
+    flops: FirstStepFlops
+
+
+def build_observers(unit: TrainUnit[Any], recorders: Sequence[MetricRecorder] | None,
+                    output_dir: Path, gangs: Gangs, s: TrainerSettings) -> Observers:
+    recorder = training_recorder(gangs.root.rank, recorders, output_dir, s.max_num_steps,
+                                 s.progress, s.wandb_project)
+    system = SystemMetrics(gangs.device, s.dtype, gangs.root.size, flops_per_target_of(unit))
+    # Under PP only a unit's stated figure is used: the public fallback counter's autograd
+    # hooks are refused by the schedule's own autograd.grad calls.
+    flops = FirstStepFlops(system.flops_per_target,
+                           enabled=not s.compile_model and gangs.pp.size == 1)
+    return Observers(recorder, system, flops)
+
+
+def sync_jobs(trainer: Any) -> tuple[SyncJob, ...]:
+    """The work at the trainer's sync points, each job on its own schedule of steps and
+    epochs (`trainer.schedule`); a job with nothing to do (no validator, no checkpoints)
+    never runs."""
+    s = trainer.settings
+    return (
+        SyncJob("publish", Every(s.publish_metrics_every_n_steps), trainer.publishing),
+        SyncJob("validate", Every(s.validate_every_n_steps, s.validate_every_n_epochs)
+                if trainer.validator else NEVER, trainer.validation.on_schedule),
+        SyncJob("checkpoint", Every(s.checkpoint_every_n_steps, s.checkpoint_every_n_epochs)
+                if trainer.checkpoints is not None else NEVER, trainer.saving.save_once),
+        SyncJob("model_save", Every(s.model_checkpoint_every_n_steps)
+                if trainer.model_saves is not None else NEVER, trainer.saving.save_model),
+    )
+
+
+def prepare_model(model: torch.nn.Module, s: TrainerSettings) -> AbstractContextManager[Any]:
+    """The model compiled (`compile_model`: the module inside DDP, DDP(compiled) is what
+    runs) and in training mode; the context the run goes in (anomaly detection, if set)."""
+    if s.compile_model:
+        (model.module if isinstance(model, DDP) else model).compile()
+    model.train()
+    return (torch.autograd.detect_anomaly() if s.anomaly_detection
+            else contextlib.nullcontext())
+
+
+def build_profiler(s: TrainerSettings, output_dir: Path, gangs: Gangs,
+                   start_step: int) -> StepProfiler | None:
+    """The step profiler (`profiler`), from the step the run starts at, when set."""
+    if s.profiler is None:
+        return None
+    return s.profiler.build(output_dir, gangs.root.rank, gangs.device, start_step=start_step)

@@ -54,3 +54,19 @@ def resume(trainer: Any) -> None:
     log.warning("resumed from %s (step %d)", path, step_nr)
     if trainer.gangs.root.rank == 0:  # the one rank that logs reads the saved config
         warn_if_changed(path, trainer.run_config)
+
+
+def stays_early_stopped(trainer: Any) -> bool:
+    """Whether a run that early-stopped (a resumed state says so) stays stopped: with an
+    early stopper, nothing is left to do; without one now, it trains on."""
+    stopped_at = trainer.state.early_stopped_at
+    if stopped_at is None:
+        return False
+    if trainer.early_stopper is not None:
+        log.warning("the run early-stopped at step %d: nothing to do (to train on, remove "
+                    "the early stopper)", stopped_at)
+        return True
+    log.warning("the run early-stopped at step %d; no early stopper now: training on",
+                stopped_at)
+    trainer.state.early_stopped_at = None
+    return False

@@ -1,4 +1,6 @@
 """The direction of the validation score: what the user said, else what the unit declares.
+Decided here, once, by the Trainer at construction (`trainer.build.check_inputs`); early
+stoppers, built-in or configured (`config.early_stopper.ConfiguredStopper`), are handed it.
 
 `lower_better` given: it must agree with what the valid unit declares for the metric (a
 contradiction is an error naming both). Not given: the unit's declaration

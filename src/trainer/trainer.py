@@ -18,14 +18,12 @@ callbacks and objects, `ExtensionStates`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Generic, Never
 
-import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -42,14 +40,12 @@ from trainer.lifecycle.stop_signal import StopSignal
 from trainer.lifecycle.threads import IntraOpThreads
 from trainer.observe.callbacks import Callback, CallbackList
 from trainer.observe.console_log import show_on_console
-from trainer.observe.flops import FirstStepFlops
 from trainer.observe.profiler import ProfilerConfig, StepProfiler
-from trainer.observe.recorders import MetricRecorder, training_recorder
-from trainer.observe.system_metrics import SystemMetrics, flops_per_target_of
+from trainer.observe.recorders import MetricRecorder
 from trainer.publishing import Publishing
 from trainer.result import TrainResult
 from trainer.saving import Saving
-from trainer.schedule import NEVER, Every, SyncJob, due_at_epoch, due_at_step, sync_every
+from trainer.schedule import SyncJob, due_at_epoch, due_at_step, sync_every
 from trainer.settings import (
     ARGUMENTS_DOC,
     Precision,
@@ -174,31 +170,16 @@ class Trainer(Generic[BatchT]):
         # Where the run goes: checkpoints, model saves, metrics, the best model at the end.
         self.checkpoints = build.build_checkpoints(
             self.output_dir, self.gangs, s, self.lower_better, self.run_config,
-            on_commit=lambda step_nr, path: self.callbacks.on_checkpoint_saved(self, step_nr,
-                                                                               path))
+            on_commit=partial(self.callbacks.on_checkpoint_saved, self))
         self.model_saves = build.build_model_saves(self.output_dir, self.gangs, s)
-        self.recorder = training_recorder(self.gangs.root.rank, recorders, self.output_dir,
-                                          s.max_num_steps, s.progress, s.wandb_project)
-        self.system = SystemMetrics(self.device, s.dtype, self.gangs.root.size,
-                                    flops_per_target_of(unit))
-        # Under PP only a unit's stated figure is used: the public fallback counter's autograd
-        # hooks are refused by the schedule's own autograd.grad calls.
-        self.flops = FirstStepFlops(self.system.flops_per_target,
-                                    enabled=not s.compile_model and self.gangs.pp.size == 1)
+        self.recorder, self.system, self.flops = build.build_observers(
+            unit, recorders, self.output_dir, self.gangs, s)
         self._profiler: StepProfiler | None = None  # built in run(), from the resumed step
 
         # The work at sync points, each job on its own schedule (`trainer.schedule`).
-        self.publishing, self.validation = Publishing(self), Validation(self)
-        self.saving = Saving(self)
-        self.jobs = (
-            SyncJob("publish", Every(s.publish_metrics_every_n_steps), self.publishing),
-            SyncJob("validate", Every(s.validate_every_n_steps, s.validate_every_n_epochs)
-                    if self.validator else NEVER, self.validation.on_schedule),
-            SyncJob("checkpoint", Every(s.checkpoint_every_n_steps, s.checkpoint_every_n_epochs)
-                    if self.checkpoints is not None else NEVER, self.saving.save_once),
-            SyncJob("model_save", Every(s.model_checkpoint_every_n_steps)
-                    if self.model_saves is not None else NEVER, self.saving.save_model),
-        )
+        self.publishing, self.validation, self.saving = (Publishing(self), Validation(self),
+                                                         Saving(self))
+        self.jobs = build.sync_jobs(self)
         self.epoch_open: int | None = None  # the epoch whose on_epoch_start has run
         self._step_start_event = self.callbacks.has("on_step_start")
         # torchft replica groups (`trainer.fault_tolerance`): a quorum each step, commit on it.
@@ -226,22 +207,15 @@ class Trainer(Generic[BatchT]):
     def run(self) -> TrainResult:
         """Train until a limit, the end of data, an early stop or a stop signal."""
         self.rng.seed_all()
-        if self.settings.compile_model:  # the module inside DDP: DDP(compiled) is what runs
-            model = self.unit.model
-            (model.module if isinstance(model, DDP) else model).compile()
-        self.unit.model.train()
-        anomaly = (torch.autograd.detect_anomaly() if self.settings.anomaly_detection
-                   else contextlib.nullcontext())
+        anomaly = build.prepare_model(self.unit.model, self.settings)  # compiled, train mode
         hold_run_lock(self.run_lock, self.gangs.root)  # again, for a re-run
         with StopSignal() as stop, anomaly:
             try:
                 if self.resume and self.state.step_nr == 0:  # a fresh trainer, not a re-run
                     resuming.resume(self)
                 self.callbacks.on_train_start(self)
-                if self.settings.profiler is not None:
-                    self._profiler = self.settings.profiler.build(
-                        self.output_dir, self.gangs.root.rank, self.device,
-                        start_step=self.state.step_nr)
+                self._profiler = build.build_profiler(self.settings, self.output_dir, self.gangs,
+                                                      start_step=self.state.step_nr)
                 reason = self._loop(stop)
             except Exception as error:  # a peer's earlier failure is the cause, if any
                 raise_if_a_peer_failed(self.output_dir, self.gangs.root, self.state.step_nr,
@@ -264,14 +238,8 @@ class Trainer(Generic[BatchT]):
     def _loop(self, stop: StopSignal) -> str:
         s = self.settings
         every = sync_every(self.jobs)  # every job's step is a multiple of this
-        if self.state.early_stopped_at is not None:
-            if self.early_stopper is not None:
-                log.warning("the run early-stopped at step %d: nothing to do (to train on, "
-                            "remove the early stopper)", self.state.early_stopped_at)
-                return "early_stop"
-            log.warning("the run early-stopped at step %d; no early stopper now: training "
-                        "on", self.state.early_stopped_at)
-            self.state.early_stopped_at = None
+        if resuming.stays_early_stopped(self):
+            return "early_stop"
         if s.validate_at_start and self.state.step_nr == 0 and self.validator:
             if self.validation():
                 return "early_stop"
@@ -283,28 +251,31 @@ class Trainer(Generic[BatchT]):
                 reason = "max_num_steps"
                 break
             batches = self.system.data_wait.timed(self.data.next_window, s.num_accumulate)
-            if not batches and self.data.at_boundary:  # the last step ended an epoch
-                reason = self._end_epoch(self.data.epoch_nr - 1, stop)
-                continue
             if not batches:  # on every rank at the same step
+                if self.data.at_boundary:  # the last step ended an epoch
+                    reason = self._end_epoch(self.data.epoch_nr - 1, stop)
+                    continue
                 reason = self.data.stop_reason
                 break
             if self.data.window_epoch != self.epoch_open:
                 self.epoch_open = self.data.window_epoch
                 self.callbacks.on_epoch_start(self, self.epoch_open)
-            self.state.step_nr += 1
+            self.state.step_nr = step_nr = self.state.step_nr + 1
             if self._step_start_event:
                 self.callbacks.on_step_start(self, batches)
-            self._timed_step(batches)
-            self.recorder.advance(self.state.step_nr)
+            if self.threads.choosing:  # num_threads="auto": this step is timed
+                self._choose_threads(batches)
+            else:
+                self._train_step(batches)
+            self.recorder.advance(step_nr)
             if self._profiler is not None:
                 self._profiler.step()
             self.callbacks.on_step_end(self)
-            # A step the replica groups did not commit is undone: no job runs for it.
-            committed = self.replicas is None or self.replicas.committed
-            if committed and self.state.step_nr % every == 0:
-                reason = self._sync_point(due_at_step(self.jobs, self.state.step_nr), stop)
-            if reason is None and committed and self.data.window_closes_epoch:
+            if self.replicas is not None and not self.replicas.committed:
+                continue  # a step the replica groups did not commit is undone: no job runs
+            if step_nr % every == 0:
+                reason = self._sync_point(due_at_step(self.jobs, step_nr), stop)
+            if reason is None and self.data.window_closes_epoch:
                 reason = self._end_epoch(self.data.window_epoch, stop)
         self._finish(reason)
         return reason
@@ -320,12 +291,10 @@ class Trainer(Generic[BatchT]):
         return self._agree_stop(due, stop)
 
     # -- one step ------------------------------------------------------------------------
-    def _timed_step(self, batches: list[BatchT]) -> None:
-        """The step; with `num_threads="auto"`, timed while the thread count is chosen."""
-        if not self.threads.choosing:
-            self._train_step(batches)
-        elif self.threads.time_step(self._train_step, batches, self.state.step_nr,
-                                    self.gangs.root):  # just chosen
+    def _choose_threads(self, batches: list[BatchT]) -> None:
+        """The step, timed while `num_threads="auto"` chooses the thread count."""
+        if self.threads.time_step(self._train_step, batches, self.state.step_nr,
+                                  self.gangs.root):  # just chosen
             self.publishing.record_threads(publish=True)
 
     def _train_step(self, batches: list[BatchT]) -> None:
@@ -334,15 +303,10 @@ class Trainer(Generic[BatchT]):
         or skip (`optimizer_step`); the step's values are logged, read at the next sync."""
         step_nr = self.state.step_nr
         self.unit.set_step_nr(step_nr)
-        if self.flops.pending:  # the first step: its FLOPs counted, per local target
-            counted: list[Any] = []
-            with self.flops.counting(counted):
-                loss, local_count, normalised, tensor_counts = self.forward_backward(
-                    batches, step_nr)
-                counted.append(local_count)
-        else:
-            loss, local_count, normalised, tensor_counts = self.forward_backward(batches,
-                                                                                 step_nr)
+        step_gradients = (self.flops.count(self.forward_backward, batches, step_nr)
+                          if self.flops.pending  # the first step: its FLOPs counted
+                          else self.forward_backward(batches, step_nr))
+        loss, local_count, normalised, tensor_counts = step_gradients
         if self._has_expert_params:  # EP weights: reduced over the gang of their replicas
             reduce_expert_gradients(self.unit.model, self.gangs)
         count = gradients.global_target_count(local_count, self.gangs.dp, self.device)

@@ -36,7 +36,7 @@ from trainer.early_stoppers import (
 )
 from trainer.errors import UserError
 
-__all__ = ["EarlyStopperConfig", "build_early_stopper"]
+__all__ = ["ConfiguredStopper", "EarlyStopperConfig", "build_early_stopper"]
 
 
 class _UserStopper:
@@ -240,9 +240,9 @@ def build_early_stopper(
 ) -> EarlyStopper | None:
     """Builds a fresh stopper from its config (None -> None, no early stopping).
 
-    ``lower_better`` is the run's score direction (`TrainerConfig.build` works it out from
-    what the valid unit declares when the config leaves it out; None here: a user factory
-    keeps its own default). Call it again to get a stopper with fresh state (e.g. before
+    ``lower_better`` is the run's score direction (the Trainer decides it, from the setting
+    or what the valid unit declares, and hands it over through `ConfiguredStopper`; None
+    here: a user factory keeps its own default). Call it again to get a stopper with fresh state (e.g. before
     replaying a resumed run's score history).
     """
     if config is None:
@@ -272,3 +272,30 @@ def build_early_stopper(
         )
     shown = ", ".join(f"{key}={value!r}" for key, value in config.kwargs.items())
     return _UserStopper(stopper, f"{label}({shown})")
+
+
+class ConfiguredStopper:
+    """The early stopper a config names, built when the Trainer hands it the run's score
+    direction (`follow`, as built-ins take it): the direction is decided in one place, the
+    Trainer's `trainer.score_direction`, never again by the config. Then it is that stopper:
+    called, saved and restored (`state_dict`, when it has one) and shown as it."""
+
+    def __init__(self, config: EarlyStopperConfig) -> None:
+        self.config = config
+        self.built: EarlyStopper | None = None
+
+    def follow(self, lower_better: bool) -> None:
+        self.built = build_early_stopper(self.config, lower_better)
+
+    def __call__(self, step_nr: int, score: float) -> bool:
+        assert self.built is not None, "the Trainer calls follow() at construction"
+        return bool(self.built(step_nr, score))
+
+    def __getattr__(self, name: str) -> Any:  # `state_dict` and the like, if it has them
+        built = self.__dict__.get("built")
+        if built is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(built, name)
+
+    def __repr__(self) -> str:
+        return repr(self.built) if self.built is not None else f"<{self.config.name}>"

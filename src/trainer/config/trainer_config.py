@@ -13,9 +13,8 @@ from torch.optim import Optimizer
 
 from parallel import param_groups
 from trainer.config.callbacks import CallbackConfig, build_callbacks
-from trainer.config.early_stopper import EarlyStopperConfig, build_early_stopper
+from trainer.config.early_stopper import ConfiguredStopper, EarlyStopperConfig
 from trainer.errors import UserError
-from trainer.score_direction import score_direction
 from trainer.settings import TrainerSettings
 from trainer.trainer import Trainer
 from units import TrainUnit
@@ -61,16 +60,13 @@ class TrainerConfig(TrainerSettings):
         kept with each checkpoint ...; see `Trainer`). A setting it refuses becomes a
         `UserError` naming `trainer.<field>`."""
         settings = {name: getattr(self, name) for name in TrainerSettings.model_fields}
+        # Built when the Trainer has decided the score's direction (a factory may take it).
+        early_stopper = (ConfiguredStopper(self.early_stopper)
+                         if self.early_stopper is not None else None)
         try:
-            if self.early_stopper is not None:  # a user factory gets the direction too
-                settings["lower_better"] = score_direction(
-                    self.lower_better, self.score_metric, arguments.get("valid_units", ()))
-            return Trainer(
-                unit, data_reader, optimizer, **arguments,
-                early_stopper=build_early_stopper(self.early_stopper, settings["lower_better"]),
-                callbacks=build_callbacks(self.callbacks),
-                **settings,
-            )
+            return Trainer(unit, data_reader, optimizer, **arguments,
+                           early_stopper=early_stopper,
+                           callbacks=build_callbacks(self.callbacks), **settings)
         except ValueError as ex:
             raise UserError(f"config 'trainer': {ex}") from None
 

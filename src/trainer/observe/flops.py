@@ -19,7 +19,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -83,6 +83,15 @@ class FirstStepFlops:
             yield
         if result:
             self._counted = (float(counter.get_total_flops()), result[0])
+
+    def count(self, step: Callable[..., Any], *args: Any) -> Any:
+        """`step(*args)`, its FLOPs counted (the first step); the local target count is the
+        result's `num_targets`."""
+        counted: list[Any] = []
+        with self.counting(counted):
+            result = step(*args)
+            counted.append(result.num_targets)
+        return result
 
     @property
     def flops_per_target(self) -> float | None:

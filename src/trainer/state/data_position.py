@@ -80,6 +80,8 @@ class DataPosition(Generic[BatchT]):
         if self._first_window:  # every rank draws its first window at once
             self._first_window = False
             check_first_batches_differ(batches[0] if batches else None, self.reader, self.dp)
+        if batches and self.dp.size == 1:  # one rank with data: nothing to agree on
+            return batches
         boundary, self.at_boundary = self.at_boundary, False
         some_out, some_left, some_boundary, some_not = any_rank_each(
             self.dp, [not batches, bool(batches), boundary, not boundary])

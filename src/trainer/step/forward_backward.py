@@ -11,6 +11,7 @@ order and return the same.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Generic, NamedTuple, Protocol
 
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from trainer.step import gradients
 from trainer.step.accumulation import MicroBatchSync
+from trainer.step.backward_call import seeded_backward
 from trainer.step.loss_scaler import LossScaler
 from trainer.step.target_counts import bad_target_count
 from units import MetricBag, TrainUnit
@@ -32,7 +34,7 @@ class StepGradients(NamedTuple):
     normalised: bool  # backward took the mean already (started from 1 / count)
     # The unit's counts that are tensors, one per micro-batch: their values (whole, >= 0)
     # are judged where the step's values reach the host (`StepLog.check`), not here.
-    tensor_counts: tuple[Tensor, ...] = ()
+    tensor_counts: Sequence[Tensor] = ()
 
 
 class ForwardBackward(Protocol[BatchT]):
@@ -58,6 +60,7 @@ class MicroBatchLoop(Generic[BatchT]):
         self.sync = sync
         self.scaler = scaler
         self.may_seed_mean = may_seed_mean and scaler is None
+        self.seeded_backward = seeded_backward()  # `loss.backward(seed)`
 
     def __call__(self, batches: list[BatchT], step_nr: int) -> StepGradients:
         loss_sum: Tensor | None = None
@@ -72,7 +75,7 @@ class MicroBatchLoop(Generic[BatchT]):
                 if self.scaler is not None:
                     self.scaler.scale_loss(loss).backward()
                 elif self.may_seed_mean and len(batches) == 1 and isinstance(num_targets, int):
-                    loss.backward(gradients.mean_seed(num_targets, loss))
+                    self.seeded_backward(loss, gradients.mean_seed(num_targets, loss))
                     normalised = True
                 else:
                     loss.backward()
@@ -83,7 +86,7 @@ class MicroBatchLoop(Generic[BatchT]):
                 tensor_counts.append(num_targets.detach() if num_targets.requires_grad
                                      else num_targets)
         assert loss_sum is not None
-        return StepGradients(loss_sum, local_count, normalised, tuple(tensor_counts))
+        return StepGradients(loss_sum, local_count, normalised, tensor_counts)
 
 
 def check_unit_output(unit: Any, loss: Any, num_targets: Any, step_nr: int) -> Tensor | int:

@@ -29,6 +29,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ class _Logged:
     count: Tensor | int
     outcome: StepOutcome
     judge_loss: bool  # False under fp16: the loss scaler judges overflows
-    tensor_counts: list[Tensor]  # the unit's counts that are tensors, one per micro-batch
+    tensor_counts: Sequence[Tensor]  # the unit's counts that are tensors, one a micro-batch
 
 
 class StepLog:
@@ -100,8 +101,7 @@ class StepLog:
             judge_loss: bool = True, tensor_counts: Sequence[Tensor] = ()) -> None:
         """Log step `step_nr` (steps are logged in order): nothing is read now.
         `tensor_counts`: the unit's counts of the step that are tensors, judged at `check`."""
-        self._unread.append(_Logged(step_nr, loss, count, outcome, judge_loss,
-                                    list(tensor_counts)))
+        self._unread.append(_Logged(step_nr, loss, count, outcome, judge_loss, tensor_counts))
 
     # -- sync points -----------------------------------------------------------------------
     def check(self) -> None:
@@ -116,15 +116,17 @@ class StepLog:
             entry.judge_loss and not (math.isfinite(loss) and math.isfinite(norm))
             for entry, loss, norm in zip(steps, losses, norms)
         ]
-        bad_counts = [not all(is_target_count(value) for value in values) for values in each]
+        bad_counts = ([not all(map(is_target_count, values)) for values in each] if any(each)
+                      else [False] * len(steps))  # no tensor count: nothing to judge
         # One collective for both: DDP spreads one rank's NaN gradients, and a count one
         # rank refuses stops every rank at the same step.
         agreed = any_rank_each(self.dp, judged + bad_counts)
         non_finite, bad_counts = agreed[:len(steps)], agreed[len(steps):]
-        for entry, bad, values in zip(steps, bad_counts, each):
-            if bad:  # never published, never saved: the run stops here, on every rank
-                check_target_counts(self.unit_name, entry.step_nr, values)
-                raise bad_count_elsewhere(self.unit_name, entry.step_nr)
+        if any(bad_counts):  # never published, never saved: the run stops here, on every rank
+            entry, values = next((entry, values) for entry, bad, values
+                                 in zip(steps, bad_counts, each) if bad)
+            check_target_counts(self.unit_name, entry.step_nr, values)
+            raise bad_count_elsewhere(self.unit_name, entry.step_nr)
         self._losses += losses
         self._counts += counts
         if publish_norm is not None:
@@ -208,7 +210,7 @@ def _read(steps: list[_Logged]) -> tuple[list[float], list[float], list[float], 
     norms = [0.0 if o.grad_norm is None else next(values) for o in outcomes]
     part_values = [next(values) for _ in parts]
     divisor_value = next(values) if divisor else 1.0
-    each = [[next(values) for _ in entry.tensor_counts] for entry in steps]
+    each = [list(islice(values, len(entry.tensor_counts))) for entry in steps]
     publish_norm = None
     if last.grad_norm is not None:
         publish_norm = norms[-1]
