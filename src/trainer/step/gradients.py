@@ -53,17 +53,15 @@ def scale_gradients(grads: list[Tensor], dp_size: int, global_count: Tensor | in
 
 
 def gradient_norm_parts(params: list[Tensor], split_over: Sequence[Gang] = ()) -> list[Tensor]:
-    """Tensors whose root sum of squares is the global L2 norm of the gradients, for the
-    record only (a publish step with no clipping and no skip policy: the norm decides
-    nothing). Plain replicated tensors: float32 per-tensor norms in one op, as
-    `torch.nn.utils.clip_grad_norm_` takes them, combined in float64 by the host read that
-    publishes them; the same on one process and DDP (every rank holds whole gradients).
-    A float64 norm cost 2.4x the instructions of this one and a float64 copy of every
-    gradient at each publish. DTensors and `split_over`: `gradient_norm`'s, in float64."""
+    """Tensors whose root sum of squares is the global L2 norm of the gradients: one op for
+    plain replicated tensors (their combination is left to the host read that publishes
+    it); see `gradient_norm` for `split_over`. Float64 as `gradient_norm` takes it: the
+    published norm is then the same on every layout, and a finite spike (float32 values
+    near 1e21, whose squares overflow float32) is published finite."""
     grads = [p.grad for p in params if p.grad is not None]
     if split_over or any(isinstance(g, DTensor) for g in grads):
         return [gradient_norm(params, None, split_over)]
-    return list(torch._foreach_norm(grads, 2)) if grads else []  # noqa: SLF001 (torch's foreach norm)
+    return list(torch._foreach_norm(grads, 2, dtype=torch.float64)) if grads else []  # noqa: SLF001 (torch's foreach norm)
 
 
 def supports_device_skip(optimizer: Optimizer) -> bool:
