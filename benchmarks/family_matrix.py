@@ -62,6 +62,7 @@ LAYOUTS: dict[str, Layout] = {
     "cp2_tp2": Layout(4, ("gangs.cp_size=2", "gangs.tp_size=2",
                           "trainer.data_parallel=ddp")),
     "cp2_fsdp2": Layout(4, ("gangs.cp_size=2",)),
+    "cp2_hsdp": Layout(4, ("gangs.cp_size=2", "gangs.dp_shard_size=1")),
 }
 
 

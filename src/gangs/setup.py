@@ -117,17 +117,16 @@ def check_sizes(
             f"dp_shard_size {dp_shard_size} must be >= 1 and divide the data-parallel size "
             f"{dp_size} {where}"
         )
-    _refuse_unsupported(tp_size, ep_size, dp_shard_size, pp_size, cp_size, dp_size)
+    _refuse_unsupported(ep_size, pp_size, cp_size)
     return dp_size
 
 
-def _refuse_unsupported(tp_size: int, ep_size: int, dp_shard_size: int | None, pp_size: int,
-                        cp_size: int, dp_size: int) -> None:
+def _refuse_unsupported(ep_size: int, pp_size: int, cp_size: int) -> None:
     """Combinations that are not built or not tested yet, refused by name: pipeline
-    parallelism runs with DP (DDP, FSDP2, HSDP) and TP; context parallelism with DP and TP."""
-    hsdp = dp_shard_size if dp_shard_size is not None and dp_shard_size < dp_size else 1
+    parallelism runs with DP (DDP, FSDP2, HSDP) and TP; context parallelism with DP (DDP,
+    FSDP2, HSDP) and TP."""
     unsupported = {"pp_size": {"ep_size": ep_size, "cp_size": cp_size},
-                   "cp_size": {"ep_size": ep_size, "dp_shard_size": hsdp}}
+                   "cp_size": {"ep_size": ep_size}}
     for axis, size in (("pp_size", pp_size), ("cp_size", cp_size)):
         if size == 1:
             continue
@@ -136,7 +135,7 @@ def _refuse_unsupported(tp_size: int, ep_size: int, dp_shard_size: int | None, p
                 raise ValueError(
                     f"{axis} {size} with {other} {other_size} is not supported yet: pipeline "
                     "parallelism runs with data and tensor parallelism, context parallelism "
-                    "with data and tensor parallelism")
+                    "with data (DDP, FSDP2, HSDP) and tensor parallelism")
 
 
 def mesh_views(
@@ -177,7 +176,7 @@ def setup_gangs(
 
     `dp_shard_size` (HSDP): FSDP2 shards over groups of that many DP ranks and replicates
     across the groups; None (or the whole DP size) shards over every DP rank. `pp_size`:
-    pipeline stages; `cp_size`: ranks that split each sequence (with DP only, for now).
+    pipeline stages; `cp_size`: ranks that split each sequence (with DP, HSDP and TP).
     """
     dp_size = check_sizes(root.size, tp_size, ep_size, dp_shard_size, pp_size, cp_size)
     views = mesh_views(dp_size, tp_size, ep_size, dp_shard_size, pp_size, cp_size)

@@ -52,6 +52,18 @@ def test_pp_with_hsdp_splits_each_stages_dp_axis():
     assert (gangs.pp.rank, gangs.dp.rank, gangs.dp_shard.rank) == (1, 1, 1)
 
 
+def test_cp_with_hsdp_splits_the_dp_axis_not_the_cp_axis():
+    """CP2 x HSDP on 8 ranks: 4 DP ranks are 2 replicas of 2 shards; the 2 cp ranks of a
+    sequence hold the same shard (their gradients are summed shard by shard)."""
+    sizes = {"cp_size": 2, "dp_shard_size": 2}
+    gangs = [setup_gangs(FakeGang(rank, 8), **sizes) for rank in range(8)]
+    axes = ("dp", "cp", "dp_shard", "dp_replicate")
+    assert {axis: getattr(gangs[5], axis).size for axis in axes} == {
+        "dp": 4, "cp": 2, "dp_shard": 2, "dp_replicate": 2}
+    assert gangs[4].dp_shard.rank == gangs[5].dp_shard.rank  # ranks 4, 5: one sequence
+    assert (gangs[5].dp.rank, gangs[5].cp.rank, gangs[5].dp_shard.rank) == (2, 1, 0)
+
+
 def test_default_gangs_have_size_one_pp_and_cp():
     gangs = setup_gangs(FakeGang(1, 4), tp_size=2)
     assert gangs.pp.size == 1 and gangs.cp.size == 1

@@ -8,8 +8,8 @@ gives, 2 steps of 2 micro-batches of packed rows (several documents a row, `posi
 restarting), then validated: train losses by step, the gradient norm of step 1, the valid
 loss. One process is the reference; PP2 (1F1B) and CP2 (every family) and FSDP2 (four) run
 on 2 forked Gloo ranks, the families on the same ranks one after the other; PP2xTP2, PP2xDP2
-(stages replicated), PP2xFSDP2 and PP2xHSDP (each stage sharded) and CP2xTP2 on 4 ranks
-for Mistral, and PP2xFSDP2 stopped after step 1 and resumed from its checkpoint. `python -m recipes.sft` (its `cli`) refuses by name what
+(stages replicated), PP2xFSDP2 and PP2xHSDP (each stage sharded), CP2xTP2 and CP2xHSDP
+on 4 ranks for Mistral, and PP2xFSDP2 stopped after step 1 and resumed from its checkpoint. `python -m recipes.sft` (its `cli`) refuses by name what
 a layout cannot make exact (the last test); the recipe's runs of the full matrix, more
 steps and every schedule are `python -m benchmarks.family_matrix`.
 
@@ -190,6 +190,9 @@ def test_every_family_trains_on_two_ranks_as_on_one_process(model_dirs, one_proc
     # HSDP's 2-D mesh (2 replicas of 1 shard) under each stage.
     pytest.param({"pp_size": 2, "dp_shard_size": 1, "data_parallel": "fsdp"}, id="pp2_hsdp"),
     pytest.param({"cp_size": 2, "tp_size": 2, "data_parallel": "ddp"}, id="cp2_tp2"),
+    # HSDP's 2-D mesh (2 replicas of 1 shard) under cp: FSDP2 reduces over dp, the seam
+    # sums over cp.
+    pytest.param({"cp_size": 2, "dp_shard_size": 1, "data_parallel": "fsdp"}, id="cp2_hsdp"),
 ])
 def test_combined_layouts_on_four_ranks_train_as_one_process(model_dirs, one_process, layout):
     results = run_ranks(partial(train_each, model_dirs, ("mistral",), **layout), world_size=4,
