@@ -125,7 +125,7 @@ def _refuse_unsupported(ep_size: int, pp_size: int, cp_size: int) -> None:
     """Combinations that are not built or not tested yet, refused by name: pipeline
     parallelism runs with DP (DDP, FSDP2, HSDP) and TP; context parallelism with DP (DDP,
     FSDP2, HSDP) and TP."""
-    unsupported = {"pp_size": {"ep_size": ep_size, "cp_size": cp_size},
+    unsupported = {"pp_size": {"cp_size": cp_size},
                    "cp_size": {"ep_size": ep_size}}
     for axis, size in (("pp_size", pp_size), ("cp_size", cp_size)):
         if size == 1:

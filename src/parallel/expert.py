@@ -19,13 +19,19 @@ from gangs.setup import Gangs
 from layers.moe import moe_layers
 from parallel.gradient_sum import sum_gradients
 
-__all__ = ["ddp_ignored_names", "reduce_expert_gradients"]
+__all__ = ["ddp_ignored_names", "is_expert_param", "reduce_expert_gradients"]
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """Whether `param` is an expert weight: reduced over `expert_dp` by
+    `reduce_expert_gradients`, never over the whole DP gang."""
+    return bool(getattr(param, "is_expert_param", False))
 
 
 def ddp_ignored_names(model: nn.Module) -> list[str]:
     """What DDP must leave alone: expert parameters (reduced by `reduce_expert_gradients`)
     and the per-rank token counters (DDP would overwrite them with rank 0's)."""
-    names = [n for n, p in model.named_parameters() if getattr(p, "is_expert_param", False)]
+    names = [n for n, p in model.named_parameters() if is_expert_param(p)]
     names += [f"{n}.tokens_per_expert" if n else "tokens_per_expert" for n, _ in moe_layers(model)]
     return names
 
@@ -36,6 +42,6 @@ def reduce_expert_gradients(model: nn.Module, gangs: Gangs) -> None:
 
     Call once a step, after the last backward and before the trainer's normalisation.
     """
-    params = [p for p in model.parameters() if getattr(p, "is_expert_param", False)]
+    params = [p for p in model.parameters() if is_expert_param(p)]
     if params:
         sum_gradients(params, gangs.expert_dp, divide_by=gangs.dp.size)

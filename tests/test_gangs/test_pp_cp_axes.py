@@ -26,6 +26,8 @@ def members(gang) -> list[int]:
      {"pp": [0, 4], "dp": [0, 2], "tp": [0, 1], "cp": [0]}),
     ({"cp_size": 2},
      {"pp": [0], "dp": [0, 2, 4, 6], "tp": [0], "cp": [0, 1]}),
+    ({"pp_size": 2, "ep_size": 2},  # experts carved out of each stage's dp
+     {"pp": [0, 4], "dp": [0, 1, 2, 3], "ep": [0, 1], "expert_dp": [0, 2]}),
 ])
 def test_pp_and_cp_gangs_on_8_ranks(sizes, expected):
     def rank_fn():
@@ -64,6 +66,15 @@ def test_cp_with_hsdp_splits_the_dp_axis_not_the_cp_axis():
     assert (gangs[5].dp.rank, gangs[5].cp.rank, gangs[5].dp_shard.rank) == (2, 1, 0)
 
 
+def test_pp_with_ep_carves_experts_out_of_each_stages_dp_axis():
+    """PP2 x EP2 on 8 ranks: each stage's 4 DP ranks are 2 EP gangs of 2; expert_dp joins
+    the ranks of one stage holding the same experts (never two stages)."""
+    gangs = [setup_gangs(FakeGang(rank, 8), pp_size=2, ep_size=2) for rank in range(8)]
+    assert [(g.pp.rank, g.dp.rank, g.ep.rank, g.expert_dp.rank) for g in gangs[4:]] == [
+        (1, 0, 0, 0), (1, 1, 1, 0), (1, 2, 0, 1), (1, 3, 1, 1)]
+    assert (gangs[5].ep.size, gangs[5].expert_dp.size) == (2, 2)
+
+
 def test_default_gangs_have_size_one_pp_and_cp():
     gangs = setup_gangs(FakeGang(1, 4), tp_size=2)
     assert gangs.pp.size == 1 and gangs.cp.size == 1
@@ -72,7 +83,6 @@ def test_default_gangs_have_size_one_pp_and_cp():
 @pytest.mark.parametrize(("world", "sizes", "message"), [
     (6, {"pp_size": 4}, "world size 6 is not divisible by pp_size 4 x cp_size 1"),
     (4, {"cp_size": 0}, "cp_size \\(0\\) must be >= 1"),
-    (8, {"pp_size": 2, "ep_size": 2}, "pp_size 2 with ep_size 2 is not supported yet"),
     (8, {"pp_size": 2, "cp_size": 2}, "pp_size 2 with cp_size 2 is not supported yet"),
     (8, {"cp_size": 2, "ep_size": 2}, "cp_size 2 with ep_size 2 is not supported yet"),
 ])

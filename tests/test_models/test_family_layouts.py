@@ -9,8 +9,9 @@ restarting), then validated: train losses by step, the gradient norm of step 1, 
 loss. One process is the reference; PP2 (1F1B) and CP2 (every family) and FSDP2 (four) run
 on 2 forked Gloo ranks, the families on the same ranks one after the other; PP2xTP2, PP2xDP2
 (stages replicated), PP2xFSDP2 and PP2xHSDP (each stage sharded), CP2xTP2 and CP2xHSDP
-on 4 ranks for Mistral, and PP2xFSDP2 stopped after step 1 and resumed from its checkpoint. `python -m recipes.sft` (its `cli`) refuses by name what
-a layout cannot make exact (the last test); the recipe's runs of the full matrix, more
+on 4 ranks for Mistral, PP2xEP2 (DDP, FSDP2) for the MoE families, and PP2xFSDP2 stopped
+after step 1 and resumed from its checkpoint. `python -m recipes.sft` (its `cli`) refuses
+by name what a layout cannot make exact (the last test); the recipe's runs of the full matrix, more
 steps and every schedule are `python -m benchmarks.family_matrix`.
 
 Tolerance: float32 throughout; a loss is a sum over ~500 targets of log-softmaxes over 128
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_families import FAMILIES, VOCAB, save_tiny, save_tokenizer
+from model_families import FAMILIES, MOE_FAMILIES, VOCAB, save_tiny, save_tokenizer
 from ranks import run_ranks
 from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor
@@ -197,6 +198,18 @@ def test_every_family_trains_on_two_ranks_as_on_one_process(model_dirs, one_proc
 def test_combined_layouts_on_four_ranks_train_as_one_process(model_dirs, one_process, layout):
     results = run_ranks(partial(train_each, model_dirs, ("mistral",), **layout), world_size=4,
                         timeout=300)[0]
+    assert_equal_losses(results, one_process, str(layout))
+
+
+# Experts split over each stage's 2 DP ranks: expert weights summed over expert_dp (1 rank),
+# the rest over dp (the pipeline seam under DDP, FSDP2 under fsdp).
+@pytest.mark.parametrize("layout", [
+    pytest.param({"pp_size": 2, "ep_size": 2, "data_parallel": "ddp"}, id="pp2_ep2"),
+    pytest.param({"pp_size": 2, "ep_size": 2, "data_parallel": "fsdp"}, id="pp2_ep2_fsdp2"),
+])
+def test_moe_layouts_on_four_ranks_train_as_one_process(model_dirs, one_process, layout):
+    results = run_ranks(partial(train_each, model_dirs, MOE_FAMILIES, **layout),
+                        world_size=4, timeout=300)[0]
     assert_equal_losses(results, one_process, str(layout))
 
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from gangs import Gang
 from parallel.data import is_data_parallel
+from parallel.expert import is_expert_param
 from parallel.gradient_sum import sum_gradients
 from trainer.errors import UserError
 from trainer.step.forward_backward import StepGradients
@@ -48,7 +49,9 @@ class PipelineSchedule:
         self.num_microbatches = num_microbatches
         self.dp = dp
         self.autocast = autocast
-        self.params = [p for p in unit.pipeline.model.parameters() if p.requires_grad]
+        # Expert weights differ over DP: the trainer sums them over expert_dp instead.
+        self.params = [p for p in unit.pipeline.model.parameters()
+                       if p.requires_grad and not is_expert_param(p)]
         # FSDP2 stages reduce their gradients themselves; unwrapped stages are summed here.
         self.sum_over_dp = dp.size > 1 and not is_data_parallel(unit.pipeline.model)
 
