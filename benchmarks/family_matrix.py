@@ -65,6 +65,7 @@ LAYOUTS: dict[str, Layout] = {
     "cp2_hsdp": Layout(4, ("gangs.cp_size=2", "gangs.dp_shard_size=1")),
     # MoE families only (the others refuse ep_size by name).
     "pp2_ep2": Layout(4, ("gangs.pp_size=2", "gangs.ep_size=2")),
+    "cp2_ep2": Layout(4, ("gangs.cp_size=2", "gangs.ep_size=2")),
 }
 
 

@@ -28,6 +28,8 @@ def members(gang) -> list[int]:
      {"pp": [0], "dp": [0, 2, 4, 6], "tp": [0], "cp": [0, 1]}),
     ({"pp_size": 2, "ep_size": 2},  # experts carved out of each stage's dp
      {"pp": [0, 4], "dp": [0, 1, 2, 3], "ep": [0, 1], "expert_dp": [0, 2]}),
+    ({"cp_size": 2, "ep_size": 2},  # an EP gang: one cp slice of 2 dp ranks' sequences
+     {"pp": [0], "dp": [0, 2, 4, 6], "cp": [0, 1], "ep": [0, 2], "expert_dp": [0, 4]}),
 ])
 def test_pp_and_cp_gangs_on_8_ranks(sizes, expected):
     def rank_fn():
@@ -84,7 +86,6 @@ def test_default_gangs_have_size_one_pp_and_cp():
     (6, {"pp_size": 4}, "world size 6 is not divisible by pp_size 4 x cp_size 1"),
     (4, {"cp_size": 0}, "cp_size \\(0\\) must be >= 1"),
     (8, {"pp_size": 2, "cp_size": 2}, "pp_size 2 with cp_size 2 is not supported yet"),
-    (8, {"cp_size": 2, "ep_size": 2}, "cp_size 2 with ep_size 2 is not supported yet"),
 ])
 def test_bad_sizes_and_combinations_are_named(world, sizes, message):
     with pytest.raises(ValueError, match=message):

@@ -9,10 +9,11 @@ restarting), then validated: train losses by step, the gradient norm of step 1, 
 loss. One process is the reference; PP2 (1F1B) and CP2 (every family) and FSDP2 (four) run
 on 2 forked Gloo ranks, the families on the same ranks one after the other; PP2xTP2, PP2xDP2
 (stages replicated), PP2xFSDP2 and PP2xHSDP (each stage sharded), CP2xTP2 and CP2xHSDP
-on 4 ranks for Mistral, PP2xEP2 (DDP, FSDP2) for the MoE families, and PP2xFSDP2 stopped
-after step 1 and resumed from its checkpoint. `python -m recipes.sft` (its `cli`) refuses
-by name what a layout cannot make exact (the last test); the recipe's runs of the full matrix, more
-steps and every schedule are `python -m benchmarks.family_matrix`.
+on 4 ranks for Mistral, PP2xEP2 (DDP, FSDP2) and CP2xEP2 (DDP; FSDP2 with the router's
+aux loss) for the MoE families, and PP2xFSDP2 stopped after step 1 and resumed from its
+checkpoint. `python -m recipes.sft` (its `cli`) refuses by name what a layout cannot make
+exact (the last test); the recipe's runs of the full matrix, more steps and every schedule
+are `python -m benchmarks.family_matrix`.
 
 Tolerance: float32 throughout; a loss is a sum over ~500 targets of log-softmaxes over 128
 logits, each computed in a different order on another layout (the all-to-all, the stage
@@ -27,6 +28,7 @@ FSDP2, losses within 2e-7), too near the tolerance to hold on every CPU.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -201,16 +203,41 @@ def test_combined_layouts_on_four_ranks_train_as_one_process(model_dirs, one_pro
     assert_equal_losses(results, one_process, str(layout))
 
 
-# Experts split over each stage's 2 DP ranks: expert weights summed over expert_dp (1 rank),
-# the rest over dp (the pipeline seam under DDP, FSDP2 under fsdp).
+# Experts split over 2 DP ranks (of each stage under PP): expert weights summed over
+# expert_dp (1 rank here) and over cp by the cp seam, the rest over dp (the pipeline seam
+# under DDP, FSDP2 under fsdp).
 @pytest.mark.parametrize("layout", [
     pytest.param({"pp_size": 2, "ep_size": 2, "data_parallel": "ddp"}, id="pp2_ep2"),
     pytest.param({"pp_size": 2, "ep_size": 2, "data_parallel": "fsdp"}, id="pp2_ep2_fsdp2"),
+    pytest.param({"cp_size": 2, "ep_size": 2, "data_parallel": "ddp"}, id="cp2_ep2"),
 ])
 def test_moe_layouts_on_four_ranks_train_as_one_process(model_dirs, one_process, layout):
     results = run_ranks(partial(train_each, model_dirs, MOE_FAMILIES, **layout),
                         world_size=4, timeout=300)[0]
     assert_equal_losses(results, one_process, str(layout))
+
+
+@pytest.fixture(scope="module")
+def aux_loss_dirs(tmp_path_factory) -> dict[str, Path]:
+    """The MoE families' directories, their configs asking for the router's aux loss."""
+    base = tmp_path_factory.mktemp("aux")
+    dirs = {}
+    for family in MOE_FAMILIES:
+        directory = save_tiny(family, base / family)
+        config = json.loads((directory / "config.json").read_text())
+        config.update(output_router_logits=True, router_aux_loss_coef=0.5)  # weighs in
+        (directory / "config.json").write_text(json.dumps(config))
+        dirs[family] = directory
+    return dirs
+
+
+def test_router_aux_loss_under_cp2_x_ep2_fsdp2_trains_as_one_process(aux_loss_dirs):
+    """The aux loss's token counts summed over dp and cp (each cp rank routes its slice),
+    the experts split over dp: the losses (aux loss included, ~1.0 of ~5.9) of one process."""
+    one = run_ranks(partial(train_each, aux_loss_dirs, MOE_FAMILIES), world_size=1)[0]
+    results = run_ranks(partial(train_each, aux_loss_dirs, MOE_FAMILIES, cp_size=2, ep_size=2),
+                        world_size=4, timeout=300)[0]
+    assert_equal_losses(results, one, "cp2_ep2_fsdp2 with the aux loss")
 
 
 def test_pp2_x_fsdp2_stopped_and_resumed_trains_as_one_process(model_dirs, one_process,
