@@ -34,6 +34,7 @@ from trainer.observe.console_log import configure_logging
 from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 from units.pipeline import PipelineLMEvalUnit, PipelineLMUnit, summed_lm_loss
+from units.router_aux_loss import share_router_statistics
 
 
 @dataclass
@@ -164,11 +165,15 @@ def build_model(gpt_config: GPTConfig, gangs: Gangs, data_parallel: str = "ddp",
     def init(model: torch.nn.Module, device: torch.device) -> None:
         materialize(model, device, seeded_init(seed, model.init_parameter))
 
-    return plan.build_model(
+    model = plan.build_model(
         lambda: GPT(gpt_config, ep_gang=gangs.ep if gangs.ep.size > 1 else None), gangs,
         tensor_parallel=gpt_tensor_parallel, materialize=init,
         # One DP rank (one process, or TP alone): nothing to wrap.
         data_parallel=data_parallel if gangs.dp.size > 1 else None)
+    # The MoE aux loss is the global micro-batch's: its counts summed over the ranks holding
+    # other tokens of it (units.router_aux_loss).
+    share_router_statistics(model, (gangs.dp, gangs.cp))
+    return model
 
 
 def build_pipelined_model(gpt_config: GPTConfig, gangs: Gangs, seed: int, *,

@@ -21,6 +21,7 @@ forward, as a TP layer's collectives are part of its own.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,10 @@ from gangs.gang import Gang
 
 __all__ = [
     "GroupedExperts",
+    "LoadBalanceStatistics",
     "MoEFeedForward",
     "dispatch_to_experts",
+    "load_balancing_loss",
     "moe_layers",
 ]
 
@@ -84,12 +87,14 @@ class GroupedExperts(nn.Module):
 class MoEFeedForward(nn.Module):
     """Top-k mixture of experts, experts split over `ep_gang` (None: every expert local).
 
-    After each forward: `aux_loss`, the Switch load-balancing loss
-    `num_experts * sum_e f_e * P_e` of this rank's tokens (f_e: fraction of the routed
-    assignments that went to e, P_e: mean router probability of e), for the unit to add with
-    a small weight; and, in training mode, `tokens_per_expert` (a device buffer, GLOBAL
-    expert index) accumulates this rank's assignments until `reset_tokens_per_expert()`:
-    summing it over the DP ranks gives the global counts.
+    After each forward: `balance_statistics` (`LoadBalanceStatistics` of this rank's
+    tokens), from which the unit forms the Switch load-balancing loss
+    `num_experts * sum_e f_e * P_e` (f_e: fraction of the routed assignments that went to e,
+    P_e: mean router probability of e) of the global micro-batch, its counts summed over the
+    data gangs (`units.router_aux_loss`); `aux_loss` is that of this rank's tokens alone. In
+    training mode, `tokens_per_expert` (a device buffer, GLOBAL expert index) accumulates
+    this rank's assignments until `reset_tokens_per_expert()`: summing it over the DP ranks
+    gives the global counts.
     """
 
     def __init__(
@@ -128,7 +133,7 @@ class MoEFeedForward(nn.Module):
         self.register_buffer(
             "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False
         )
-        self.aux_loss: Tensor | None = None
+        self.balance_statistics: LoadBalanceStatistics | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -149,7 +154,8 @@ class MoEFeedForward(nn.Module):
         counts = torch.bincount(experts, minlength=self.num_experts)
         if self.training:
             self.tokens_per_expert.add_(counts)
-        self.aux_loss = self._load_balancing_loss(probs, counts)
+        self.balance_statistics = LoadBalanceStatistics(
+            counts.float(), probs.sum(dim=0), torch.tensor(float(x.shape[0]), device=x.device))
 
         order = experts.argsort(stable=True)  # assignments grouped by (global) expert
         routed = x[order // self.top_k]
@@ -165,11 +171,31 @@ class MoEFeedForward(nn.Module):
         assert self.ep_gang is not None
         return dispatch_to_experts(routed, counts, self.ep_gang, self.experts)
 
-    def _load_balancing_loss(self, probs: Tensor, counts: Tensor) -> Tensor:
-        num_assignments = max(probs.shape[0] * self.top_k, 1)  # an empty batch: loss 0
-        fraction = counts.to(probs.dtype) / num_assignments
-        mean_prob = probs.sum(dim=0) / max(probs.shape[0], 1)
-        return self.num_experts * (fraction * mean_prob).sum()
+    @property
+    def aux_loss(self) -> Tensor | None:
+        """The load-balancing loss of the last forward's tokens on this rank alone (None
+        before any forward); training adds the global micro-batch's instead."""
+        s = self.balance_statistics
+        return None if s is None else load_balancing_loss(*s, self.top_k)
+
+
+class LoadBalanceStatistics(NamedTuple):
+    """What a forward's load-balancing loss is made of, over its tokens: `counts` [E]
+    (assignments to each expert, not differentiable), `prob_sums` [E] (router probability
+    of each expert summed over the tokens, differentiable) and `num_tokens` (a 0-d tensor)."""
+
+    counts: Tensor
+    prob_sums: Tensor
+    num_tokens: Tensor
+
+
+def load_balancing_loss(counts: Tensor, prob_sums: Tensor, num_tokens: Tensor,
+                        top_k: int) -> Tensor:
+    """Switch's `E * sum_e f_e * P_e`: f_e = counts_e / (tokens * top_k), P_e = prob_sums_e /
+    tokens. With counts and tokens summed over ranks and `prob_sums` one rank's, it is that
+    rank's share of the loss of all their tokens. No tokens: 0."""
+    tokens = num_tokens.clamp(min=1)
+    return len(counts) * (counts / (tokens * top_k) * prob_sums / tokens).sum()
 
 
 def dispatch_to_experts(routed: Tensor, counts: Tensor, ep_gang: Gang,

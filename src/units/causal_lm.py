@@ -21,7 +21,7 @@ from layers.moe import moe_layers
 from layers.wrappers import unwrapped
 from units.linear_cross_entropy import captured_head, linear_cross_entropy
 from units.metrics import MetricBag
-from units.router_aux_loss import RouterAuxLoss
+from units.router_aux_loss import ExpertLayersAuxLoss, RouterAuxLoss
 from units.unit import EvalUnit, TrainUnit
 
 LMBatch = Mapping[str, Tensor]
@@ -272,6 +272,8 @@ class CausalLMUnit(TrainUnit[LMBatch]):
         self.bytes_per_token = bytes_per_token
         self.moe_aux_loss_weight = moe_aux_loss_weight
         self._moe = [m for _, m in moe_layers(model)]
+        self._moe_aux = (ExpertLayersAuxLoss(model, self._moe, moe_aux_loss_weight)
+                         if self._moe and moe_aux_loss_weight > 0 else None)
         self._router_aux = RouterAuxLoss.of(model)  # a HF MoE's, when its config asks
         self._use_cache_keyword = takes_use_cache(model)
 
@@ -290,21 +292,20 @@ class CausalLMUnit(TrainUnit[LMBatch]):
             loss, num_targets = lm_loss(self._model, batch, self.pad_idx,
                                         self._use_cache_keyword, self._trained_only)
         if self._moe:
-            loss = loss + self._moe_step(metrics, num_targets)
+            self._count_expert_tokens(metrics)
+        if self._moe_aux is not None:
+            loss = loss + self._moe_aux.summed(num_targets)
         if self._router_aux is not None:
             loss = loss + self._router_aux.summed(num_targets)
         return loss, num_targets
 
-    def _moe_step(self, metrics: MetricBag, num_targets: Tensor) -> Tensor:
-        """Publish tokens routed to each expert (summed over ranks at publish time) and
-        return the load-balancing loss, scaled per target since the loss is a sum."""
+    def _count_expert_tokens(self, metrics: MetricBag) -> None:
+        """Publish tokens routed to each expert (summed over ranks at publish time)."""
         counts = torch.stack([m.tokens_per_expert for m in self._moe]).sum(0)
         for m in self._moe:
             m.reset_tokens_per_expert()
         for expert, count in enumerate(counts.unbind()):
             metrics.update_sum(f"moe/tokens_expert_{expert}", count)
-        aux = torch.stack([m.aux_loss for m in self._moe]).sum()
-        return self.moe_aux_loss_weight * aux * num_targets
 
     def derive_metrics(self, values: dict[str, float]) -> None:
         derive_lm_metrics(values, self.bytes_per_token)

@@ -40,9 +40,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gangs import Gang, ReduceOperation
-from layers.wrappers import wrapped_chain
+from layers.moe import MoEFeedForward, load_balancing_loss
+from layers.wrappers import unwrapped, wrapped_chain
 
-__all__ = ["ROUTER_STATISTICS_GANGS", "RouterAuxLoss", "share_router_statistics"]
+__all__ = ["ROUTER_STATISTICS_GANGS", "ExpertLayersAuxLoss", "RouterAuxLoss",
+           "router_statistics_gangs", "share_router_statistics", "summed_over_gangs"]
 
 ROUTER_STATISTICS_GANGS = "router_statistics_gangs"
 """The attribute by which a model names the gangs its router statistics are summed over."""
@@ -52,6 +54,30 @@ def share_router_statistics(model: nn.Module, gangs: Sequence[Gang]) -> None:
     """Sum the router statistics of `model`'s aux loss over `gangs` (the ranks that hold other
     tokens of the same micro-batch: data and context parallel; see the module docstring)."""
     setattr(model, ROUTER_STATISTICS_GANGS, tuple(g for g in gangs if g.size > 1))
+
+
+def router_statistics_gangs(model: nn.Module, what: str, fix: str) -> tuple[Gang, ...]:
+    """The gangs `share_router_statistics` named for `model` (or a model a wrapper holds);
+    () in one process. Several ranks and none named: refused (`what` is refused, `fix` says
+    how to name them), never a loss computed per rank silently."""
+    gangs = next((getattr(seen, ROUTER_STATISTICS_GANGS) for seen in wrapped_chain(model)
+                  if hasattr(seen, ROUTER_STATISTICS_GANGS)), None)
+    if gangs is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"{what} and it runs on several ranks without knowing which hold other "
+                f"tokens: {fix} with "
+                "units.router_aux_loss.share_router_statistics(model, [gangs.dp, gangs.cp])")
+        gangs = ()
+    return gangs
+
+
+def summed_over_gangs(statistics: Tensor, gangs: Sequence[Gang]) -> Tensor:
+    """`statistics` (a flat tensor, not differentiable) summed over `gangs`, in place: the
+    one small all-reduce per micro-batch (per gang) that makes the aux loss global."""
+    for gang in gangs:
+        gang.all_reduce(statistics, ReduceOperation.SUM)
+    return statistics
 
 
 class RouterAuxLoss:
@@ -82,16 +108,9 @@ class RouterAuxLoss:
             raise ValueError(f"{kind}: its config asks for the router aux loss "
                              "(output_router_logits) but names no num_experts and "
                              "num_experts_per_tok; set output_router_logits false")
-        gangs = next((getattr(seen, ROUTER_STATISTICS_GANGS) for seen in wrapped_chain(model)
-                      if hasattr(seen, ROUTER_STATISTICS_GANGS)), None)
-        if gangs is None:
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                raise ValueError(
-                    f"{kind}: its config asks for the router aux loss (output_router_logits) "
-                    "and it runs on several ranks without knowing which hold other tokens: "
-                    "load it with trainer.hf.load_pretrained, or name them with "
-                    "units.router_aux_loss.share_router_statistics(model, [gangs.dp, gangs.cp])")
-            gangs = ()
+        gangs = router_statistics_gangs(
+            model, f"{kind}: its config asks for the router aux loss (output_router_logits)",
+            "load it with trainer.hf.load_pretrained, or name them")
         return cls(model, float(weight), int(num_experts), int(top_k), gangs)
 
     def _keep(self, _: nn.Module, __: Any, kwargs: dict[str, Any], output: Any) -> None:
@@ -108,9 +127,8 @@ class RouterAuxLoss:
         counts, probs, rows = self._statistics(router_logits, mask)
         if not self._checked:
             self._check(counts, probs, rows, own)
-        shared = torch.cat([counts, rows.reshape(1), num_targets.detach().reshape(1).float()])
-        for gang in self.gangs:
-            gang.all_reduce(shared, ReduceOperation.SUM)
+        shared = summed_over_gangs(torch.cat(
+            [counts, rows.reshape(1), num_targets.detach().reshape(1).float()]), self.gangs)
         counts, rows, targets = shared[:-2], shared[-2], shared[-1]
         aux_share = self.num_experts * (counts / rows * probs / rows).sum()
         return self.weight * aux_share * targets
@@ -144,3 +162,34 @@ class RouterAuxLoss:
                 f"the model's router aux loss ({theirs:.6g}) is not transformers' "
                 f"load_balancing_loss_func ({mine:.6g}), which gangtrain sums over "
                 "data-parallel ranks: train it with output_router_logits false")
+
+
+class ExpertLayersAuxLoss:
+    """The same rule for `layers.moe.MoEFeedForward` layers (the LM recipe's MoE): each
+    layer's Switch loss (`layers.moe.load_balancing_loss`, per layer, summed over the layers)
+    of the global micro-batch, its counts and token counts summed over the gangs
+    `share_router_statistics` named (the recipe's model build names `gangs.dp` and
+    `gangs.cp`), each rank adding `weight * targets * sum_layers loss(global counts, its own
+    probabilities)`: the ranks' shares sum to one process's loss and gradient."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[MoEFeedForward], weight: float) -> None:
+        self.layers, self.weight = tuple(layers), weight
+        self.gangs = router_statistics_gangs(
+            model, f"{type(unwrapped(model)).__name__}: its MoE layers' load-balancing loss "
+            "(moe_aux_loss_weight > 0)", "build it with recipes.lm.recipe.build_model, or name them")
+
+    def summed(self, num_targets: Tensor) -> Tensor:
+        """`weight * aux_loss * num_targets` of the last forward's global micro-batch, this
+        rank's share. Every rank of the gangs must call it."""
+        stats = [layer.balance_statistics for layer in self.layers]
+        if any(s is None for s in stats):
+            raise RuntimeError("the model's MoE layers have run no forward")
+        shared = summed_over_gangs(torch.cat(
+            [torch.stack([s.counts for s in stats]).flatten(),
+             torch.stack([s.num_tokens for s in stats]),
+             num_targets.detach().reshape(1).float()]), self.gangs)
+        counts = shared[: -len(stats) - 1].view(len(stats), -1)
+        tokens, targets = shared[-len(stats) - 1: -1], shared[-1]
+        aux = sum(load_balancing_loss(c, s.prob_sums, n, layer.top_k)
+                  for c, s, n, layer in zip(counts, stats, tokens, self.layers))
+        return self.weight * aux * targets

@@ -21,7 +21,7 @@ from parallel.expert import ddp_ignored_names
 from recipes.lm.model import GPT, GPTConfig
 from recipes.lm.parallelize import parallelize_gpt
 from trainer.step.gradients import global_target_count, scale_gradients
-from units.causal_lm import lm_loss
+from units.causal_lm import CausalLMUnit, lm_loss
 
 CONFIG = GPTConfig(seq_len=16, dim=32, num_layers=2, num_heads=4, num_experts=4, top_k=2)
 NUM_STEPS, BATCH = 4, 4
@@ -190,3 +190,22 @@ def test_the_trainers_expert_parallel_path_matches_single_process(data_parallel)
         assert params.keys() == ref_params.keys()
         for name, value in ref_params.items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=TOL, msg=name)
+
+
+# -- the load-balancing loss on several ranks --------------------------------------------
+def unit_on_gpt_built_by_hand():
+    """A CausalLMUnit adding the MoE aux loss of a GPT built without the recipe's
+    `build_model` (which names the data gangs): the refusal's text."""
+    setup_gangs(setup_root_gang())
+    with pytest.raises(ValueError) as error:
+        CausalLMUnit(GPT(CONFIG), moe_aux_loss_weight=0.01)
+    return str(error.value)
+
+
+def test_a_moe_on_several_ranks_that_names_no_data_gangs_is_refused():
+    """Each rank's tokens alone, silently, is what the global rule is there to prevent
+    (tests/test_recipes/test_recipe_lm_pp_cp.py: the recipe's EP2 and CP2 equal one process)."""
+    message = run_ranks(unit_on_gpt_built_by_hand, world_size=2)[0]
+    assert "GPT: its MoE layers' load-balancing loss (moe_aux_loss_weight > 0) and it runs " \
+           "on several ranks without knowing which hold other tokens" in message, message
+    assert "share_router_statistics(model, [gangs.dp, gangs.cp])" in message

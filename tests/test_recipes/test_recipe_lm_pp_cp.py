@@ -1,7 +1,9 @@
 """`gangs.pp_size` and `gangs.cp_size` in the LM recipe: the same command on PP2 (stages,
 pipeline validation, a checkpoint) and on CP2 (each rank half of every window) publishes
 the one-process train and valid losses; a PP2 run SIGKILLed and resumed ends bit for bit
-where one never stopped; settings they cannot take are refused by name."""
+where one never stopped; settings they cannot take are refused by name. The recipe's MoE
+(`model.num_experts`) on EP2 (experts split over the two DP ranks) and CP2 gives the
+one-process losses with its load-balancing loss: the global micro-batch's, not each rank's."""
 
 from __future__ import annotations
 
@@ -111,3 +113,35 @@ def test_settings_pp_and_cp_cannot_take_are_refused_by_name(settings, message):
     with pytest.raises(UserError, match=message.replace("(", "\\(")):
         check_pp_cp_config(LMConfig.model_validate(settings))
 
+
+
+# The MoE rows: a weight of 0.5 (not the default 0.01) so that an aux loss formed on each
+# rank's tokens alone is far outside the tolerance: measured 3.4e-4 (EP2) and 4.0e-4 (CP2)
+# relative on the train losses, against 7.4e-8 and 7.9e-8 with the global rule (the float32
+# sums in another order over two ranks: a few ulps, 6e-8 each, grown through 6 Adam steps).
+MOE = ["--set", "trainer.max_num_steps=6", "--set", "trainer.validate_every_n_steps=3",
+       "--set", "trainer.checkpoint_every_n_steps=6", "--set", "trainer.publish_metrics_every_n_steps=1",
+       "--set", "model.num_experts=4", "--set", "model.moe_aux_loss_weight=0.5"]
+
+
+@pytest.fixture(scope="module")
+def moe_one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe_one")
+    proc = run(out, 1, *MOE)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return losses(out)
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["gangs.ep_size=2"], id="ep2"),  # DP2 too: the EP ranks are the DP ranks
+    pytest.param(["gangs.cp_size=2"], id="cp2"),
+])
+def test_moe_aux_loss_is_the_global_micro_batchs_on_ep2_and_cp2(tmp_path, moe_one_process,
+                                                                 layout):
+    proc = run(tmp_path, 2, *MOE, *[a for setting in layout for a in ("--set", setting)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = losses(tmp_path)
+    assert len(got["train"]) == 6 and len(got["valid"]) == 2
+    for section in ("train", "valid"):
+        # 1e-6: ~13x the 7.9e-8 measured, 340x below the per-rank rule's 3.4e-4.
+        assert got[section] == pytest.approx(moe_one_process[section], rel=1e-6), section
