@@ -20,7 +20,7 @@ class ModelSection(Section):
     num_experts: int = Field(default=0, ge=0)
     top_k: PositiveInt = 2
     moe_aux_loss_weight: float = Field(default=0.01, ge=0)
-    """Weight of the MoE load-balancing loss (per target)."""
+    """Weight of the MoE load-balancing loss (per target; the global micro-batch's)."""
     tie_embeddings: bool = True
 
     @model_validator(mode="after")
