@@ -28,7 +28,11 @@ and take no part.
 The ranks are those `share_router_statistics(model, gangs)` names (`trainer.hf.load_pretrained`
 names `gangs.dp` and `gangs.cp`); a model under a process group that names none is refused,
 never trained per rank silently. The first forward checks the formula against the model's
-own `aux_loss` (one host sync): a family whose aux loss is another is refused by name."""
+own `aux_loss` (one host sync): a family whose aux loss is another is refused by name.
+
+`ExpertLayersAuxLoss` applies the same rule, through the same lookup and all-reduce, to the
+`layers.moe.MoEFeedForward` layers of the LM recipe's MoE (Switch's loss per layer, summed
+over the layers; `recipes.lm.recipe.build_model` names `gangs.dp` and `gangs.cp`)."""
 
 from __future__ import annotations
 
