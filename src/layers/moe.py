@@ -155,7 +155,7 @@ class MoEFeedForward(nn.Module):
         if self.training:
             self.tokens_per_expert.add_(counts)
         self.balance_statistics = LoadBalanceStatistics(
-            counts.float(), probs.sum(dim=0), torch.tensor(float(x.shape[0]), device=x.device))
+            counts.float(), probs.sum(dim=0), torch.full((), float(x.shape[0]), device=x.device))
 
         order = experts.argsort(stable=True)  # assignments grouped by (global) expert
         routed = x[order // self.top_k]
