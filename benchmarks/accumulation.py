@@ -30,7 +30,7 @@ from torch import nn
 def worker(args: argparse.Namespace) -> None:
     """One rank (under torchrun): train, then rank 0 prints the ranks' figures as JSON."""
     from gangs import ReduceOperation, setup_gangs, setup_root_gang
-    from parallel import data_parallel
+    from gangtrain.parallel import data_parallel
     from trainer.trainer import Trainer
     from units.regression import SquaredErrorUnit
 

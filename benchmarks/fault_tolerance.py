@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data.global_batches import GlobalBatchReader
+from gangtrain.data.global_batches import GlobalBatchReader
 from trainer import Callback, Trainer
 from units import MetricBag, TrainUnit
 
@@ -131,7 +131,7 @@ def run_group(plan: GroupPlan) -> None:
     import torch.distributed as dist
 
     from gangs import setup_gangs, setup_root_gang
-    from parallel import data_parallel
+    from gangtrain.parallel import data_parallel
     from trainer.fault_tolerance import FaultToleranceSettings, ReplicaGroup
 
     if plan.group_size > 1:  # the group's own job, as torchrun would start it
@@ -303,7 +303,7 @@ def _ddp_rank(out: Path, rank: int, port: int, steps: int, every: int,
     import torch.distributed as dist
 
     from gangs import setup_gangs, setup_root_gang
-    from parallel import data_parallel
+    from gangtrain.parallel import data_parallel
 
     code = 0
     try:

@@ -27,7 +27,7 @@ does to a model that no DDP wraps (the trainer compiles the module inside DDP, n
 wrapper); compiling once serves both sides, and an untimed loop run first takes the
 compilation.
 
-MFU = tokens/s x ``recipes.lm.model.flops_per_token`` / the device's dense peak for the
+MFU = tokens/s x ``gangtrain.models.gpt.model.flops_per_token`` / the device's dense peak for the
 dtype (``trainer.observe.system_metrics.peak_flops``: H100 SXM and H200 989 TFLOP/s bf16).
 Peak memory is ``torch.cuda.max_memory_allocated`` of each run.
 
@@ -73,10 +73,10 @@ from benchmarks.lm_throughput import (
     synthetic_pool,
 )
 from gangs import FakeGang, Gangs, setup_gangs
+from gangtrain.app import TrainerConfig
+from gangtrain.app.cli import load_config
+from gangtrain.models.gpt.model import GPT, GPTConfig, flops_per_token, num_parameters
 from recipes.lm.config import PRESETS, LMConfig
-from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
-from trainer import TrainerConfig
-from trainer.cli import load_config
 from trainer.errors import UserError
 from trainer.observe.recorders import JsonlRecorder, TensorBoardRecorder
 from units import MetricBag, TrainUnit

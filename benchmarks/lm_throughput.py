@@ -15,7 +15,7 @@ of that many runs of each, taken in rotating order).
 
 The model, optimizer (AdamW as the recipe builds it, fused by default) and trainer settings
 (dtype, gradient clipping, publish interval) come from a preset of `recipes.lm.config`,
-merged as the recipe's command line does (`trainer.cli.load_config`); validation and
+merged as the recipe's command line does (`gangtrain.app.cli.load_config`); validation and
 checkpoints are off. Batches are random bytes made up front on the device (``--data
 real`` reads the preset's byte windows instead). The first ``--warmup`` steps (compilation,
 allocator, lazy recorder set-up) are not timed; the clock runs from the first timed step to
@@ -23,7 +23,7 @@ the end of the run, after a device synchronisation at both ends.
 
 Prints tokens/s and peak memory (CUDA: ``torch.cuda.max_memory_allocated``; CPU: peak RSS
 and its growth during training), and on CUDA the model FLOP utilisation: tokens/s x
-``recipes.lm.model.flops_per_token`` / the GPU's dense peak for the dtype (the trainer's table by
+``gangtrain.models.gpt.model.flops_per_token`` / the GPU's dense peak for the dtype (the trainer's table by
 GPU name; unknown GPUs print no MFU).
 """
 
@@ -41,9 +41,9 @@ from collections.abc import Iterator
 
 import torch
 
+from gangtrain.app.cli import load_config
+from gangtrain.models.gpt.model import GPT, GPTConfig, flops_per_token, num_parameters
 from recipes.lm.config import PRESETS, LMConfig
-from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
-from trainer.cli import load_config
 from trainer.errors import UserError
 from trainer.lifecycle.threads import MAX_ROUNDS, WARMUP_STEPS, available_cores
 from trainer.observe.system_metrics import peak_flops as device_peak_flops

@@ -45,9 +45,9 @@ def save_model(args: argparse.Namespace, directory: Path) -> None:
 def worker(args: argparse.Namespace) -> None:
     """One setting in this process: load, train, print its figures as JSON."""
     from gangs import setup_gangs, setup_root_gang
-    from layers.lora import LoraSettings
-    from parallel import param_groups
-    from trainer.hf import load_pretrained
+    from gangtrain.layers.lora import LoraSettings
+    from gangtrain.models.hf import load_pretrained
+    from gangtrain.parallel import param_groups
     from trainer.trainer import Trainer
     from units.causal_lm import CausalLMUnit
 

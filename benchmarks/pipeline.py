@@ -44,10 +44,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from gangs import ProcessGroupGang
-    from parallel.gradient_norm import gradient_norm
-    from parallel.pipeline import pipeline_model
-    from recipes.lm.model import GPT, GPTConfig
-    from recipes.lm.spec import GPT_SPEC
+    from gangtrain.models.gpt.model import GPT, GPTConfig
+    from gangtrain.models.gpt.spec import GPT_SPEC
+    from gangtrain.parallel.gradient_norm import gradient_norm
+    from gangtrain.parallel.pipeline import pipeline_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -132,7 +132,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from parallel.pipeline import available_schedules
+    from gangtrain.parallel.pipeline import available_schedules
 
     schedules = args.schedules.split(",") if args.schedules else available_schedules()
     print(f"{args.layers} layers, dim {args.dim}, {args.num_accumulate} micro-batches of "

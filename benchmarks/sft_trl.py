@@ -68,9 +68,9 @@ def ours(args: argparse.Namespace, ids: list[list[int]], masks: list[list[int]])
     import numpy as np
     import torch
 
-    from data.collate import packed_batch
-    from data.example_packing import best_fit_decreasing
-    from models.hf.document_attention import use_document_attention
+    from gangtrain.data.collate import packed_batch
+    from gangtrain.data.example_packing import best_fit_decreasing
+    from gangtrain.models.hf.document_attention import use_document_attention
     from units.causal_lm import CausalLMUnit
     from units.metrics import MetricBag
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from data.global_batches import GlobalBatchReader
+from gangtrain.data.global_batches import GlobalBatchReader
 
 
 def padded_samples(num: int, seed: int, vocab: int, seq_len: int,

@@ -85,7 +85,7 @@ def save_tokenizer(directory: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from data.chat import CHATML_TEMPLATE
+    from gangtrain.data.chat import CHATML_TEMPLATE
 
     words = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<unk>", "user", "assistant",
              "system", *(f"w{i}" for i in range(40))]

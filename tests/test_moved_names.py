@@ -15,21 +15,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (the old import, how to reach the new object, what the warning must name)
 CASES = [
-    ("from gangs.parallel import fully_shard_model", "parallel.fully_shard_model",
-     "parallel.fully_shard_model"),
-    ("from gangs.parallel import MoEFeedForward", "layers.moe.MoEFeedForward",
-     "layers.moe.MoEFeedForward"),
-    ("import gangs.parallel.fsdp as m", "parallel.fsdp", "parallel.fsdp"),
+    ("from gangs.parallel import fully_shard_model", "gangtrain.parallel.fully_shard_model",
+     "gangtrain.parallel.fully_shard_model"),
+    ("from gangs.parallel import MoEFeedForward", "gangtrain.layers.moe.MoEFeedForward",
+     "gangtrain.layers.moe.MoEFeedForward"),
+    ("import gangs.parallel.fsdp as m", "gangtrain.parallel.fsdp", "gangtrain.parallel.fsdp"),
     ("from gangs.parallel.expert import reduce_expert_gradients",
-     "parallel.expert.reduce_expert_gradients", "parallel.expert.reduce_expert_gradients"),
+     "gangtrain.parallel.expert.reduce_expert_gradients", "gangtrain.parallel.expert.reduce_expert_gradients"),
     ("from trainer.state.global_batches import GlobalBatchReader",
-     "data.global_batches.GlobalBatchReader", "data.global_batches"),
+     "gangtrain.data.global_batches.GlobalBatchReader", "gangtrain.data.global_batches"),
     ("from recipes.lm.schedule import warmup_cosine", "trainer.lr_schedules.warmup_cosine",
      "trainer.lr_schedules"),
     ("from parallel.context import enable_context_parallel",
-     "recipes.lm.spec.GPT_SPEC.attend_over", "recipes.lm.spec.GPT_SPEC.attend_over"),
+     "gangtrain.models.gpt.spec.GPT_SPEC.attend_over", "gangtrain.models.gpt.spec.GPT_SPEC.attend_over"),
     ("from parallel.context import register_hf_attention",
-     "models.hf.attention.register_hf_attention", "models.hf.attention.register_hf_attention"),
+     "gangtrain.models.hf.attention.register_hf_attention", "gangtrain.models.hf.attention.register_hf_attention"),
     ("from parallel.pipeline_stages import model_family", None, "spec_for"),
 ]
 

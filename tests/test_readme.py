@@ -50,7 +50,7 @@ def test_every_name_the_docs_import_exists(module, name):
 
 
 def test_every_dotted_public_name_the_docs_mention_exists():
-    """`trainer.hf.load_pretrained`, `trainer.early_stoppers.Patience`, ... in backticks
+    """`gangtrain.models.hf.load_pretrained`, `trainer.early_stoppers.Patience`, ... in backticks
     (`trainer.<key>` where no such module exists is a config key, not a name)."""
     missing = []
     for page in PAGES:

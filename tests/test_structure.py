@@ -1,6 +1,8 @@
 """The structure DESIGN.md asks for, checked on the source: no import cycle among our
-modules, imports between trainer's parts only point downwards, and `trainer.trainer` is
-imported only by the package face, the config and the CLI."""
+modules, imports between packages and between trainer's parts only point downwards (the
+model families above the trainer, the application shell above both), `trainer.trainer` is
+imported only by the package face, the config and the CLI, and `src/trainer` stays the loop
+and its services."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gangs", "layers", "parallel", "data", "units", "models", "trainer", "recipes")
+PACKAGES = ("gangs", "gangtrain", "units", "trainer", "recipes")
+# The one-release shims of the old top-level names (`gangs.moved`): not code of ours.
+SHIMS = ("data", "models", "layers", "parallel")
 
 
 def module_files() -> dict[str, Path]:
@@ -88,7 +92,8 @@ def test_no_import_cycle_among_our_modules():
 
 def test_only_the_face_the_config_and_the_cli_import_the_trainer_module():
     importers = {name for name, deps in import_graph().items() if "trainer.trainer" in deps}
-    assert importers <= {"trainer", "trainer.config.trainer_config", "trainer.cli"}, importers
+    assert importers <= {"trainer", "gangtrain.app.config.trainer_config",
+                         "gangtrain.app.cli"}, importers
 
 
 # The parts of `trainer`, lowest first, and what each may import besides itself, `units` and
@@ -103,25 +108,34 @@ PART_IMPORTS = {
     "step": {"errors", "checkpoint", "lifecycle", "state"},
     "observe": {"errors", "checkpoint", "lifecycle", "state", "step"},
     "loop": {"errors", "checkpoint", "lifecycle", "state", "step", "observe"},
-    "config": {"errors", "checkpoint", "lifecycle", "state", "step", "observe", "loop"},
 }
 # The run directory's names (trainer/run_dir.py) are a part below all others: every part may
 # spell a path through them, and they import nothing of ours.
 PART_IMPORTS = {"run_dir": set()} | {part: deps | {"run_dir"} for part, deps in PART_IMPORTS.items()}
 PART_IMPORTS["face"] = set(PART_IMPORTS)
-# What the other packages may import: arrows point down to gangs.
-PACKAGE_IMPORTS = {"gangs": set(), "layers": {"gangs"}, "parallel": {"gangs", "layers"},
-                   "data": {"gangs"}, "units": {"gangs", "layers", "data"},
-                   "models": {"gangs", "layers", "parallel"},
-                   "trainer": {"units", "gangs", "parallel", "layers", "data", "models"},
-                   "recipes": {"trainer", "units", "gangs", "parallel", "layers", "data",
-                               "models"}}
+# What each package may import, lowest first: arrows point down to gangs. The model families
+# sit above the trainer (they hand it their files and specs); the application shell above
+# both; the recipes on top.
+LOW = {"gangs": set(), "gangtrain.layers": {"gangs"},
+       "gangtrain.parallel": {"gangs", "gangtrain.layers"},
+       "gangtrain.data": {"gangs"}, "units": {"gangs", "gangtrain.layers", "gangtrain.data"},
+       "trainer": {"units", "gangs", "gangtrain.parallel", "gangtrain.layers", "gangtrain.data"}}
+PACKAGE_IMPORTS = {**LOW, "gangtrain": set(),
+                   "gangtrain.models": {*LOW} - {"gangtrain.models"},
+                   "gangtrain.app": {*LOW, "gangtrain.models"},
+                   "recipes": {*LOW, "gangtrain.models", "gangtrain.app"}}
+
+
+def package_of(module: str) -> str:
+    """The package of `module` for the layering: a top-level name, or gangtrain's part."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "gangtrain" and len(parts) > 1 else parts[0]
 
 
 def part_of(module: str) -> str:
     """The part of `trainer` that `module` (a dotted name under trainer) belongs to."""
     parts = module.split(".")
-    if module in ("trainer", "trainer.cli"):
+    if module == "trainer":
         return "face"
     if parts[1] in PART_IMPORTS and len(parts) > 2 or parts[1] in ("checkpoint", "errors", "run_dir"):
         return parts[1]
@@ -131,9 +145,9 @@ def part_of(module: str) -> str:
 def test_imports_point_downwards_between_the_parts_of_trainer():
     upward = []
     for module, deps in import_graph().items():
-        package = module.split(".")[0]
+        package = package_of(module)
         for dep in deps:
-            dep_package = dep.split(".")[0]
+            dep_package = package_of(dep)
             if dep_package != package:
                 if dep_package not in PACKAGE_IMPORTS[package]:
                     upward.append(f"{module} -> {dep}")
@@ -155,7 +169,7 @@ def test_recipes_never_import_each_other():
 
 
 def test_each_part_of_trainer_says_what_lives_there_and_what_it_may_import():
-    for part in ("config", "step", "state", "observe", "lifecycle", "checkpoint"):
+    for part in ("step", "state", "observe", "lifecycle", "checkpoint"):
         doc = ast.get_docstring(ast.parse((ROOT / "src" / "trainer" / part / "__init__.py")
                                           .read_text()))
         assert doc and "imports only" in doc.lower(), part
@@ -165,7 +179,8 @@ def test_help_trainer_explains_every_argument():
     import inspect
     import pydoc
 
-    from trainer import Trainer, TrainerConfig
+    from gangtrain.app import TrainerConfig
+    from trainer import Trainer
     from trainer.settings import TrainerSettings
 
     text = pydoc.render_doc(Trainer, renderer=pydoc.plaintext)
@@ -262,7 +277,41 @@ def family_knowledge(path: Path) -> list[str]:
 
 
 def test_the_generic_layers_name_no_model_family_and_no_model_attribute():
-    files = [path for package in ("parallel", "trainer")
+    files = [path for package in ("gangtrain/parallel", "trainer")
              for path in (ROOT / "src" / package).rglob("*.py")]
     found = [hit for path in sorted(files) for hit in family_knowledge(path)]
     assert found == [], "\n".join(found)
+
+
+def test_the_trainer_is_the_loop_and_its_services():
+    """`src/trainer` imports no model family, nothing of `gangtrain.models` or the app shell
+    (those sit above it), and stays under 10k lines (its one-release shims aside)."""
+    graph = import_graph()
+    above = [f"{module} -> {dep}" for module, deps in graph.items()
+             if package_of(module) == "trainer" for dep in deps
+             if package_of(dep) in ("gangtrain.models", "gangtrain.app", "recipes")]
+    assert above == [], above
+    lines = sum(len(path.read_text().splitlines())
+                for path in (ROOT / "src" / "trainer").rglob("*.py"))
+    assert lines < 10_000, lines
+
+
+def test_one_namespace_of_our_own_is_installed():
+    """Besides the layout's gangs, units, trainer and recipes, only `gangtrain` (and the
+    one-release shims of the old names) is a top-level package; no module of ours imports
+    a shim."""
+    tops = {path.name for path in (ROOT / "src").iterdir()
+            if (path / "__init__.py").is_file()}
+    assert tops == {"gangs", "units", "trainer", "gangtrain", *SHIMS}, tops
+    for shim in SHIMS:
+        assert [p.name for p in (ROOT / "src" / shim).iterdir()
+                if p.suffix == ".py"] == ["__init__.py"], shim
+    shim_users = []
+    for name, path in module_files().items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            targets = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                       and not node.level else [])
+            shim_users += [f"{name}: {t}" for t in targets if t.split(".")[0] in SHIMS]
+    assert shim_users == [], shim_users

@@ -7,9 +7,9 @@ checkpoint is kept.
 
 import sys
 
+from gangtrain.app.cli import run_recipe
 from recipes.classify.config import PRESETS, ClassifyConfig
 from recipes.classify.recipe import eval_main, main
-from trainer.cli import run_recipe
 
 if __name__ == "__main__":
     sys.exit(run_recipe(ClassifyConfig, PRESETS, main, prog="python -m recipes.classify",

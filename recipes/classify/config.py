@@ -6,9 +6,9 @@ from typing import Any
 
 from pydantic import Field, PositiveInt
 
-from trainer.config.early_stopper import EarlyStopperConfig
-from trainer.config.sections import Section
-from trainer.config.trainer_config import AdamWConfig, TrainerConfig
+from gangtrain.app.config.early_stopper import EarlyStopperConfig
+from gangtrain.app.config.sections import Section
+from gangtrain.app.config.trainer_config import AdamWConfig, TrainerConfig
 
 
 class ModelSection(Section):

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from data.global_batches import GlobalBatchReader, eval_rows
+from gangtrain.data.global_batches import GlobalBatchReader, eval_rows
 from trainer.errors import UserError
 
 __all__ = ["Batch", "ShardedBatchReader", "eval_batches", "make_spirals", "split"]

@@ -12,12 +12,12 @@ from rich.console import Console
 from torch import nn
 
 from gangs import Gangs
-from parallel import data_parallel
+from gangtrain.app.cli import recipe_gangs
+from gangtrain.app.config.early_stopper import build_early_stopper
+from gangtrain.app.evaluate import evaluate
+from gangtrain.parallel import data_parallel
 from recipes.classify.config import ClassifyConfig
 from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
-from trainer.cli import recipe_gangs
-from trainer.config.early_stopper import build_early_stopper
-from trainer.evaluate import evaluate
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
 from units.classification import ClassificationEvalUnit, ClassificationUnit
@@ -100,7 +100,7 @@ def main(config: ClassifyConfig, output_dir: Path, resume: bool) -> int:
 
 
 def eval_main(config: ClassifyConfig, output_dir: Path, checkpoint: str) -> int:
-    """``--eval-only``: validate a checkpoint of ``output_dir`` (see `trainer.evaluate`)."""
+    """``--eval-only``: validate a checkpoint of ``output_dir`` (see `gangtrain.app.evaluate`)."""
     s = _setup(config)
     evaluate(s.valid_units, s.valid_readers, output_dir=output_dir, gangs=s.gangs,
              checkpoint=checkpoint, console=s.console)

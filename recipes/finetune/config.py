@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import Field, PositiveInt
 
-from trainer.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
-from trainer.config.trainer_config import FINETUNING_TRAINER, AdamWConfig, TrainerConfig
+from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
+from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, AdamWConfig, TrainerConfig
 
 
 class ModelSection(Section):

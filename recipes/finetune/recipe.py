@@ -1,7 +1,7 @@
 """Assemble the fine-tuning recipe: gangs, the model's tokenizer, packed windows, the
-pretrained model loaded over the gangs (`trainer.hf.load_pretrained`), the stock causal LM
+pretrained model loaded over the gangs (`gangtrain.models.hf.load_pretrained`), the stock causal LM
 units and the trainer, which exports the best checkpoint as a HF directory at the end
-(`OUTPUT_DIR/hf/`, `trainer.hf.export_pretrained`).
+(`OUTPUT_DIR/hf/`, `gangtrain.models.hf.export_pretrained`).
 """
 
 from __future__ import annotations
@@ -14,16 +14,22 @@ from typing import Any
 from rich.console import Console
 from torch import nn
 
-from data import WindowReader, pack_windows, read_documents, split_windows, tokenize_documents
 from gangs import Gangs
+from gangtrain.app.cli import recipe_gangs, run_recipe
+from gangtrain.app.evaluate import evaluate
+from gangtrain.data import (
+    WindowReader,
+    pack_windows,
+    read_documents,
+    split_windows,
+    tokenize_documents,
+)
+from gangtrain.models.hf import hf_model_of
+from gangtrain.models.hf.hf_config import check_model_dir, load_tokenizer
+from gangtrain.models.hf.layout import HFLayout, check_layout, load_layout
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
 from recipes.finetune.data import eval_batches
-from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
-from trainer.evaluate import evaluate
-from trainer.hf import hf_model_of
-from trainer.hf.hf_config import check_model_dir, load_tokenizer
-from trainer.hf.layout import HFLayout, check_layout, load_layout
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult
@@ -130,7 +136,7 @@ def _checked_documents(config: FinetuneConfig) -> tuple[Any, list[str]]:
 
 def check_inputs(config: FinetuneConfig) -> None:
     """Every input a run needs, opened and checked before the command writes anything
-    (`trainer.cli.run_recipe`): the model directory, the data files, the tokenizer."""
+    (`gangtrain.app.cli.run_recipe`): the model directory, the data files, the tokenizer."""
     _checked_documents(config)
     load_tokenizer(config.model.path)
 
@@ -153,7 +159,7 @@ def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
 
 
 def eval_main(config: FinetuneConfig, output_dir: Path, checkpoint: str) -> int:
-    """``--eval-only``: validate a checkpoint of ``output_dir`` (see `trainer.evaluate`)."""
+    """``--eval-only``: validate a checkpoint of ``output_dir`` (see `gangtrain.app.evaluate`)."""
     s = _setup(config, train=False)
     evaluate(s.valid_units, s.valid_readers, output_dir=output_dir, gangs=s.gangs,
              checkpoint=checkpoint, console=s.console)

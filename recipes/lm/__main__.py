@@ -6,9 +6,9 @@ with every Python install, and a reference to beat (gzip -9 on the same held-out
 
 import sys
 
+from gangtrain.app.cli import run_recipe
 from recipes.lm.config import PRESETS, RESUME_GUARD, LMConfig
 from recipes.lm.recipe import eval_main, main
-from trainer.cli import run_recipe
 
 if __name__ == "__main__":
     sys.exit(run_recipe(LMConfig, PRESETS, main, prog="python -m recipes.lm",

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from pydantic import Field, PositiveInt, model_validator
 
-from trainer.config.sections import GangsSection, LRSchedulerSection, Section
-from trainer.config.trainer_config import AdamWConfig, TrainerConfig
+from gangtrain.app.config.sections import GangsSection, LRSchedulerSection, Section
+from gangtrain.app.config.trainer_config import AdamWConfig, TrainerConfig
 
 
 class ModelSection(Section):

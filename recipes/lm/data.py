@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from data.global_batches import eval_rows
-from data.packing import Batch, WindowReader, pack_windows, to_batch
+from gangtrain.data.global_batches import eval_rows
+from gangtrain.data.packing import Batch, WindowReader, pack_windows, to_batch
 from trainer.errors import UserError
 
 __all__ = [

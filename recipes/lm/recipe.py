@@ -11,9 +11,13 @@ import torch
 from rich.console import Console
 
 from gangs import Gangs
-from parallel import plan
-from parallel.materialize import materialize, seeded_init
-from parallel.pipeline import PipelinedModel, pipeline_model
+from gangtrain.app.cli import recipe_gangs
+from gangtrain.app.evaluate import evaluate
+from gangtrain.models.gpt.model import GPT, GPTConfig, flops_per_token, num_parameters
+from gangtrain.models.gpt.spec import GPT_SPEC
+from gangtrain.parallel import plan
+from gangtrain.parallel.materialize import materialize, seeded_init
+from gangtrain.parallel.pipeline import PipelinedModel, pipeline_model
 from recipes.lm.config import LMConfig
 from recipes.lm.data import (
     ByteWindowReader,
@@ -23,11 +27,7 @@ from recipes.lm.data import (
     load_bytes,
     split_files,
 )
-from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
-from recipes.lm.spec import GPT_SPEC
-from trainer.cli import recipe_gangs
 from trainer.errors import UserError
-from trainer.evaluate import evaluate
 from trainer.fault_tolerance import replica_group_of
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
@@ -140,7 +140,7 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
 
 
 def eval_main(config: LMConfig, output_dir: Path, checkpoint: str) -> int:
-    """``--eval-only``: validate a checkpoint of ``output_dir`` (see `trainer.evaluate`)."""
+    """``--eval-only``: validate a checkpoint of ``output_dir`` (see `gangtrain.app.evaluate`)."""
     s = _setup(config, train=False)
     values = evaluate(s.valid_units, s.valid_readers, output_dir=output_dir, gangs=s.gangs,
                       checkpoint=checkpoint, console=s.console)
@@ -160,7 +160,7 @@ def build_model(gpt_config: GPTConfig, gangs: Gangs, data_parallel: str = "ddp",
     generator seeded by (seed, its name) and sliced to this rank's shard
     (`parallel.materialize`): the same initial bits on every layout, and no rank ever
     holds more than its shards plus one full parameter."""
-    from recipes.lm.parallelize import gpt_tensor_parallel
+    from gangtrain.models.gpt.parallelize import gpt_tensor_parallel
 
     def init(model: torch.nn.Module, device: torch.device) -> None:
         materialize(model, device, seeded_init(seed, model.init_parameter))
@@ -184,7 +184,7 @@ def build_pipelined_model(gpt_config: GPTConfig, gangs: Gangs, seed: int, *,
     stage over `gangs.tp`; each stage sharded over DP with data_parallel "fsdp", else
     replicated), this rank's stages materialised by the same seeded rule as `build_model`:
     the same initial bits as one process."""
-    from recipes.lm.parallelize import gpt_tensor_parallel
+    from gangtrain.models.gpt.parallelize import gpt_tensor_parallel
 
     def init(model: torch.nn.Module, device: torch.device) -> None:
         materialize(model, device, seeded_init(seed, rule))

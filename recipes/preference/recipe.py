@@ -1,6 +1,6 @@
 """Assemble the preference recipe: gangs, the model's tokenizer (`recipes.sft`'s), the pairs
 tokenised once into a cache (`data.preference`), the pretrained policy loaded over the gangs
-(`trainer.hf.load_pretrained`), the reference model, the preference units
+(`gangtrain.models.hf.load_pretrained`), the reference model, the preference units
 (`units.preference`) and the trainer; at the end the best checkpoint is exported to
 `OUTPUT_DIR/hf/` with the tokenizer as used (and `OUTPUT_DIR/adapter/` with LoRA).
 
@@ -21,17 +21,23 @@ import numpy as np
 from rich.console import Console
 from torch import nn
 
-from data.mixing import hold_out
-from data.preference import PairEvalBatches, PairFields, PairReader, plan_pairs, tokenize_pairs
-from data.sft import Tokenized
 from gangs import Gangs, rank0_first
-from parallel import check_hsdp
+from gangtrain.app.cli import recipe_gangs, run_recipe
+from gangtrain.app.evaluate import evaluate
+from gangtrain.data.mixing import hold_out
+from gangtrain.data.preference import (
+    PairEvalBatches,
+    PairFields,
+    PairReader,
+    plan_pairs,
+    tokenize_pairs,
+)
+from gangtrain.data.sft import Tokenized
+from gangtrain.models.hf import load_pretrained
+from gangtrain.models.hf.hf_config import check_model_dir, check_tokenizer_fits
+from gangtrain.parallel import check_hsdp
 from recipes.preference.config import PRESETS, RESUME_GUARD, PreferenceConfig
-from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
-from trainer.evaluate import evaluate
-from trainer.hf import load_pretrained
-from trainer.hf.hf_config import check_model_dir, check_tokenizer_fits
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.run_dir import RunDir

@@ -1,5 +1,5 @@
 """The `recipes.sft` config: sections model, data, optimizer (any `torch.optim` class,
-`trainer.config.optimizers`), lr_scheduler (warm-up and a decay, `trainer.lr_schedules`),
+`gangtrain.app.config.optimizers`), lr_scheduler (warm-up and a decay, `trainer.lr_schedules`),
 trainer, gangs, lora (adapters, off by default). docs/sft.md maps TRL's `SFTConfig` names
 to these."""
 
@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveInt
 
-from trainer.config.optimizers import OptimizerConfig
-from trainer.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
-from trainer.config.trainer_config import FINETUNING_TRAINER, TrainerConfig
+from gangtrain.app.config.optimizers import OptimizerConfig
+from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
+from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, TrainerConfig
 
 _Section = Section
 

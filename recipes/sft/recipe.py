@@ -1,6 +1,6 @@
 """Assemble the SFT recipe: gangs, the model's tokenizer (and chat template), the data
 tokenised once into a cache with loss masks and packed (`data.sft`), the pretrained model
-loaded over the gangs (`trainer.hf.load_pretrained`), the stock causal-LM units (which hand
+loaded over the gangs (`gangtrain.models.hf.load_pretrained`), the stock causal-LM units (which hand
 `position_ids` to the model: attention stays within each packed example) and the trainer;
 at the end the best checkpoint is exported to `OUTPUT_DIR/hf/` with the tokenizer as used.
 """
@@ -17,22 +17,22 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from data.chat import CHATML_TEMPLATE, CHATML_TOKENS
-from data.formats import Fields
-from data.mixing import hold_out, mix
-from data.sft import Tokenized, plan_examples, tokenize_files
-from data.token_batches import BinReader, Bins, EvalBatches
 from gangs import Gangs, rank0_first
-from layers.neftune import add_neftune
-from models.hf.document_attention import use_document_attention
+from gangtrain.app.cli import recipe_gangs, run_recipe
+from gangtrain.app.evaluate import evaluate
+from gangtrain.data.chat import CHATML_TEMPLATE, CHATML_TOKENS
+from gangtrain.data.formats import Fields
+from gangtrain.data.mixing import hold_out, mix
+from gangtrain.data.sft import Tokenized, plan_examples, tokenize_files
+from gangtrain.data.token_batches import BinReader, Bins, EvalBatches
+from gangtrain.layers.neftune import add_neftune
+from gangtrain.models.hf import hf_model_of
+from gangtrain.models.hf.document_attention import use_document_attention
+from gangtrain.models.hf.hf_config import check_model_dir, check_tokenizer_fits
+from gangtrain.models.hf.hf_config import load_tokenizer as load_model_tokenizer
+from gangtrain.models.hf.layout import HFLayout, check_layout, load_layout
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
-from trainer.cli import recipe_gangs, run_recipe
 from trainer.errors import UserError
-from trainer.evaluate import evaluate
-from trainer.hf import hf_model_of
-from trainer.hf.hf_config import check_model_dir, check_tokenizer_fits
-from trainer.hf.hf_config import load_tokenizer as load_model_tokenizer
-from trainer.hf.layout import HFLayout, check_layout, load_layout
 from trainer.lr_schedules import schedule_length, warmup_decay
 from trainer.observe.console_log import configure_logging
 from trainer.result import TrainResult

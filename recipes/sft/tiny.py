@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from data.chat import CHATML_TEMPLATE
+from gangtrain.data.chat import CHATML_TEMPLATE
 
 __all__ = ["CHATML_TEMPLATE", "CHATML_TEMPLATE_WITH_GENERATION", "chat_conversations",
            "make_tiny_chat_model", "write_chat_data"]

@@ -9,7 +9,7 @@ class UserError(Exception):
     not fit the model, ...
 
     The message must stand on its own (name the thing, the value and, where it helps, the step):
-    recipe entry points (`trainer.cli.run_recipe`) print it as ``error: <message>`` with no
+    recipe entry points (`gangtrain.app.cli.run_recipe`) print it as ``error: <message>`` with no
     traceback and exit with status 2. Anything that is not the user's fault (a bug) should raise
     another exception type so that its traceback is shown.
     """

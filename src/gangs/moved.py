@@ -13,9 +13,12 @@ any package may use it.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 _warned: set[str] = set()
@@ -34,6 +37,34 @@ def alias_module(old: str, new: str) -> None:
     """In the body of the shim at `old`: warn, and make `old` the module `new`."""
     warn_moved(old, new)
     sys.modules[old] = importlib.import_module(new)
+
+
+def alias_package(old: str, new: str) -> None:
+    """In the `__init__` of the shim package at `old`: warn, make `old` the package `new`, and
+    every `old.sub.module` the module `new.sub.module` itself (not a second copy of it)."""
+    warn_moved(old, new)
+    if not any(isinstance(f, _AliasFinder) and f.old == old for f in sys.meta_path):
+        sys.meta_path.insert(0, _AliasFinder(old, new))
+    sys.modules[old] = importlib.import_module(new)
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `old.x.y` as the already-imported module `new.x.y`."""
+
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new = old, new
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> Any:
+        if not fullname.startswith(self.old + "."):
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> ModuleType:
+        return importlib.import_module(self.new + spec.name[len(self.old):])
+
+    def exec_module(self, module: ModuleType) -> None:
+        """The module was executed under its new name already."""
 
 
 def forward_names(old_module: str, names: Mapping[str, str]) -> Callable[[str], Any]:

@@ -1,10 +1,6 @@
-"""Model layers that know nothing of how a model is trained or wrapped: the mixture-of-experts
-feed-forward (`layers.moe`: `GroupedExperts`, `MoEFeedForward`, `moe_layers`); LoRA
-adapters (`layers.lora`: `apply_lora`, `LoraSettings`).
+"""Moved: `layers` is now `gangtrain.layers` (one namespace: a user's own `layers` shadows nothing).
+An alias for one release; see `gangs.moved`."""
 
-A layer may split its own weights over a gang (the MoE experts over `gangs.ep`), so it imports
-`gangs` (and torch) only; wrapping a model for data parallelism lives in `parallel`."""
+from gangs.moved import alias_package
 
-from layers.moe import GroupedExperts, MoEFeedForward, moe_layers
-
-__all__ = ["GroupedExperts", "MoEFeedForward", "moe_layers"]
+alias_package(__name__, "gangtrain.layers")

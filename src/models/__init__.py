@@ -1,9 +1,6 @@
-"""Model families: what the generic layers (`parallel`, `trainer`) need to know of a model,
-as a `parallel.spec.ModelSpec` per family.
+"""Moved: `models` is now `gangtrain.models` (one namespace: a user's own `models` shadows nothing).
+An alias for one release; see `gangs.moved`."""
 
-- `models.hf`: any Hugging Face decoder family, from its own config and class (its declared
-  TP and PP plans, its attention interface), with a per-family entry only where one is
-  needed.
+from gangs.moved import alias_package
 
-The LM recipe's GPT brings its spec from `recipes.lm.spec`. Imports `gangs`, `layers` and
-`parallel` only."""
+alias_package(__name__, "gangtrain.models")

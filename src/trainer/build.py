@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs
 from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.model_files import ModelFiles
 from trainer.checkpoint.model_saves import ModelSaves
 from trainer.data_checks import check_data_reader
 from trainer.observe.callbacks import CallbackList
@@ -108,7 +109,8 @@ def wire_optimizer_events(optimizer_step: OptimizerStep, callbacks: CallbackList
 
 def build_checkpoints(output_dir: Path, gangs: Gangs, s: TrainerSettings, lower_better: bool,
                       run_config: dict[str, Any],
-                      on_commit: Callable[[int, Path], None]) -> CheckpointManager | None:
+                      on_commit: Callable[[int, Path], None],
+                      model_files: ModelFiles | None = None) -> CheckpointManager | None:
     """The checkpoint manager, when any checkpoint schedule is set."""
     if not (s.checkpoint_every_n_steps or s.checkpoint_every_n_epochs):
         return None
@@ -116,14 +118,16 @@ def build_checkpoints(output_dir: Path, gangs: Gangs, s: TrainerSettings, lower_
         RunDir(output_dir).checkpoints, gangs,
         keep_last_n=s.keep_last_n_checkpoints, keep_best_n=s.keep_best_n_checkpoints,
         lower_better=lower_better, async_save=s.async_checkpoint, config=run_config,
-        on_commit=on_commit)
+        on_commit=on_commit, model_files=model_files)
 
 
-def build_model_saves(output_dir: Path, gangs: Gangs, s: TrainerSettings) -> ModelSaves | None:
+def build_model_saves(output_dir: Path, gangs: Gangs, s: TrainerSettings,
+                      model_files: ModelFiles | None = None) -> ModelSaves | None:
     """The model-only saves (`model_checkpoint_every_n_steps`), when set."""
     if not s.model_checkpoint_every_n_steps:
         return None
-    return ModelSaves(RunDir(output_dir).models, gangs, s.keep_last_n_model_checkpoints)
+    return ModelSaves(RunDir(output_dir).models, gangs, s.keep_last_n_model_checkpoints,
+                      model_files=model_files)
 
 
 

@@ -13,7 +13,7 @@ Direction: a built-in judges scores in the trainer's direction (``lower_better``
 Trainer), which the Trainer hands it (``follow``); giving one an explicit ``lower_better``
 that contradicts the Trainer's is an error, so the two can never disagree.
 
-In YAML, ``trainer.config.early_stopper.EarlyStopperConfig`` selects one of them (or a user
+In YAML, ``gangtrain.app.config.early_stopper.EarlyStopperConfig`` selects one of them (or a user
 function) and ``build_early_stopper`` builds it.
 """
 

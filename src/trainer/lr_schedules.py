@@ -1,7 +1,7 @@
 """Learning-rate schedules the recipes share: `WarmupDecay`, linear warm-up, then a decay of
 one of `SCHEDULE_TYPES` (Hugging Face's names: cosine, linear, constant,
 constant_with_warmup) over a length of its own. `warmup_cosine` builds the cosine one from a
-config section (`trainer.config.sections.LRSchedulerSection`), `warmup_decay` any of them
+config section (`gangtrain.app.config.sections.LRSchedulerSection`), `warmup_decay` any of them
 from a section that may also name its type and a warm-up ratio, and from the data's length
 when only epochs bound the run.
 

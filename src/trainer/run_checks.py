@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gangs import Gang, any_rank
-from parallel import is_data_parallel
+from gangtrain.parallel import is_data_parallel
 from trainer.errors import NonFiniteLossError
 from trainer.settings import TrainerSettings
 from trainer.validator import Validator

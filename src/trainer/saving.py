@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from trainer.hf import export_best_model
 from trainer.run_checks import check_finite_state
 from trainer.run_dir import RunDir
 
@@ -57,7 +56,7 @@ class Saving:
     def at_end(self, stopped_by_signal: bool) -> None:
         """The final model save and checkpoint (a clean stop included), then, on rank 0, the
         best checkpoint exported: a HF model's to OUTPUT_DIR/hf/, any other's to
-        best_model.safetensors (`trainer.hf`); the best weights loaded when asked."""
+        best_model.safetensors (the trainer's `model_files`); the best weights loaded when asked."""
         trainer = self.trainer
         step_nr = trainer.state.step_nr
         if trainer.model_saves is not None and step_nr > 0 and not stopped_by_signal:
@@ -69,7 +68,8 @@ class Saving:
             self.save(blocking=True)
         trainer.checkpoints.wait()
         if trainer.gangs.root.rank == 0 and trainer.checkpoints.best_step is not None:
-            export_best_model(trainer.checkpoints.dir, RunDir(trainer.output_dir).hf)
+            trainer.model_files.export_best(trainer.checkpoints.dir,
+                                            RunDir(trainer.output_dir).hf)
         if trainer.settings.load_best_model_at_end and not stopped_by_signal:
             self.load_best_model()
 

@@ -235,6 +235,11 @@ ARGUMENTS_DOC = """
         replica_group: this job's seat among torchft replica groups
             (`trainer.fault_tolerance.ReplicaGroup`, YAML `gangs.fault_tolerance`): steps
             commit over the live groups; a restarted group recovers live from a peer.
+        model_files: the model family's files (`trainer.checkpoint.model_files.ModelFiles`):
+            written beside each checkpoint's weights, checked before loading, and the best
+            checkpoint's export at the end. Default: the family registered for the model
+            (`gangtrain.models.hf` for a transformers model: OUTPUT_DIR/hf/), else the
+            best weights as `checkpoints/best_model.safetensors`.
 """
 """The Trainer's arguments other than settings, for `help(Trainer)`."""
 

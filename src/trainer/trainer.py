@@ -28,8 +28,9 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs, any_rank
-from parallel import reduce_expert_gradients
+from gangtrain.parallel import reduce_expert_gradients
 from trainer import build, resuming
+from trainer.checkpoint.model_files import ModelFiles, model_files_for
 from trainer.default_gangs import default_gangs
 from trainer.early_stoppers import EarlyStopper
 from trainer.fault_tolerance import ReplicaGroup
@@ -92,6 +93,7 @@ class Trainer(Generic[BatchT]):
         overwrite: bool = False,
         run_config: Mapping[str, Any] | None = None,
         replica_group: ReplicaGroup | None = None,
+        model_files: ModelFiles | None = None,
         # The settings: each is a `TrainerSettings` field, with its default (for editors and
         # type checkers; tests/test_structure.py checks that they match).
         max_num_steps: int | None = None,
@@ -168,10 +170,13 @@ class Trainer(Generic[BatchT]):
         build.wire_optimizer_events(self.optimizer_step, self.callbacks, self)
 
         # Where the run goes: checkpoints, model saves, metrics, the best model at the end.
+        self.model_files = model_files if model_files is not None else model_files_for(unit.model)
         self.checkpoints = build.build_checkpoints(
             self.output_dir, self.gangs, s, self.lower_better, self.run_config,
-            on_commit=partial(self.callbacks.on_checkpoint_saved, self))
-        self.model_saves = build.build_model_saves(self.output_dir, self.gangs, s)
+            on_commit=partial(self.callbacks.on_checkpoint_saved, self),
+            model_files=self.model_files)
+        self.model_saves = build.build_model_saves(self.output_dir, self.gangs, s,
+                                                   self.model_files)
         self.recorder, self.system, self.flops = build.build_observers(
             unit, recorders, self.output_dir, self.gangs, s)
         self._profiler: StepProfiler | None = None  # built in run(), from the resumed step

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from gangs import on_rank0
-from parallel.context import whole_sequences
+from gangtrain.parallel.context import whole_sequences
 from trainer.errors import UserError
 from trainer.validator import by_unit
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from data.collate import IGNORE_INDEX
-from layers.moe import moe_layers
-from layers.wrappers import unwrapped
+from gangtrain.data.collate import IGNORE_INDEX
+from gangtrain.layers.moe import moe_layers
+from gangtrain.layers.wrappers import unwrapped
 from units.linear_cross_entropy import captured_head, linear_cross_entropy
 from units.metrics import MetricBag
 from units.router_aux_loss import ExpertLayersAuxLoss, RouterAuxLoss

@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from data.collate import IGNORE_INDEX
+from gangtrain.data.collate import IGNORE_INDEX
 from units.causal_lm import derive_lm_metrics, sequence_batch
 from units.metrics import MetricBag
 from units.unit import EvalUnit, TrainUnit
 
 if TYPE_CHECKING:
-    from parallel.pipeline import PipelinedModel
+    from gangtrain.parallel.pipeline import PipelinedModel
 
 __all__ = ["PipelineLMEvalUnit", "PipelineLMUnit", "PipelineUnit", "batch_parts",
            "pad_parts", "summed_lm_loss"]

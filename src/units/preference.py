@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from data.collate import IGNORE_INDEX
-from layers.lora import adapters_disabled, lora_settings_of
+from gangtrain.data.collate import IGNORE_INDEX
+from gangtrain.layers.lora import adapters_disabled, lora_settings_of
 from units.causal_lm import LMBatch, lm_logits, takes_use_cache
 from units.directions import HIGHER_BETTER_METRICS
 from units.metrics import MetricBag

@@ -25,7 +25,7 @@ Megatron-Core's `global_aux_loss` (counts reduced over tp x dp x cp) and the glo
 balancing of Qwen's "Demons in the Detail" (2025); tensor-parallel ranks see the same tokens
 and take no part.
 
-The ranks are those `share_router_statistics(model, gangs)` names (`trainer.hf.load_pretrained`
+The ranks are those `share_router_statistics(model, gangs)` names (`gangtrain.models.hf.load_pretrained`
 names `gangs.dp` and `gangs.cp`); a model under a process group that names none is refused,
 never trained per rank silently. The first forward checks the formula against the model's
 own `aux_loss` (one host sync): a family whose aux loss is another is refused by name.
@@ -44,8 +44,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gangs import Gang, ReduceOperation
-from layers.moe import MoEFeedForward, load_balancing_loss
-from layers.wrappers import unwrapped, wrapped_chain
+from gangtrain.layers.moe import MoEFeedForward, load_balancing_loss
+from gangtrain.layers.wrappers import unwrapped, wrapped_chain
 
 __all__ = ["ROUTER_STATISTICS_GANGS", "ExpertLayersAuxLoss", "RouterAuxLoss",
            "router_statistics_gangs", "share_router_statistics", "summed_over_gangs"]
@@ -114,7 +114,7 @@ class RouterAuxLoss:
                              "num_experts_per_tok; set output_router_logits false")
         gangs = router_statistics_gangs(
             model, f"{kind}: its config asks for the router aux loss (output_router_logits)",
-            "load it with trainer.hf.load_pretrained, or name them")
+            "load it with gangtrain.models.hf.load_pretrained, or name them")
         return cls(model, float(weight), int(num_experts), int(top_k), gangs)
 
     def _keep(self, _: nn.Module, __: Any, kwargs: dict[str, Any], output: Any) -> None:

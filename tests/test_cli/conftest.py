@@ -3,7 +3,7 @@
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from trainer.config.early_stopper import EarlyStopperConfig
+from gangtrain.app.config.early_stopper import EarlyStopperConfig
 
 
 class ModelSection(BaseModel):

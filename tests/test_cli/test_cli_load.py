@@ -4,7 +4,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from trainer.cli import format_validation_error, load_config, parse_override
+from gangtrain.app.cli import format_validation_error, load_config, parse_override
 from trainer.errors import UserError
 
 

@@ -3,8 +3,8 @@
 import pytest
 import yaml
 
-from trainer.cli import load_config, run_recipe
-from trainer.config.early_stopper import build_early_stopper
+from gangtrain.app.cli import load_config, run_recipe
+from gangtrain.app.config.early_stopper import build_early_stopper
 from trainer.early_stoppers import Patience
 from trainer.errors import UserError
 

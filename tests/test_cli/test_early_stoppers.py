@@ -7,7 +7,7 @@ import textwrap
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from trainer.config.early_stopper import EarlyStopperConfig, build_early_stopper
+from gangtrain.app.config.early_stopper import EarlyStopperConfig, build_early_stopper
 from trainer.early_stoppers import (
     AnyOf,
     Patience,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.cli import run_recipe
-from trainer.config.loading import load_config
+from gangtrain.app.cli import run_recipe
+from gangtrain.app.config.loading import load_config
 from trainer.errors import UserError
 from trainer.settings import validate_settings
 
@@ -48,7 +48,7 @@ def test_a_config_hint_finds_the_setting_in_another_section():
 def test_a_config_error_is_said_by_rank_0_only(tmp_path, monkeypatch, capsys, rank, printed):
     from pydantic import BaseModel
 
-    from trainer import TrainerConfig
+    from gangtrain.app import TrainerConfig
 
     class Config(BaseModel):
         trainer: TrainerConfig = TrainerConfig()

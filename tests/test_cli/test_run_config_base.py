@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import yaml
 
-from trainer.cli import run_recipe
+from gangtrain.app.cli import run_recipe
 
 
 def run(config_type, presets, *argv, default_preset="small"):

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from trainer.cli import run_recipe
-from trainer.config.callbacks import CallbackConfig, build_callbacks
-from trainer.config.early_stopper import EarlyStopperConfig, build_early_stopper
+from gangtrain.app.cli import run_recipe
+from gangtrain.app.config.callbacks import CallbackConfig, build_callbacks
+from gangtrain.app.config.early_stopper import EarlyStopperConfig, build_early_stopper
 
 
 class TrainerSection(BaseModel):

@@ -3,8 +3,8 @@ string), and a key written twice in one mapping is refused (PyYAML kept the last
 
 import pytest
 
-from trainer.cli import load_config, run_recipe
-from trainer.config.early_stopper import build_early_stopper
+from gangtrain.app.cli import load_config, run_recipe
+from gangtrain.app.config.early_stopper import build_early_stopper
 from trainer.errors import UserError
 
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data.example_packing import best_fit_decreasing
-from data.formats import Fields
-from data.mixing import hold_out, mix
-from data.sft import plan_examples, tokenize_files
-from data.token_batches import BinReader, plan_bins
+from gangtrain.data.example_packing import best_fit_decreasing
+from gangtrain.data.formats import Fields
+from gangtrain.data.mixing import hold_out, mix
+from gangtrain.data.sft import plan_examples, tokenize_files
+from gangtrain.data.token_batches import BinReader, plan_bins
 from recipes.sft.tiny import make_tiny_chat_model
 from trainer.errors import UserError
 

@@ -9,7 +9,7 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
-from data.sft import RECORDS_PER_PROCESS, tokenize_files, tokenizing_processes
+from gangtrain.data.sft import RECORDS_PER_PROCESS, tokenize_files, tokenizing_processes
 from recipes.sft.tiny import chat_conversations, make_tiny_chat_model
 
 

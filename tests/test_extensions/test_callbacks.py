@@ -12,9 +12,9 @@ from ext_callbacks import DuckTyped, EventLog
 from pydantic import BaseModel, ConfigDict
 from regression import Regression
 
-from trainer.cli import load_config
-from trainer.config.callbacks import CallbackConfig, build_callbacks
-from trainer.config.import_path import import_object
+from gangtrain.app.cli import load_config
+from gangtrain.app.config.callbacks import CallbackConfig, build_callbacks
+from gangtrain.app.config.import_path import import_object
 from trainer.errors import UserError
 from trainer.observe.callbacks import Callback, CallbackError, CallbackList, implemented_events
 from units import EvalUnit, MetricBag
@@ -241,7 +241,7 @@ def test_a_failing_callback_stops_the_run_with_a_clear_error(tmp_path):
 
 
 def test_trainer_config_takes_callbacks(tmp_path):
-    from trainer import TrainerConfig
+    from gangtrain.app import TrainerConfig
 
     config = TrainerConfig.model_validate(
         {"max_num_steps": 2, "progress": False,

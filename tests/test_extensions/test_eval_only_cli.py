@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from recipe_runs import describe, run_all
 
-from trainer.cli import run_recipe
+from gangtrain.app.cli import run_recipe
 from trainer.observe.recorders import read_jsonl
 
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from regression import Regression
 from rich.console import Console
 
+from gangtrain.app.evaluate import evaluate, find_checkpoint, parse_checkpoint_choice
 from trainer.errors import UserError
-from trainer.evaluate import evaluate, find_checkpoint, parse_checkpoint_choice
 from trainer.observe.recorders import read_jsonl
 from trainer.trainer import Trainer
 from units import EvalUnit, MetricBag
@@ -197,7 +197,7 @@ def test_a_damaged_checkpoint_or_another_model_is_refused(run, tmp_path):
 
 def _train_then_evaluate_on_two_ranks(out: Path):
     from gangs import setup_gangs, setup_root_gang
-    from parallel import data_parallel
+    from gangtrain.parallel import data_parallel
 
     gangs = setup_gangs(setup_root_gang())
     rank = gangs.dp.rank

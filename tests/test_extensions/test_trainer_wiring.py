@@ -46,7 +46,7 @@ def test_the_trainer_profiles_the_configured_steps(tmp_path):
 
 
 def test_trainer_config_takes_a_profiler():
-    from trainer import TrainerConfig
+    from gangtrain.app import TrainerConfig
 
     config = TrainerConfig.model_validate({"profiler": {"skip_steps": 1, "record_steps": 2}})
     assert config.profiler == ProfilerConfig(skip_steps=1, record_steps=2)

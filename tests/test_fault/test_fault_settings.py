@@ -7,7 +7,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from trainer.config.sections import GangsSection
+from gangtrain.app.config.sections import GangsSection
 
 
 @pytest.mark.parametrize(("setting", "message"), [

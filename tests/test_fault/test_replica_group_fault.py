@@ -89,7 +89,7 @@ def _ddp_reference(out: str) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
 
     from gangs import setup_gangs, setup_root_gang
-    from parallel import data_parallel
+    from gangtrain.parallel import data_parallel
     from trainer import Trainer
 
     gangs = setup_gangs(setup_root_gang())

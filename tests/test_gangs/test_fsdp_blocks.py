@@ -9,10 +9,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from gangs import FakeGang, setup_gangs
-from parallel import data_parallel, fully_shard_model
-from parallel.blocks import find_blocks
-from parallel.fsdp import mixed_precision_policy
-from recipes.lm.model import GPT, GPTConfig, TransformerBlock
+from gangtrain.models.gpt.model import GPT, GPTConfig, TransformerBlock
+from gangtrain.parallel import data_parallel, fully_shard_model
+from gangtrain.parallel.blocks import find_blocks
+from gangtrain.parallel.fsdp import mixed_precision_policy
 
 
 class Block(nn.Module):

@@ -8,7 +8,7 @@ from ranks import run_ranks
 from test_fsdp_blocks import Stack
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import fully_shard_model
+from gangtrain.parallel import fully_shard_model
 
 
 def _shard_and_log() -> list[tuple[str, str]]:

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from gangs import FakeGang, setup_gangs, setup_root_gang
 from gangs.__main__ import main as gangs_main
-from parallel import data_parallel
+from gangtrain.parallel import data_parallel
 
 
 def _members(gang) -> list[int]:

@@ -29,10 +29,10 @@ from torch import Tensor
 from benchmarks.gpu import SYNC_WARNING, SyncCheckedUnit
 from benchmarks.lm_throughput import Batch, gpt_config_from, synthetic_pool
 from gangs import FakeGang, setup_gangs
+from gangtrain.app.cli import load_config
+from gangtrain.models.gpt.model import GPT
 from recipes.lm.config import PRESETS, LMConfig
-from recipes.lm.model import GPT
 from trainer import Trainer
-from trainer.cli import load_config
 from units import MetricBag
 from units.causal_lm import CausalLMUnit
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from gangs import setup_gangs, setup_root_gang
-from trainer.checkpoint.model_files import HF_FILES
-from trainer.hf import export_pretrained, load_pretrained
-from trainer.hf.load import build_on_meta
+from gangtrain.models.hf import export_pretrained, load_pretrained
+from gangtrain.models.hf.load import build_on_meta
+from gangtrain.models.hf.model_files import HF_FILES
 
 
 def status_kib(field: str) -> int:

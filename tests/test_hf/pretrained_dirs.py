@@ -11,8 +11,8 @@ import torch
 from hf_models import SEQ_LEN, TRAIN, VALID, VOCAB, SampleReader
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import param_groups
-from trainer.hf import load_pretrained
+from gangtrain.models.hf import load_pretrained
+from gangtrain.parallel import param_groups
 from trainer.observe.recorders import JsonlRecorder, read_jsonl
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit

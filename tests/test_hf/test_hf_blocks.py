@@ -9,8 +9,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
-from parallel.blocks import find_blocks
+from gangtrain.parallel import data_parallel
+from gangtrain.parallel.blocks import find_blocks
 
 
 def test_hf_blocks_are_found_where_each_model_keeps_them():

@@ -18,8 +18,8 @@ from ranks import run_ranks
 from transformers import AutoModelForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
+from gangtrain.models.hf import export_pretrained
 from trainer.errors import UserError
-from trainer.hf import export_pretrained
 
 BUILDERS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 

@@ -20,7 +20,7 @@ from recipe_runs import REPO, TIMEOUT_S, describe, recipe_env
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
-from trainer.hf import load_pretrained
+from gangtrain.models.hf import load_pretrained
 
 PROBE = Path(__file__).with_name("memory_probe.py")
 

@@ -1,4 +1,4 @@
-"""`trainer.hf.load_pretrained`: a local HF checkpoint (sharded safetensors) built on meta,
+"""`gangtrain.models.hf.load_pretrained`: a local HF checkpoint (sharded safetensors) built on meta,
 sharded, each rank reading its slices, gives `from_pretrained`'s logits; tied weights stay
 tied; rotary tables are recomputed; a checkpoint that does not fit is one clear error."""
 
@@ -17,8 +17,8 @@ from ranks import run_ranks
 from safetensors.torch import load_file, save_file
 
 from gangs import setup_gangs, setup_root_gang
+from gangtrain.models.hf import load_pretrained
 from trainer.errors import UserError
-from trainer.hf import load_pretrained
 
 BUILDERS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 

@@ -20,11 +20,11 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
-from layers.lora import LoraSettings, init_adapter, lora_settings_of
-from parallel import param_groups
-from parallel.materialize import seeded_init
+from gangtrain.layers.lora import LoraSettings, init_adapter, lora_settings_of
+from gangtrain.models.hf import load_pretrained
+from gangtrain.parallel import param_groups
+from gangtrain.parallel.materialize import seeded_init
 from trainer.errors import UserError
-from trainer.hf import load_pretrained
 from trainer.observe.recorders import JsonlRecorder, read_jsonl
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit

@@ -17,10 +17,10 @@ from pretrained_dirs import INPUT_IDS, reference_logits, save_sharded
 from safetensors.torch import load_file, save_file
 
 from gangs import setup_gangs, setup_root_gang
+from gangtrain.models.hf import load_pretrained
 from recipes.finetune.recipe import cli as finetune_cli
 from recipes.finetune.tiny import make_tiny_model, write_tiny_corpus
 from trainer.errors import UserError
-from trainer.hf import load_pretrained
 
 INDEX = "model.safetensors.index.json"
 
@@ -198,7 +198,7 @@ def test_a_tied_config_whose_files_hold_equal_copies_stays_tied(tmp_path):
 def test_the_next_export_removes_what_interrupted_exports_left(llama_shards, tmp_path):
     from pretrained_dirs import train_pretrained
 
-    from trainer.hf import export_pretrained
+    from gangtrain.models.hf import export_pretrained
 
     out = tmp_path / "run"
     train_pretrained(llama_shards, out, data_parallel=None, max_num_steps=2)

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
+from gangtrain.models.hf import export_pretrained, load_pretrained
 from trainer.errors import UserError
-from trainer.hf import export_pretrained, load_pretrained
 
 
 @pytest.fixture(scope="module")

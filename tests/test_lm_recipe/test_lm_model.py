@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recipes.lm.model import GPT, GPTConfig, flops_per_token, num_parameters
+from gangtrain.models.gpt.model import GPT, GPTConfig, flops_per_token, num_parameters
 
 SMALL = GPTConfig(seq_len=16, dim=32, num_layers=2, num_heads=4)
 
@@ -75,7 +75,7 @@ def test_default_size_and_flops() -> None:
 
 
 def test_moe_model_builds_expert_layers() -> None:
-    from layers import MoEFeedForward
+    from gangtrain.layers import MoEFeedForward
 
     model = GPT(GPTConfig(**{**SMALL.__dict__, "num_experts": 4}))
     moe = [m for m in model.modules() if isinstance(m, MoEFeedForward)]

@@ -12,9 +12,9 @@ from model_families import VOCAB
 from torch.distributed.tensor import DTensor
 
 from gangs import setup_gangs, setup_root_gang
-from layers.lora import LoraSettings
-from parallel import param_groups
-from trainer.hf import load_pretrained
+from gangtrain.layers.lora import LoraSettings
+from gangtrain.models.hf import load_pretrained
+from gangtrain.parallel import param_groups
 from trainer.observe.recorders import JsonlRecorder, read_jsonl
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit

@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
-from layers.lora import LoraSettings
+from gangtrain.layers.lora import LoraSettings
+from gangtrain.models.hf import export_pretrained, load_pretrained
 from trainer.errors import UserError
-from trainer.hf import export_pretrained, load_pretrained
 
 
 @pytest.mark.parametrize("family", FAMILIES)

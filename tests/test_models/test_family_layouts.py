@@ -2,7 +2,7 @@
 `recipes.sft`, equal to one process, or refused by name.
 
 The real path: each family's tiny random model saved by transformers' own `save_pretrained`,
-loaded with `trainer.hf.layout.load_layout` (the loader and build plan the recipes use: the
+loaded with `gangtrain.models.hf.layout.load_layout` (the loader and build plan the recipes use: the
 pipeline split, the cp attention, FSDP2), trained by the `Trainer` with the units the layout
 gives, 2 steps of 2 micro-batches of packed rows (several documents a row, `position_ids`
 restarting), then validated: train losses by step, the gradient norm of step 1, the valid
@@ -42,10 +42,10 @@ from ranks import run_ranks
 from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor
 
-from data.global_batches import GlobalBatchReader
 from gangs import Gangs, setup_gangs, setup_root_gang
+from gangtrain.data.global_batches import GlobalBatchReader
+from gangtrain.models.hf.layout import load_layout
 from trainer.errors import UserError
-from trainer.hf.layout import load_layout
 from trainer.observe.recorders.base import MetricRecorder
 from trainer.trainer import Trainer
 

@@ -18,8 +18,8 @@ from ranks import run_ranks
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from gangs import setup_gangs, setup_root_gang
+from gangtrain.models.hf import export_pretrained, load_pretrained
 from trainer.errors import UserError
-from trainer.hf import export_pretrained, load_pretrained
 
 # One family per way TP splits a model beyond LLaMA's (tests/test_hf): Qwen3 replicates its
 # per-head q_norm/k_norm and sums their gradient over TP (as Gemma 3), Phi-3 splits fused

@@ -23,8 +23,8 @@ from ranks import run_ranks
 from transformers import AutoModelForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
+from gangtrain.models.hf.layout import load_layout
 from trainer.errors import UserError
-from trainer.hf.layout import load_layout
 from units.causal_lm import CausalLMUnit
 from units.metrics import MetricBag
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from gangs import setup_gangs, setup_root_gang
-from recipes.lm.model import GPT, GPTConfig, num_parameters
+from gangtrain.models.gpt.model import GPT, GPTConfig, num_parameters
 from recipes.lm.recipe import build_model
 
 REPO = Path(__file__).resolve().parents[2]

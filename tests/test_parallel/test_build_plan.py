@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from gangs import FakeGang, setup_gangs
-from parallel import check_hsdp, plan
+from gangtrain.models.gpt.model import GPTConfig
+from gangtrain.models.hf import load_pretrained
+from gangtrain.parallel import check_hsdp, plan
 from recipes.finetune.config import FinetuneConfig
 from recipes.finetune.recipe import load_model
-from recipes.lm.model import GPTConfig
 from recipes.lm.recipe import build_model as build_gpt
-from trainer.hf import load_pretrained
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
 
-from models.hf.attention import register_hf_attention
-from parallel.context import document_mask, shard_sequence, ulysses_attention
+from gangtrain.models.hf.attention import register_hf_attention
+from gangtrain.parallel.context import document_mask, shard_sequence, ulysses_attention
 
 T, B, HEADS, KV_HEADS, D = 256, 2, 4, 2, 8
 FLOAT32_UNIT = 2.0 ** -24  # float32's unit roundoff

@@ -14,8 +14,8 @@ import torch
 from ranks import run_ranks
 
 from gangs import FakeGang, setup_gangs, setup_root_gang
-from recipes.lm.model import GPT, GPTConfig
-from recipes.lm.spec import GPT_SPEC
+from gangtrain.models.gpt.model import GPT, GPTConfig
+from gangtrain.models.gpt.spec import GPT_SPEC
 from trainer.observe.recorders.base import MetricRecorder
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMUnit

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from parallel.gradient_norm import gradient_norm
+from gangtrain.parallel.gradient_norm import gradient_norm
 
 WIDTH, DEPTH, OUT = 256, 6, 1000  # 1.7M gradient values
 MAX_NORM = 1.0

@@ -11,9 +11,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gangs import setup_gangs, setup_root_gang
-from parallel.materialize import local_slices, materialize, seeded_init
-from recipes.lm.model import GPT, GPTConfig
-from recipes.lm.parallelize import parallelize_gpt
+from gangtrain.models.gpt.model import GPT, GPTConfig
+from gangtrain.models.gpt.parallelize import parallelize_gpt
+from gangtrain.parallel.materialize import local_slices, materialize, seeded_init
 from recipes.lm.recipe import build_model
 
 # vocab 37 and hidden 104 split unevenly over 4 FSDP ranks (19/18 rows over 2, 10/10/10/7).

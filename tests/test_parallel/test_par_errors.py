@@ -9,10 +9,10 @@ from ranks import run_ranks
 from torch import nn
 
 from gangs import FakeGang, setup_gangs, setup_root_gang
-from layers.moe import MoEFeedForward
-from parallel import data_parallel, is_data_parallel, param_groups
-from recipes.lm.model import GPT, GPTConfig
-from recipes.lm.parallelize import check_layout, parallelize_gpt
+from gangtrain.layers.moe import MoEFeedForward
+from gangtrain.models.gpt.model import GPT, GPTConfig
+from gangtrain.models.gpt.parallelize import check_layout, parallelize_gpt
+from gangtrain.parallel import data_parallel, is_data_parallel, param_groups
 
 DENSE = GPTConfig(seq_len=16, dim=32, num_layers=2, num_heads=4)
 MOE = GPTConfig(seq_len=16, dim=32, num_layers=1, num_heads=4, num_experts=4, top_k=2)

@@ -15,9 +15,9 @@ from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import param_groups
-from recipes.lm.model import GPT, GPTConfig
-from recipes.lm.parallelize import parallelize_gpt
+from gangtrain.models.gpt.model import GPT, GPTConfig
+from gangtrain.models.gpt.parallelize import parallelize_gpt
+from gangtrain.parallel import param_groups
 from trainer.observe.recorders.base import MetricRecorder
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMUnit

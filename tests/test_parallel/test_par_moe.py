@@ -15,11 +15,11 @@ from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
 from gangs import ReduceOperation, setup_gangs, setup_root_gang
-from layers.moe import MoEFeedForward, moe_aux_loss, moe_layers
-from parallel import param_groups, reduce_expert_gradients
-from parallel.expert import ddp_ignored_names
-from recipes.lm.model import GPT, GPTConfig
-from recipes.lm.parallelize import parallelize_gpt
+from gangtrain.layers.moe import MoEFeedForward, moe_aux_loss, moe_layers
+from gangtrain.models.gpt.model import GPT, GPTConfig
+from gangtrain.models.gpt.parallelize import parallelize_gpt
+from gangtrain.parallel import param_groups, reduce_expert_gradients
+from gangtrain.parallel.expert import ddp_ignored_names
 from trainer.step.gradients import global_target_count, scale_gradients
 from units.causal_lm import CausalLMUnit, lm_loss
 

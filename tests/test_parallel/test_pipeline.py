@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from ranks import run_ranks
 
 from gangs import ProcessGroupGang
-from models.hf import spec_for
-from parallel.gradient_norm import gradient_norm
-from parallel.pipeline import available_schedules, pipeline_model
-from parallel.pipeline_stages import build_stage, layer_split, merge_stages
-from recipes.lm.model import GPT, GPTConfig
-from recipes.lm.spec import GPT_SPEC
+from gangtrain.models.gpt.model import GPT, GPTConfig
+from gangtrain.models.gpt.spec import GPT_SPEC
+from gangtrain.models.hf import spec_for
+from gangtrain.parallel.gradient_norm import gradient_norm
+from gangtrain.parallel.pipeline import available_schedules, pipeline_model
+from gangtrain.parallel.pipeline_stages import build_stage, layer_split, merge_stages
 
 VOCAB, SEQ, MICRO, ACC, STEPS = 64, 16, 2, 4, 30
 MAX_NORM = 0.5

@@ -16,14 +16,14 @@ import torch
 from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
-from data.global_batches import GlobalBatchReader
 from gangs import Gangs, setup_gangs, setup_root_gang
-from parallel import plan
-from parallel.materialize import materialize
-from parallel.pipeline import PipelinedModel, available_schedules, pipeline_model
-from recipes.lm.model import GPT, GPTConfig
-from recipes.lm.parallelize import gpt_tensor_parallel
-from recipes.lm.spec import GPT_SPEC
+from gangtrain.data.global_batches import GlobalBatchReader
+from gangtrain.models.gpt.model import GPT, GPTConfig
+from gangtrain.models.gpt.parallelize import gpt_tensor_parallel
+from gangtrain.models.gpt.spec import GPT_SPEC
+from gangtrain.parallel import plan
+from gangtrain.parallel.materialize import materialize
+from gangtrain.parallel.pipeline import PipelinedModel, available_schedules, pipeline_model
 from trainer.observe.recorders.base import MetricRecorder
 from trainer.trainer import Trainer
 from units.causal_lm import CausalLMUnit

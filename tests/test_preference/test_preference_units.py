@@ -14,9 +14,9 @@ import torch
 from hand import forget, mean_by_hand
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data.preference import pair_batch, plan_pairs, tokenize_pairs
 from gangs import FakeGang
-from layers.lora import LoraSettings, adapters_disabled, apply_lora
+from gangtrain.data.preference import pair_batch, plan_pairs, tokenize_pairs
+from gangtrain.layers.lora import LoraSettings, adapters_disabled, apply_lora
 from recipes.preference.tiny import make_tiny_chat_model, preference_pairs, write_pair_data
 from trainer.errors import UserError
 from units.metrics import MetricBag

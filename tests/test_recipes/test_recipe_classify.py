@@ -10,9 +10,9 @@ import torch
 import yaml
 from recipe_runs import describe, run_module
 
+from gangtrain.app.cli import load_config
 from recipes.classify.config import PRESETS, ClassifyConfig
 from recipes.classify.data import ShardedBatchReader, eval_batches, make_spirals, split
-from trainer.cli import load_config
 from trainer.early_stoppers import Patience
 from trainer.observe.recorders import read_jsonl
 

@@ -23,8 +23,8 @@ from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 from recipe_runs import REPO, describe, recipe_env, run_all, run_module
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from data import pack_windows, read_documents, split_windows, tokenize_documents
 from gangs import setup_gangs, setup_root_gang
+from gangtrain.data import pack_windows, read_documents, split_windows, tokenize_documents
 from recipes.finetune.config import FinetuneConfig
 from recipes.finetune.data import eval_batches
 from recipes.finetune.recipe import load_model

@@ -20,8 +20,8 @@ from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 from recipe_runs import REPO, describe, recipe_env, run_all, run_module
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data.mixing import hold_out
-from data.sft import tokenize_files
+from gangtrain.data.mixing import hold_out
+from gangtrain.data.sft import tokenize_files
 from recipes.sft.recipe import cli
 from recipes.sft.tiny import (
     CHATML_TEMPLATE_WITH_GENERATION,

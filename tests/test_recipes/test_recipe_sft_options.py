@@ -14,8 +14,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, get_scheduler
 
-from data.sft import tokenize_files
-from layers.neftune import neftune_magnitude
+from gangtrain.app.cli import recipe_gangs
+from gangtrain.app.config.loading import load_config
+from gangtrain.data.sft import tokenize_files
+from gangtrain.layers.neftune import neftune_magnitude
+from gangtrain.models.hf import hf_model_of
 from recipes.sft.config import PRESETS, SFTConfig
 from recipes.sft.recipe import check_inputs, cli, load_model, load_tokenizer, prepare_data
 from recipes.sft.tiny import (
@@ -24,10 +27,7 @@ from recipes.sft.tiny import (
     make_tiny_chat_model,
     write_chat_data,
 )
-from trainer.cli import recipe_gangs
-from trainer.config.loading import load_config
 from trainer.errors import UserError
-from trainer.hf import hf_model_of
 from trainer.lr_schedules import SCHEDULE_TYPES, warmup_decay
 from trainer.observe.recorders import read_jsonl
 

@@ -15,7 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from gangs import FakeGang, setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.parallel import data_parallel
 from trainer import Trainer
 from trainer.errors import UserError
 from units.regression import SquaredErrorUnit

@@ -90,8 +90,8 @@ def test_result_neutral_keys_name_real_settings_and_cover_the_schedules():
     """A setting added or renamed must not drift out of the list: each trainer key in it is
     a real setting, and the settings that only say how often or how many (checkpoints, model
     saves, valid batches, where to resume) are in it."""
+    from gangtrain.app.config.trainer_config import TrainerConfig
     from trainer.checkpoint.run_config import RESULT_NEUTRAL
-    from trainer.config.trainer_config import TrainerConfig
 
     trainer_keys = {key.split(".", 1)[1] for key in RESULT_NEUTRAL if key.startswith("trainer.")}
     assert trainer_keys <= set(TrainerConfig.model_fields), trainer_keys - set(

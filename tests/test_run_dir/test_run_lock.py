@@ -19,7 +19,7 @@ from recipe_runs import REPO, TIMEOUT_S, describe, recipe_env
 from tiny import make_batches, make_model
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.parallel import data_parallel
 from trainer import Trainer
 from trainer.checkpoint import read_model_state
 from trainer.errors import UserError

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from data.global_batches import GlobalBatchReader
+from gangtrain.data.global_batches import GlobalBatchReader
 
 
 def make_model(seed: int = 0) -> nn.Module:

@@ -15,7 +15,7 @@ import torch
 from toy import TokenUnit, collate, make_model, make_samples
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.parallel import data_parallel
 from trainer import Callback, Trainer
 
 TIMEOUT_S = 4

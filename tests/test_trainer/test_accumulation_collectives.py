@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.parallel import data_parallel
 from trainer import Callback
 from trainer.trainer import Trainer
 from units.regression import SquaredErrorUnit

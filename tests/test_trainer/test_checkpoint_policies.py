@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from toy import TokenUnit, collate, make_model, make_samples
 
+from gangtrain.app.cli import run_recipe
 from trainer.checkpoint.export import read_model_state
-from trainer.cli import run_recipe
 from trainer.observe.callbacks import Callback
 from trainer.trainer import Trainer
 from units import EvalUnit
@@ -157,7 +157,7 @@ def test_resume_from_a_missing_step_is_refused_naming_it(tmp_path):
 def test_the_command_line_flag_applies_to_that_command_only(tmp_path):
     from pydantic import BaseModel
 
-    from trainer import TrainerConfig
+    from gangtrain.app import TrainerConfig
 
     class Config(BaseModel):
         trainer: TrainerConfig = TrainerConfig()

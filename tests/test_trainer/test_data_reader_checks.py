@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.parallel import data_parallel
 from trainer.errors import UserError
 from trainer.trainer import Trainer
 from units.regression import SquaredErrorUnit

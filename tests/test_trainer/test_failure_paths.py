@@ -18,7 +18,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from toy import TokenUnit, collate, make_model, make_samples
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.parallel import data_parallel
 from trainer import Callback
 from trainer.checkpoint import verify
 from trainer.early_stoppers import patience

@@ -15,7 +15,7 @@ from ranks import run_ranks
 from toy import TokenUnit, collate, make_model, make_samples, reference_run
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.parallel import data_parallel
 from trainer.observe.recorders import MetricRecorder
 from trainer.trainer import Trainer
 

@@ -13,7 +13,7 @@ from ranks import run_ranks
 from toy import TokenUnit, collate, make_model, make_samples
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.parallel import data_parallel
 from trainer.errors import NonFiniteLossError
 from trainer.observe.recorders import MetricRecorder
 from trainer.step.loss_scaler import LossScaleUnderflowError

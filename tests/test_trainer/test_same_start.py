@@ -11,8 +11,8 @@ from ranks import run_ranks
 from toy import TokenUnit, make_model, make_samples
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
-from recipes.lm.model import GPTConfig
+from gangtrain.models.gpt.model import GPTConfig
+from gangtrain.parallel import data_parallel
 from recipes.lm.recipe import build_model
 from trainer.errors import UserError
 from trainer.trainer import Trainer

@@ -14,10 +14,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torchdata.stateful_dataloader import StatefulDataLoader
 from toy import TokenUnit, collate, make_model, make_samples
 
+from gangtrain.app.config.trainer_config import TrainerConfig
+from gangtrain.app.evaluate import evaluate
 from trainer.checkpoint.directory import pointer_target
-from trainer.config.trainer_config import TrainerConfig
 from trainer.early_stoppers import patience
-from trainer.evaluate import evaluate
 from trainer.observe.recorders import read_jsonl
 from trainer.trainer import Trainer
 from units import EvalUnit, MetricBag

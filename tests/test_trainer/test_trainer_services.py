@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from toy import TokenUnit, collate, make_model, make_samples
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.parallel import data_parallel
 from trainer import Callback
 from trainer.early_stoppers import patience
 from trainer.observe.recorders import JsonlRecorder, TensorBoardRecorder, WandbRecorder

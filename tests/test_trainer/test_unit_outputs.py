@@ -12,9 +12,9 @@ from test_scores_rules import StepScore, batches
 from toy import TokenUnit, make_model
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.app.evaluate import evaluate
+from gangtrain.parallel import data_parallel
 from trainer.errors import UserError
-from trainer.evaluate import evaluate
 from trainer.observe.recorders import JsonlRecorder
 from trainer.trainer import Trainer
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F  # noqa: E402
 import yaml  # noqa: E402
 from torch import nn  # noqa: E402
 
+from gangtrain.app.evaluate import evaluate  # noqa: E402
 from trainer import Trainer  # noqa: E402
-from trainer.evaluate import evaluate  # noqa: E402
 from trainer.lifecycle.threads import set_threads  # noqa: E402
 from trainer.observe.recorders import read_jsonl  # noqa: E402
 from units import EvalUnit, MetricBag  # noqa: E402

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from toy import PAD, TokenUnit, collate, make_model, make_samples
 
 from gangs import setup_gangs, setup_root_gang
-from parallel import data_parallel
+from gangtrain.app.evaluate import evaluate
+from gangtrain.parallel import data_parallel
 from trainer import Trainer
-from trainer.evaluate import evaluate
 from units import EvalUnit, MetricBag
 
 GLOBAL_BATCH, STEPS = 4, 8

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from model_families import tiny_model
 
-from layers.document_attention import document_attention, document_spans
-from models.hf.document_attention import DOCUMENT_ATTENTION_NAME, use_document_attention
-from parallel.context import document_mask
+from gangtrain.layers.document_attention import document_attention, document_spans
+from gangtrain.models.hf.document_attention import DOCUMENT_ATTENTION_NAME, use_document_attention
+from gangtrain.parallel.context import document_mask
 
 # Two rows: documents of 10, 7, 15 and of 20, 12 tokens (one row runs on, as the second's
 # last document); the second row's positions jump (a truncated example) rather than restart.

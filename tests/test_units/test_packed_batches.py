@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from data.collate import packed_batch
 from gangs.fake import FakeGang
-from recipes.lm.model import GPT, GPTConfig
+from gangtrain.data.collate import packed_batch
+from gangtrain.models.gpt.model import GPT, GPTConfig
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 from units.metrics import MetricBag
 

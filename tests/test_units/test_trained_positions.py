@@ -14,9 +14,9 @@ from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from data.collate import packed_batch
 from gangs.fake import FakeGang
-from recipes.lm.model import GPT, GPTConfig
+from gangtrain.data.collate import packed_batch
+from gangtrain.models.gpt.model import GPT, GPTConfig
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 from units.linear_cross_entropy import linear_cross_entropy
 from units.metrics import MetricBag
@@ -179,13 +179,13 @@ def test_chunked_loss_refuses_a_model_that_changes_its_logits_after_the_head():
 
 
 def tp_llama(directory, gangs) -> torch.nn.Module:
-    from trainer.hf import load_pretrained
+    from gangtrain.models.hf import load_pretrained
 
     return load_pretrained(directory, gangs, data_parallel=None)
 
 
 def tp_gpt(gangs) -> torch.nn.Module:
-    from recipes.lm.parallelize import gpt_tensor_parallel
+    from gangtrain.models.gpt.parallelize import gpt_tensor_parallel
 
     model = gpt()
     gpt_tensor_parallel(model, gangs)  # attention and feed-forward split, head replicated

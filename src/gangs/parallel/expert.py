@@ -4,8 +4,8 @@
 from gangs.moved import forward_names
 
 __getattr__ = forward_names("gangs.parallel.expert", {
-    **{name: f"layers.moe:{name}" for name in
+    **{name: f"gangtrain.layers.moe:{name}" for name in
        ("GroupedExperts", "MoEFeedForward", "moe_layers", "moe_aux_loss")},
-    **{name: f"parallel.expert:{name}" for name in
+    **{name: f"gangtrain.parallel.expert:{name}" for name in
        ("ddp_ignored_names", "reduce_expert_gradients")},
 })

@@ -2,4 +2,4 @@
 
 from gangs.moved import alias_module
 
-alias_module(__name__, "parallel.fsdp")
+alias_module(__name__, "gangtrain.parallel.fsdp")

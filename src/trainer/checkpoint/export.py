@@ -5,7 +5,7 @@ whatever the layout that wrote it) and under their canonical names (no "module."
 "_orig_mod." prefixes: `get_state_dict` strips them at save time), so inference code needs
 neither DCP nor this package. At the end of a run the best checkpoint becomes
 `checkpoints/best_model.safetensors` (`export_best`; a HF model's becomes a HF directory
-instead, `trainer.hf`), written one tensor at a time:
+instead, `gangtrain.models.hf`), written one tensor at a time:
 
     model.load_state_dict(safetensors.torch.load_file("best_model.safetensors"))
 

@@ -45,7 +45,6 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.optim import Optimizer
 
 from gangs import FakeGang, Gangs, first_error, on_rank0
-from trainer.checkpoint.adapters import check_base
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.disk_space import DiskFullError, needed_bytes
 from trainer.checkpoint.failures import describe, rank_cause
@@ -59,7 +58,7 @@ from trainer.checkpoint.manifest import (
     verify,
     write_manifest,
 )
-from trainer.checkpoint.model_files import hf_model_of, write_model_files
+from trainer.checkpoint.model_files import ModelFiles, model_files_for
 from trainer.checkpoint.retention import steps_to_keep
 from trainer.checkpoint.run_config import config_text, sha256_of
 from trainer.checkpoint.staging import HostStaging
@@ -97,6 +96,7 @@ class CheckpointManager:
         async_save: bool = False,
         config: Mapping[str, Any] | None = None,
         on_commit: Callable[[int, Path], None] | None = None,
+        model_files: ModelFiles | None = None,
     ) -> None:
         steps_to_keep([], {}, keep_last_n, keep_best_n, lower_better)  # validates the Ns
         self.dir = Path(checkpoint_dir)
@@ -109,6 +109,9 @@ class CheckpointManager:
         self._config_text = config_text(config) if config is not None else None
         self.config_digest = sha256_of(self._config_text) if self._config_text else ""
         self.on_commit = on_commit
+        self.model_files = model_files
+        """The model family's files beside the weights (None: the family registered for the
+        model, else none); see `trainer.checkpoint.model_files`."""
         """Called on every rank as `on_commit(step_nr, step_dir)` once a save is committed
         (renamed to its final name), by whichever call commits it: `save`, `wait`, `close`."""
 
@@ -171,8 +174,8 @@ class CheckpointManager:
         tmp_dir = self._disk.tmp_dir(step_nr)
         (tmp_dir / MODEL_OPTIM).mkdir(parents=True, exist_ok=True)
 
-        # A HF model's config and tokenizer files go beside the weights (rank 0).
-        model_files = partial(write_model_files, model) if self._rank == 0 else None
+        # The family's files (a HF model's config, tokenizer) go beside the weights (rank 0).
+        model_files = partial(self._files(model).write, model) if self._rank == 0 else None
         # A disk too small fails the save before any rank writes (agreed: DCP's collectives
         # need every rank or none).
         needed = needed_bytes(state, len(buffer.getvalue()), self._world)
@@ -195,6 +198,9 @@ class CheckpointManager:
         self._in_flight = PendingSave(step_nr, tmp_dir, score, future)
         if future.done():
             self.wait()
+
+    def _files(self, model: nn.Module) -> ModelFiles:
+        return self.model_files if self.model_files is not None else model_files_for(model)
 
     def _write_shard(self, tmp_dir: Path, state: dict[str, Any], rank_bytes: bytes,
                      model_files: Callable[[Path], None] | None = None) -> None:
@@ -341,7 +347,7 @@ class CheckpointManager:
         manifest = read_manifest(step_dir)
         assert manifest is not None  # verified above
 
-        check_base(step_dir, model, hf_model_of(model), self.gangs.root)  # adapters: the base?
+        self._files(model).check_base(step_dir, model, self.gangs.root)  # adapters: the base?
         state = model_optim_state(model, optimizer)
         load_dcp(step_dir, state, process_group=self._pg, no_dist=self._no_dist,
                  then=lambda: set_model_optim_state(model, optimizer, state),

@@ -1,73 +1,63 @@
-"""What a checkpoint of a Hugging Face model keeps beside its weights, so that it can be
-exported as a HF directory offline (`trainer.hf.export_pretrained`) without the code or
-the files the run started from:
+"""The trainer's one seam for a model family's own files: what a checkpoint keeps beside a
+model's weights, what is checked before loading into a model, and what the end of a run
+exports. The trainer is model-agnostic: it imports no family; a family hands in its
+`ModelFiles` (`Trainer(model_files=...)`), or registers one that recognises its models
+(`gangtrain.models.hf` does, for any transformers model, when it is imported).
 
-    step_{N}/hf/    config.json, generation_config.json, and the tokenizer files of the
-                    directory the model was loaded from (`config.name_or_path`), if any;
-                    with LoRA adapters also adapter_config.json and lora_base.json
-                    (`trainer.checkpoint.adapters`); the loaded directory's
-                    generation_config.json is copied as it is (a model built from
-                    config.json derives one that lacks the chat's stop tokens)
-
-Written by rank 0 into the save's temporary directory, so the manifest checksums them and
-they appear with the rest of the step, atomically. A model that is not a transformers
-`PreTrainedModel` (looked for through DDP, FSDP2 and `torch.compile` wrappers) gets nothing,
-and transformers is never imported for it.
+The null default writes nothing beside the weights, checks nothing, and exports the best
+checkpoint as `OUTPUT_DIR/checkpoints/best_model.safetensors`.
 """
 
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
 
 from torch import nn
 
-from layers.wrappers import wrapped_chain
-from trainer.checkpoint.adapters import write_adapter_files
-from trainer.run_dir import HF_FILES
+from gangs import Gang
+from gangs.moved import forward_names
+from trainer.checkpoint.export import export_best
 
-__all__ = ["HF_FILES", "TOKENIZER_FILES", "hf_model_of", "write_model_files"]
-
-GENERATION_CONFIG = "generation_config.json"
-
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
-    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
-)
-"""The file names transformers' tokenizers save (`save_pretrained`) and load."""
+__all__ = ["ModelFiles", "model_files_for", "register_model_files"]
 
 
-def hf_model_of(model: nn.Module) -> nn.Module | None:
-    """The transformers `PreTrainedModel` that `model` is or wraps, else None."""
-    transformers = sys.modules.get("transformers")  # not imported: cannot be a HF model
-    if transformers is None:
-        return None
-    return next((seen for seen in wrapped_chain(model)
-                 if isinstance(seen, transformers.PreTrainedModel)), None)
+class ModelFiles:
+    """A model family's files. This base class is the null default; a family overrides."""
+
+    def is_for(self, model: nn.Module) -> bool:
+        """Whether these are `model`'s files (a registered family claims its own models)."""
+        return False
+
+    def write(self, model: nn.Module, step_dir: Path) -> None:
+        """Files beside the weights of `step_dir` (rank 0, inside the save's temporary
+        directory, so the manifest checksums them)."""
+
+    def check_base(self, step_dir: Path, model: nn.Module, gang: Gang) -> None:
+        """Before checkpoint `step_dir` is loaded into `model`: a `UserError` when they do not
+        belong together (e.g. adapters trained on another base). Collective over `gang`."""
+
+    def export_best(self, checkpoint_dir: Path, output_dir: Path) -> Path | None:
+        """At the end of a run, on rank 0: the best checkpoint of `checkpoint_dir` written for
+        inference; None when no checkpoint has a score."""
+        return export_best(checkpoint_dir)
 
 
-def write_model_files(model: nn.Module, step_dir: Path) -> None:
-    """Write `step_dir/hf/` for a HF model (see the module docstring); nothing otherwise."""
-    hf_model = hf_model_of(model)
-    if hf_model is None:
-        return
-    target = Path(step_dir) / HF_FILES
-    target.mkdir(parents=True, exist_ok=True)
-    hf_model.config.save_pretrained(target)
-    write_adapter_files(model, hf_model, target)
-    source = Path(str(hf_model.config.name_or_path or ""))
-    from_source = source.is_dir() and source.resolve() != target.resolve()
-    if from_source and (source / GENERATION_CONFIG).is_file():
-        # The pretrained model's own file: it carries the stop tokens of a chat (ChatML's
-        # <|im_end|>), which a model built from config.json alone derives wrongly.
-        shutil.copyfile(source / GENERATION_CONFIG, target / GENERATION_CONFIG)
-    else:
-        generation_config = getattr(hf_model, "generation_config", None)
-        if generation_config is not None:
-            generation_config.save_pretrained(target)
-    if from_source:
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, target / name)
+_registered: list[ModelFiles] = []
+
+
+def register_model_files(files: ModelFiles) -> None:
+    """Make `files` the default for every model it `is_for` (once per family)."""
+    if not any(type(seen) is type(files) for seen in _registered):
+        _registered.append(files)
+
+
+def model_files_for(model: nn.Module) -> ModelFiles:
+    """The registered family's files for `model`, else the null default."""
+    return next((files for files in _registered if files.is_for(model)), ModelFiles())
+
+
+# Moved to the family (aliases for one release, `gangs.moved`).
+__getattr__ = forward_names("trainer.checkpoint.model_files", {
+    name: f"gangtrain.models.hf.model_files:{name}"
+    for name in ("hf_model_of", "write_model_files", "TOKENIZER_FILES", "GENERATION_CONFIG")
+})

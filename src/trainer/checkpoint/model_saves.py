@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from gangs import Gangs, on_rank0
 from trainer.checkpoint.manifest import fsync_dir
-from trainer.checkpoint.model_files import hf_model_of, write_model_files
+from trainer.checkpoint.model_files import ModelFiles, model_files_for
 from trainer.checkpoint.streaming import SHARDS_INDEX, shard_file_name, write_shards_index
 from trainer.run_dir import HF_FILES, MODEL_FILE, parse_step_dir, step_dir_name
 
@@ -49,8 +49,10 @@ class ModelSaves:
     """Model-only saves under `path` (`RunDir.models`), keeping the newest `keep_last_n`
     (None: all)."""
 
-    def __init__(self, path: Path, gangs: Gangs, keep_last_n: int | None = None) -> None:
+    def __init__(self, path: Path, gangs: Gangs, keep_last_n: int | None = None,
+                 model_files: ModelFiles | None = None) -> None:
         self.path = Path(path)
+        self.model_files = model_files  # None: the family registered for the model
         self.gangs = gangs
         self.keep_last_n = keep_last_n
         self.last_step: int | None = None  # saved by this run
@@ -68,7 +70,8 @@ class ModelSaves:
 
     def save(self, step_nr: int, model: nn.Module) -> Path:
         """Save `model`'s weights as step `step_nr` (collective); returns its directory."""
-        is_hf = hf_model_of(model) is not None
+        files = self.model_files if self.model_files is not None else model_files_for(model)
+        is_hf = files.is_for(model)  # a family's own save: its names, its files beside
         tmp = self.path / f".tmp_{step_dir_name(step_nr)}"
         what = f"saving the model of step {step_nr}"
         if self.gangs.pp.size > 1:
@@ -126,7 +129,7 @@ class ModelSaves:
         """Rank 0: write, rename, apply retention."""
         write_weights()
         if is_hf:  # config, generation config, tokenizer: beside the weights
-            write_model_files(model, tmp)
+            (self.model_files or model_files_for(model)).write(model, tmp)
             for file in (tmp / HF_FILES).iterdir():
                 os.replace(file, tmp / file.name)
             (tmp / HF_FILES).rmdir()

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from layers.lora import lora_settings_of
+from gangtrain.layers.lora import lora_settings_of
 
 _PLAIN = (torch.Tensor, int, float, str, bool, type(None))
 

@@ -1,3 +1,6 @@
-"""Configs and the command line's loading: `TrainerConfig` for YAML, presets, `--set`,
-error messages, import paths of user objects. Imports only
-what lies below it: every part of trainer but the command line and the package face."""
+"""Moved: `trainer.config` is now `gangtrain.app.config` (the application shell).
+An alias for one release; see `gangs.moved`."""
+
+from gangs.moved import alias_package
+
+alias_package(__name__, "gangtrain.app.config")

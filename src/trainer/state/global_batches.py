@@ -3,4 +3,4 @@ release)."""
 
 from gangs.moved import alias_module
 
-alias_module(__name__, "data.global_batches")
+alias_module(__name__, "gangtrain.data.global_batches")

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from gangs import Gang, ReduceOperation
-from parallel.context import shard_sequence
-from parallel.gradient_sum import sum_gradients
+from gangtrain.parallel.context import shard_sequence
+from gangtrain.parallel.gradient_sum import sum_gradients
 from trainer.step.forward_backward import ForwardBackward, StepGradients
 
 

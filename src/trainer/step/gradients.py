@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gangs import Gang, ReduceOperation
-from parallel.gradient_norm import gradient_norm, local_shards
+from gangtrain.parallel.gradient_norm import gradient_norm, local_shards
 from trainer import torch_shortcuts
 from trainer.step.step_call import StepCall
 

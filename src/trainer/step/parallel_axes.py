@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from gangs import Gang, Gangs
-from parallel.context import uses_context_parallel
+from gangtrain.parallel.context import uses_context_parallel
 from trainer.step.accumulation import MicroBatchSync
 from trainer.step.context_parallel import ContextParallelStep
 from trainer.step.forward_backward import ForwardBackward, MicroBatchLoop

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from gangs import Gang
-from parallel.data import is_data_parallel
-from parallel.expert import is_expert_param
-from parallel.gradient_sum import sum_gradients
+from gangtrain.parallel.data import is_data_parallel
+from gangtrain.parallel.expert import is_expert_param
+from gangtrain.parallel.gradient_sum import sum_gradients
 from trainer.errors import UserError
 from trainer.step.forward_backward import StepGradients
 from units.pipeline import PipelineUnit
