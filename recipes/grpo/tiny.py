@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["answer_form", "completion_text", "exact_match", "make_tiny_chat_model",
+__all__ = ["answer_form", "completion_text", "exact_match", "low_tokens", "make_tiny_chat_model",
            "prompt_records", "write_prompts"]
 
 WORDS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b,
@@ -78,3 +78,9 @@ def exact_match(completions: list[Any], answer: list[int], **_: Any) -> list[flo
 
 def answer_form(completions: list[Any], **_: Any) -> list[float]:
     return [1.0 if FORM.match(completion_text(c)) else 0.0 for c in completions]
+
+
+def low_tokens(completion_ids: list[list[int]], **_: Any) -> list[float]:
+    """The share of a completion's tokens whose id is below 160: a reward that varies among
+    a random model's completions and needs no stop token (for tests and benchmarks)."""
+    return [sum(t < 160 for t in ids) / max(len(ids), 1) for ids in completion_ids]
