@@ -24,6 +24,9 @@ __all__ = ["PromptWindows"]
 
 class PromptWindows:
     position_is_global = True
+    # Every rank gets the same descriptor on purpose: the unit takes this rank's share of
+    # the window's completions (it needs the whole window's groups anyway).
+    sharded_per_rank = True
 
     def __init__(self, num_prompts: int, prompts_per_window: int, micro_batches_per_window: int,
                  seed: int = 0, shuffle: bool = True) -> None:

