@@ -34,7 +34,6 @@ from gangtrain.rl.rewards import RewardFunction, score
 from gangtrain.rl.rollouts import read_replay
 from gangtrain.rl.windows import PromptWindows
 from recipes.grpo.config import PRESETS, RESUME_GUARD, GRPOConfig
-from recipes.preference.recipe import load_tokenizer
 from trainer.errors import UserError
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
@@ -112,6 +111,8 @@ def _inputs(config: GRPOConfig, train: bool) -> _Inputs:
     check_layout(config)
     hf_config = check_model_dir(config.model.path, config.generation.max_new_tokens + 1)
     assert config.model.path is not None
+    from recipes.preference.recipe import load_tokenizer  # the same rules; not at import time
+
     tokenizer = load_tokenizer(config.model.path, config.data.chat_template)
     check_tokenizer_fits(tokenizer, hf_config, config.model.path)
     if train and not config.data.files:

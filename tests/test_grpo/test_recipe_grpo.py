@@ -146,3 +146,48 @@ def test_validation_keeps_the_best_and_exports(runs):
     assert len(lines) == 8 and {"prompt_ids", "completion_ids", "completion", "rewards",
                                 "advantage", "logprobs", "truncated"} <= record.keys()
     assert len(record["logprobs"]) == len(record["completion_ids"])
+
+
+def test_user_mistakes_are_one_clear_line_and_write_nothing(tiny, tmp_path, capsys):
+    from recipes.grpo.recipe import cli
+
+    model, train, _ = tiny
+    no_field = tmp_path / "no_field.jsonl"
+    no_field.write_text('{"prompt": "What is 1 plus 2?", "answer": 3}\n\n{"question": "x"}\n')
+    reward = "rewards=[\"bad_rewards:{}\"]"
+    cases = {
+        "raises": (["--set", reward.format("raises")],
+                   "reward function 'bad_rewards:raises' raised KeyError: 'answer'"),
+        "wrong_length": (["--set", reward.format("wrong_length")],
+                         "reward function 'bad_rewards:wrong_length' returned 2 values for 1 "
+                         "completions"),
+        "not_a_number": (["--set", reward.format("not_a_number")],
+                         "reward function 'bad_rewards:not_a_number' returned a str ('1.0') "
+                         "for completion 0"),
+        "nan": (["--set", reward.format("nan")],
+                "reward function 'bad_rewards:nan' returned nan for completion 0"),
+        "no_field": (["--set", f"data.files=[{no_field}]"],
+                     f"{no_field}, line 3: field 'prompt' is missing"),
+        "too_long": (["--set", "generation.max_new_tokens=250"],
+                     f"{train}, line 1: the prompt is "),
+        "pipeline": (["--set", "gangs.pp_size=2"], "config 'gangs.pp_size=2': recipes.grpo "
+                     "runs data parallelism"),
+    }
+    for name, (extra, message) in cases.items():
+        out = tmp_path / name
+        assert cli([*map(str, args(out, tiny)), *extra]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err, (name, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
+        assert not out.exists() or [p.name for p in out.iterdir()] in ([], [".run.lock"]), \
+            (name, list(out.iterdir()))
+
+
+def test_a_reward_failing_during_the_run_is_named(tiny, tmp_path, capsys):
+    from recipes.grpo.recipe import cli
+
+    out = tmp_path / "later"
+    assert cli([*map(str, args(out, tiny)), "--set", 'rewards=["bad_rewards:nan_later"]']) == 2
+    err = capsys.readouterr().err
+    assert "reward function 'bad_rewards:nan_later' returned nan for completion 0" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
