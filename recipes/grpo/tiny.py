@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = ["answer_form", "completion_text", "exact_match", "low_tokens", "make_tiny_chat_model",
-           "prompt_records", "write_prompts"]
+           "prompt_records", "write_prompts", "write_sft_data"]
 
 WORDS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b,
          "times": lambda a, b: a * b}
@@ -84,3 +84,18 @@ def low_tokens(completion_ids: list[list[int]], **_: Any) -> list[float]:
     """The share of a completion's tokens whose id is below 160: a reward that varies among
     a random model's completions and needs no stop token (for tests and benchmarks)."""
     return [sum(t < 160 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def write_sft_data(path: Path | str, num: int, seed: int = 0) -> Path:
+    """``num`` one-turn conversations answering `prompt_records`' questions in the SFT
+    answers' form ("7 plus 5 is 12."), ``{"messages": [...]}`` a line: the brief SFT that
+    comes before GRPO in the toy task (docs/grpo.md)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for record in prompt_records(num, seed, "conversational"):
+            question = record["prompt"][0]["content"]
+            answer = f"{question[len('What is '):-1]} is {record['answer']}."
+            f.write(json.dumps({"messages": [*record["prompt"], {"role": "assistant",
+                                                                  "content": answer}]}) + "\n")
+    return path
