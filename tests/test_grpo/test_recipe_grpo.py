@@ -146,6 +146,13 @@ def test_validation_keeps_the_best_and_exports(runs):
     assert len(lines) == 8 and {"prompt_ids", "completion_ids", "completion", "rewards",
                                 "advantage", "logprobs", "truncated"} <= record.keys()
     assert len(record["logprobs"]) == len(record["completion_ids"])
+    # --eval-only scores the best checkpoint on the held-out prompts: its score again
+    from recipes.grpo.recipe import cli
+
+    assert cli([str(out), "--eval-only"]) == 0
+    evaluated = read_jsonl(out / "metrics" / "eval.jsonl")[-1]
+    best = max(r["valid/reward"] for r in valid)
+    assert evaluated["valid/reward"] == pytest.approx(best, abs=1e-9)
 
 
 def test_user_mistakes_are_one_clear_line_and_write_nothing(tiny, tmp_path, capsys):

@@ -84,12 +84,12 @@ class GRPOEvalUnit(EvalUnit[dict[str, Any]]):
         values = score(self.rewards, [p.prompt for p in prompts], texts,
                        [c.ids for c in completions], columns)
         rewards = weighted_sum(values, self.weights)
-        count = weight.sum()
-        metrics.update_total("reward", (rewards * weight).sum(), count)
+        count = float(weight.sum())  # host floats: the bag may live on an accelerator
+        metrics.update_total("reward", float((rewards * weight).sum()), count)
         for i, reward in enumerate(self.rewards):
             column = values[:, i]
             seen = ~column.isnan() & (weight > 0)
-            metrics.update_total(f"rewards/{reward.name}/mean", column[seen].sum(),
-                                 seen.sum().double())
+            metrics.update_total(f"rewards/{reward.name}/mean", float(column[seen].sum()),
+                                 float(seen.sum()))
         lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float64)
-        metrics.update_total("completions/mean_length", (lengths * weight).sum(), count)
+        metrics.update_total("completions/mean_length", float((lengths * weight).sum()), count)

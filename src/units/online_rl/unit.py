@@ -271,7 +271,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         rewards = weighted_sum(per_function, weights)
         scale = self.loss.scale_rewards
         for name, value in reward_metrics(rewards, per_function, names, self.G, scale).items():
-            metrics.update_mean(name, torch.as_tensor(value, dtype=torch.float64))
+            metrics.update_mean(name, float(value))
         if self.loss.kind != "rloo":
             return group_advantages(rewards, self.G, scale)
         if kl_sequence is not None:
@@ -286,10 +286,11 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float64)
         truncated = torch.tensor([c.truncated for c in completions], dtype=torch.float64)
         n = float(len(completions))
-        metrics.update_total("completions/mean_length", lengths.sum(), n)
-        metrics.update_min("completions/min_length", lengths.min())
-        metrics.update_max("completions/max_length", lengths.max())
-        metrics.update_total("completions/clipped_ratio", truncated.sum(), n)
+        # host floats: these are CPU values and the bag may live on an accelerator
+        metrics.update_total("completions/mean_length", float(lengths.sum()), n)
+        metrics.update_min("completions/min_length", float(lengths.min()))
+        metrics.update_max("completions/max_length", float(lengths.max()))
+        metrics.update_total("completions/clipped_ratio", float(truncated.sum()), n)
         if self.rollouts.replay is None and seconds > 0:
             # per rank rates averaged over ranks and windows, times the DP size: the gang's
             metrics.update_mean("generation/completions_per_s", n * self.dp.size / seconds)
