@@ -4,7 +4,8 @@ same global batch, accumulation 1 and 4 give the same losses, metrics and weight
 generation window of 4 micro-batches with accumulation 2 the same as a window of 2 with
 accumulation 1 (TRL PR 6024's configuration); one process, DDP x2 and FSDP2 x2 the same
 completions, losses, metrics and weights; a run stopped inside a generation window and
-resumed ends bit for bit like one never stopped; validation, keep-best, export and
+resumed ends bit for bit like one never stopped; replaying a run's rollouts trains the same;
+validation, keep-best, export and
 --eval-only work through the cli."""
 
 from __future__ import annotations
@@ -75,9 +76,14 @@ def runs(tiny, tmp_path_factory):
         assert proc.returncode == 0, f"{name}: {describe(proc)}"
         assert "Traceback" not in proc.stderr, name
     # the stopped run (inside its first window: step 1 of 2) continued by the same command
-    resumed = run_all({"resumed": ["recipes.grpo", *args(base / "stopped", tiny, *window)]})
-    assert resumed["resumed"].returncode == 0, describe(resumed["resumed"])
-    return {name: base / name for name in commands}
+    # and a run that trains on the straight run's recorded rollouts instead of sampling
+    again = run_all({
+        "resumed": ["recipes.grpo", *args(base / "stopped", tiny, *window)],
+        "replayed": ["recipes.grpo", *args(base / "replayed", tiny, "--set",
+                                           f"generation.replay={base / 'straight'}")]})
+    for name, proc in again.items():
+        assert proc.returncode == 0, f"{name}: {describe(proc)}"
+    return {name: base / name for name in [*commands, "replayed"]}
 
 
 def train_records(out: Path) -> dict[int, dict[str, float]]:
@@ -134,6 +140,11 @@ def test_a_run_stopped_inside_a_window_resumes_bit_for_bit(runs):
     assert_same_state(checkpoint_state(stopped / "checkpoints" / last),
                       checkpoint_state(straight / "checkpoints" / last))
     assert completions(stopped) == completions(straight)
+
+
+def test_replaying_the_recorded_rollouts_trains_the_same(runs):
+    assert completions(runs["replayed"]) == completions(runs["straight"])
+    assert_same_run(runs["straight"], runs["replayed"])
 
 
 def test_validation_keeps_the_best_and_exports(runs):

@@ -106,7 +106,7 @@ def loss_and_targets(config: GRPOLoss, s: TokenScores) -> tuple[Tensor, Tensor |
         clipped = torch.clamp(ratio, 1 - config.epsilon, 1 + config.upper)
         per_sequence = -torch.minimum(ratio * a, clipped * a) * s.kept
         loss = per_sequence.sum()
-        num_targets: Tensor | int = int(s.kept.sum())
+        num_targets: Tensor | int = s.kept.sum()  # a tensor: no host sync
         low = (ratio < 1 - config.epsilon) & (a < 0) & s.kept
         high = (ratio > 1 + config.upper) & (a > 0) & s.kept
         seqs = s.kept.sum().to(torch.float64)
@@ -130,9 +130,9 @@ def loss_and_targets(config: GRPOLoss, s: TokenScores) -> tuple[Tensor, Tensor |
     per_token = per_token * weight
     if config.kind == "grpo":
         per_sequence = _segment_sum(per_token, s.row, rows) / lengths.clamp(min=1)
-        loss, num_targets = per_sequence.sum(), int(s.kept.sum())
+        loss, num_targets = per_sequence.sum(), s.kept.sum()
     elif config.kind == "dr_grpo":
-        loss, num_targets = per_token.sum() / config.max_new_tokens, int(s.kept.sum())
+        loss, num_targets = per_token.sum() / config.max_new_tokens, s.kept.sum()
     else:  # dapo
         loss, num_targets = per_token.sum(), weight.sum().detach().round().long()
     tokens = weight.sum().double()

@@ -72,7 +72,7 @@ def token_logps(model: nn.Module, s: Slice, temperature: float, with_entropy: bo
         logits = logits[keep]
     scaled = logits.float() / temperature
     logp_all = scaled.log_softmax(-1)
-    logp = logp_all.gather(-1, s.input_ids[:, 1:][s.scored][:, None])[:, 0]
+    logp = logp_all.gather(-1, s.targets[:, None])[:, 0]
     entropy = None
     if with_entropy:
         with torch.no_grad():
@@ -143,7 +143,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         self._calls_in_step += 1
         s = self.buffer.slices[position % self.W]
         logp, entropy = token_logps(self._model, s, self.temperature, with_entropy=True)
-        row = s.scored.nonzero()[:, 0]
+        row = s.row
         scores = TokenScores(logp, s.old, s.ref, row, s.advantages, s.kept)
         loss, num_targets, values = loss_and_targets(self.loss, scores)
         weight = s.kept[row].double()
@@ -151,6 +151,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         values["entropy"] = ((entropy.double() * weight).sum(), weight.sum())
         for name, (total, count) in values.items():
             metrics.update_total(name, total, count)
+        metrics.update_sum("num_tokens", s.attention_mask.sum())  # the Trainer's tokens/s
         return loss, num_targets
 
     # -- a new window -------------------------------------------------------------------
@@ -243,11 +244,10 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
                 with self.reference.scoring() as reference:
                     s.ref = token_logps(unwrapped(reference), s, self.temperature)[0]
                 if self.loss.kind == "rloo":
-                    assert s.old is not None
-                    row = s.scored.nonzero()[:, 0]
+                    assert s.old is not None and s.row is not None
                     kl.append(torch.zeros(s.scored.shape[0], dtype=torch.float64,
-                                          device=row.device).index_add(
-                        0, row, (s.old - s.ref).double()))
+                                          device=s.row.device).index_add(
+                        0, s.row, (s.old - s.ref).double()))
         return torch.cat(kl).cpu() if kl else None
 
     def _gather(self, local: Tensor) -> Tensor:

@@ -36,6 +36,8 @@ class Slice:
     scored: Tensor  # [b, L - 1] bool: target positions that are completion tokens
     advantages: Tensor  # [b] float32
     kept: Tensor  # [b] bool: counted by the loss (mask_truncated_completions)
+    row: Tensor | None = None  # [n] the row of each completion token (no sync to find it)
+    targets: Tensor | None = None  # [n] the completion tokens, row by row
     old: Tensor | None = None  # [n] the policy's log-probs when generated (flattened)
     ref: Tensor | None = None  # [n] the reference's
 
@@ -45,7 +47,13 @@ class Slice:
     @classmethod
     def of_state(cls, state: dict[str, Any]) -> Slice:
         return cls(**{k: state.get(k) for k in ("input_ids", "attention_mask", "scored",
-                                                "advantages", "kept", "old", "ref")})
+                                                "advantages", "kept", "row", "targets", "old",
+                                                "ref")})
+
+    def __post_init__(self) -> None:
+        if self.row is None:  # found once, on the host, when the window is built
+            self.row = self.scored.nonzero()[:, 0]
+            self.targets = self.input_ids[:, 1:][self.scored]
 
 
 def slice_tensors(prompts: list[tuple[int, ...]], completions: list[tuple[int, ...]],
