@@ -61,6 +61,7 @@ def ours(work: Path, args: argparse.Namespace) -> dict[str, object]:
                 "--set", "trainer.max_gradient_norm=null",
                 "--set", f"trainer.max_num_steps={args.steps}",
                 "--set", f"trainer.checkpoint_every_n_steps={args.steps}",
+                "--set", "trainer.keep_best_n_checkpoints=null",
                 "--set", "trainer.publish_metrics_every_n_steps=1"])
     assert code == 0, code
     train = [json.loads(line) for line in open(out / "metrics" / "train.jsonl")]
