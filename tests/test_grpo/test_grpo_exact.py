@@ -1,4 +1,4 @@
-"""`units.online_rl` through the Trainer on replayed rollouts, against `hand.py` (float64,
+"""`units.online_rl` through the Trainer on replayed rollouts, against `grpo_hand.py` (float64,
 one completion at a time): for each loss kind, with unequal completion lengths, a group whose
 rewards are all equal (zero std), a truncated completion, a reference model (beta > 0) and a
 second update on the same window (num_iterations 2: the ratio moves and clipping is
@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from hand import advantages, kl_penalised, step_loss
+from grpo_hand import advantages, kl_penalised, step_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gangtrain.data.prompts import read_prompts

@@ -157,10 +157,11 @@ def test_validation_keeps_the_best_and_exports(runs):
     assert len(lines) == 8 and {"prompt_ids", "completion_ids", "completion", "rewards",
                                 "advantage", "logprobs", "truncated"} <= record.keys()
     assert len(record["logprobs"]) == len(record["completion_ids"])
-    # --eval-only scores the best checkpoint on the held-out prompts: its score again
+    # --eval-only scores the best checkpoint on the held-out prompts: its score again (the
+    # reward functions named again: a run's config.yaml alone does not run code)
     from recipes.grpo.recipe import cli
 
-    assert cli([str(out), "--eval-only"]) == 0
+    assert cli([str(out), "--eval-only", "--set", 'rewards=["recipes.grpo.tiny:low_tokens"]']) == 0
     evaluated = read_jsonl(out / "metrics" / "eval.jsonl")[-1]
     best = max(r["valid/reward"] for r in valid)
     assert evaluated["valid/reward"] == pytest.approx(best, abs=1e-9)
