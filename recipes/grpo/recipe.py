@@ -225,12 +225,15 @@ def main(config: GRPOConfig, output_dir: Path, resume: bool) -> int:
         replay=inputs.replay,
         directory=Path(output_dir) / "rollouts" if gen.write_rollouts else None,
         decode=_decoder(inputs.tokenizer))
-    unit = GRPOUnit(s.model, loss, inputs.train, inputs.rewards, rollouts,
-                    num_generations=gen.num_generations, batch_size=config.data.batch_size,
-                    window=window, num_accumulate=t.num_accumulate,
-                    temperature=gen.temperature, pad_id=s.pad_id, seed=t.seed or 0,
-                    reward_weights=config.reward_weights, reference=s.reference,
-                    dp=s.gangs.dp)
+    try:
+        unit = GRPOUnit(s.model, loss, inputs.train, inputs.rewards, rollouts,
+                        num_generations=gen.num_generations, batch_size=config.data.batch_size,
+                        window=window, num_accumulate=t.num_accumulate,
+                        temperature=gen.temperature, pad_id=s.pad_id, seed=t.seed or 0,
+                        reward_weights=config.reward_weights, reference=s.reference,
+                        dp=s.gangs.dp)
+    except ValueError as error:  # a batch that does not split over the DP ranks
+        raise UserError(f"config: {error}") from None
     reader = PromptWindows(len(inputs.train), window * config.data.batch_size //
                            gen.num_generations, window * loss.num_iterations,
                            seed=config.data.shuffle_seed)

@@ -87,3 +87,31 @@ def test_a_completion_depends_on_its_seed_not_on_its_batch(tmp_path):
     for a, b in zip(together, alone, strict=True):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
     assert len({c.ids for c in together}) == 6
+
+
+def generate_on_fsdp2_ranks(model_dir, rows, seeds):
+    """Rank 0's completions all stop at their first token, rank 1's run to the limit: the
+    ranks must keep stepping together (each forward all-gathers the FSDP2 shards)."""
+    from gangs import setup_gangs, setup_root_gang
+    from gangtrain.models.hf import load_pretrained
+
+    gangs = setup_gangs(setup_root_gang())
+    model = load_pretrained(model_dir, gangs, data_parallel="fsdp")
+    stop = list(range(320)) if gangs.dp.rank == 0 else [10_000]
+    generator = HFGenerator(model, stop_ids=stop, pad_id=0, max_new_tokens=6, gang=gangs.dp)
+    return [c.ids for c in generator.generate(rows, seeds)]
+
+
+def test_fsdp2_ranks_finishing_at_different_lengths_do_not_hang(tmp_path):
+    from functools import partial
+
+    from ranks import run_ranks
+
+    model_dir, prompts, model, _ = setup(tmp_path)
+    rows, seeds = [prompts[0].ids, prompts[1].ids], [11, 12]
+    first, second = run_ranks(partial(generate_on_fsdp2_ranks, model_dir, rows, seeds),
+                              world_size=2, timeout=90)
+    assert [len(ids) for ids in first] == [1, 1] and [len(ids) for ids in second] == [6, 6]
+    # the sharded model samples what the whole one samples with the same seeds
+    alone = HFGenerator(model, stop_ids=[10_000], pad_id=0, max_new_tokens=6)
+    assert [c.ids for c in alone.generate(rows, seeds)] == second
