@@ -8,7 +8,8 @@ alternated in one run, each in a fresh process.
 Prints, per implementation and round: optimizer steps/s (median step time after the first
 2 steps), completions/s and trained completion tokens/s end to end (generation included), the
 process's peak RSS, the loss and gradient norm of step 1, and the mean reward per step (the
-curve). Then the ratios, ours over TRL.
+curve). Then the ratios, ours over TRL (medians over rounds; the order of the two alternates
+from round to round, so a machine whose load drifts favours neither).
 
 Settings on both sides: a tiny ChatML Llama (`recipes.sft.tiny`, or ``--model``), float32 on
 the CPU, one intra-op thread, TRL's bf16 and gradient checkpointing off, AdamW at a constant
@@ -171,7 +172,7 @@ def main() -> None:
           f"{args.steps} steps; work dir {work}")
     results: dict[str, list[dict[str, object]]] = {"ours": [], "trl": []}
     for r in range(args.rounds):
-        for kind in ("ours", "trl"):  # alternated
+        for kind in ("ours", "trl") if r % 2 == 0 else ("trl", "ours"):  # the order alternates
             results[kind].append(run_child(kind, args, work))
             row = results[kind][-1]
             print(f"round {r + 1} {kind:4s} " + " | ".join(
