@@ -9,8 +9,9 @@ from typing import Any, Literal
 from pydantic import Field, PositiveInt, field_validator
 
 from gangtrain.app.config.import_path import import_object
+from gangtrain.app.config.optimizers import OptimizerConfig
 from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
-from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, AdamWConfig, TrainerConfig
+from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, TrainerConfig
 from trainer.errors import UserError
 from units.online_rl import GRPOLoss
 
@@ -22,8 +23,9 @@ class ModelSection(Section):
     activation_checkpointing: bool = False
 
 
-class OptimizerSection(AdamWConfig):
-    """AdamW with TRL's GRPOConfig defaults (lr 1e-6, no weight decay)."""
+class OptimizerSection(OptimizerConfig):
+    """AdamW with TRL's GRPOConfig defaults (lr 1e-6, no weight decay), or another
+    torch.optim class by `optimizer.name`."""
 
     lr: float = Field(default=1e-6, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)

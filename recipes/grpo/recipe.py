@@ -135,6 +135,7 @@ def _inputs(config: GRPOConfig, train: bool) -> _Inputs:
 def check_inputs(config: GRPOConfig) -> None:
     """Open and check every input before anything is written (see the module docstring)."""
     _inputs(config, train=True)
+    config.optimizer.build(nn.Linear(1, 1))  # its name and options
 
 
 def _stop_ids(path: str, tokenizer: Any) -> list[int]:
