@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from gangs import FakeGang, Gang
+from gangs.errors import UserError
 from gangtrain.data.prompts import PromptSet
 from gangtrain.layers.wrappers import unwrapped
 from gangtrain.rl.advantages import group_advantages, leave_one_out_advantages, reward_metrics
@@ -219,8 +220,10 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
                    for r in self.rollouts.replay.get(window, [])}
         missing = [w for w in where if w not in records]
         if missing:
-            raise ValueError(f"generation.replay holds no completion {missing[0][1]} of prompt "
-                             f"{missing[0][0]} for window {window}")
+            raise UserError(f"generation.replay holds no completion {missing[0][1]} of prompt "
+                            f"{missing[0][0]} for window {window}: replay with the recorded "
+                            "run's data.files, data.batch_size, data.shuffle_seed, "
+                            "generation.window and generation.num_generations")
         chosen = [records[w] for w in where]
         names = list(chosen[0]["rewards"])
         completions = [Completion(tuple(r["completion_ids"]),
