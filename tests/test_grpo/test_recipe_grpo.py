@@ -3,8 +3,8 @@ on (dapo with a reference model, the loss most sensitive to how tokens are count
 same global batch, accumulation 1 and 4 give the same losses, metrics and weights; a
 generation window of 4 micro-batches with accumulation 2 the same as a window of 2 with
 accumulation 1 (TRL PR 6024's configuration); one process, DDP x2 and FSDP2 x2 the same
-completions, losses, metrics and weights; a run stopped inside a generation window and
-resumed ends bit for bit like one never stopped; replaying a run's rollouts trains the same;
+completions, losses, metrics and weights; a run stopped (or killed) inside a generation
+window and restarted ends bit for bit like one never stopped; replaying a run's rollouts trains the same;
 validation, keep-best, export and
 --eval-only work through the cli."""
 
@@ -210,3 +210,29 @@ def test_a_reward_failing_during_the_run_is_named(tiny, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "reward function 'bad_rewards:nan_later' returned nan for completion 0" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_run_killed_inside_a_window_resumes_bit_for_bit(runs, tiny, tmp_path):
+    import random
+    import subprocess
+    import sys
+
+    from killed_runs import kill_repeatedly
+    from recipe_runs import REPO, recipe_env
+
+    killed = tmp_path / "killed"
+    command = [sys.executable, "-m", "recipes.grpo", *map(str, args(
+        killed, tiny, "--set", "generation.window=4", "--set", "trainer.num_accumulate=2",
+        "--set", "data.batch_size=4"))]
+    # killed a random moment after its first checkpoint (step 1: the middle of window 0)
+    hits = kill_repeatedly(command, killed / "checkpoints", 1, random.Random(0),
+                           final_step=STEPS, cwd=REPO, env=recipe_env())
+    assert hits >= 1
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=recipe_env(),
+                          timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    assert "resumed from" in proc.stderr
+    last = f"checkpoints/step_{STEPS}"
+    assert_same_state(checkpoint_state(runs["window4_accumulate2"] / last),
+                      checkpoint_state(killed / last))
+    assert completions(killed) == completions(runs["window4_accumulate2"])
