@@ -213,25 +213,16 @@ def test_a_reward_failing_during_the_run_is_named(tiny, tmp_path, capsys):
 
 
 def test_a_run_killed_inside_a_window_resumes_bit_for_bit(runs, tiny, tmp_path):
-    import random
-    import subprocess
     import sys
 
-    from killed_runs import kill_repeatedly
-    from recipe_runs import REPO, recipe_env
+    from killed_runs import kill_once_then_finish
 
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "recipes.grpo", *map(str, args(
         killed, tiny, "--set", "generation.window=4", "--set", "trainer.num_accumulate=2",
         "--set", "data.batch_size=4"))]
     # killed a random moment after its first checkpoint (step 1: the middle of window 0)
-    hits = kill_repeatedly(command, killed / "checkpoints", 1, random.Random(0),
-                           final_step=STEPS, cwd=REPO, env=recipe_env())
-    assert hits >= 1
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=recipe_env(),
-                          timeout=300)
-    assert proc.returncode == 0, describe(proc)
-    assert "resumed from" in proc.stderr
+    kill_once_then_finish(command, killed, STEPS)
     last = f"checkpoints/step_{STEPS}"
     assert_same_state(checkpoint_state(runs["window4_accumulate2"] / last),
                       checkpoint_state(killed / last))
