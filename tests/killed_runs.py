@@ -75,3 +75,20 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(value, b[key]), key
         else:
             assert value == b[key], key
+
+
+def kill_once_then_finish(command: Sequence[str], output_dir: Path, final_step: int
+                          ) -> subprocess.CompletedProcess[str]:
+    """Run a recipe's `command` (writing `output_dir`), SIGKILL it once a random moment after
+    a checkpoint appeared, then run the same command to its end; asserts it was killed, then
+    resumed and finished. Returns the finishing run."""
+    from recipe_runs import REPO, describe, recipe_env
+
+    hits = kill_repeatedly(command, output_dir / "checkpoints", 1, random.Random(0),
+                           final_step=final_step, cwd=REPO, env=recipe_env())
+    assert hits >= 1
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=recipe_env(),
+                          timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    assert "resumed from" in proc.stderr
+    return proc

@@ -118,8 +118,11 @@ PART_IMPORTS["face"] = set(PART_IMPORTS)
 # both; the recipes on top.
 LOW = {"gangs": set(), "gangtrain.layers": {"gangs"},
        "gangtrain.parallel": {"gangs", "gangtrain.layers"},
-       "gangtrain.data": {"gangs"}, "units": {"gangs", "gangtrain.layers", "gangtrain.data"},
-       "trainer": {"units", "gangs", "gangtrain.parallel", "gangtrain.layers", "gangtrain.data"}}
+       "gangtrain.data": {"gangs"},
+       "gangtrain.rl": {"gangs", "gangtrain.layers", "gangtrain.data"},
+       "units": {"gangs", "gangtrain.layers", "gangtrain.data", "gangtrain.rl"},
+       "trainer": {"units", "gangs", "gangtrain.parallel", "gangtrain.layers", "gangtrain.data",
+                   "gangtrain.rl"}}
 PACKAGE_IMPORTS = {**LOW, "gangtrain": set(),
                    "gangtrain.models": {*LOW} - {"gangtrain.models"},
                    "gangtrain.app": {*LOW, "gangtrain.models"},

@@ -34,7 +34,6 @@ policy with LoRA adapters and no copy given, the policy itself with its adapters
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,10 +42,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gangtrain.data.collate import IGNORE_INDEX
-from gangtrain.layers.lora import adapters_disabled, lora_settings_of
 from units.causal_lm import LMBatch, lm_logits, takes_use_cache
 from units.directions import HIGHER_BETTER_METRICS
 from units.metrics import MetricBag
+from units.reference import ReferenceModel
 from units.unit import EvalUnit, TrainUnit
 
 __all__ = ["PreferenceEvalUnit", "PreferenceLoss", "PreferenceUnit", "pair_losses",
@@ -145,27 +144,18 @@ class _Pairs:
         self._model = model
         self.config = config
         self._use_cache_keyword = takes_use_cache(model)
-        if reference is not None:
-            reference.requires_grad_(False)
-            reference.eval()
-        elif config.needs_reference and lora_settings_of(model) is None:
-            raise ValueError(f"loss.kind={config.kind} needs a reference model: pass "
-                             "`reference` (a frozen copy), or use LoRA adapters (the "
-                             "reference is then the base with its adapters disabled)")
+        self._reference = (ReferenceModel(model, reference, f"loss.kind={config.kind}")
+                           if config.needs_reference else None)
         self.reference = reference if config.needs_reference else None
 
     @property
     def model(self) -> nn.Module:
         return self._model
 
-    def _reference_context(self) -> AbstractContextManager[object]:
-        return adapters_disabled(self._model) if self.reference is None else nullcontext()
-
     def _reference_logps(self, batch: LMBatch) -> Tensor | None:
-        if not self.config.needs_reference:
+        if self._reference is None:
             return None
-        with torch.no_grad(), self._reference_context():
-            model = self._model if self.reference is None else self.reference
+        with self._reference.scoring() as model:
             return side_logps(model, batch, self._use_cache_keyword)[0]
 
     def _pairs(self, batch: LMBatch, metrics: MetricBag, prefix: str = "") -> Tensor:

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hand import forget, mean_by_hand
-from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
-from recipe_runs import REPO, describe, recipe_env, run_all
+from killed_runs import assert_same_state, checkpoint_state, kill_once_then_finish
+from recipe_runs import describe, run_all
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipes.preference.recipe import cli
@@ -153,13 +151,7 @@ def test_lora_reference_is_the_base_and_out_hf_scores_as_by_hand(runs, tiny):
 def test_killed_run_resumes_bit_for_bit(runs, tiny, tmp_path):
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "recipes.preference", *map(str, args(killed, tiny))]
-    hits = kill_repeatedly(command, killed / "checkpoints", 1, random.Random(0),
-                           final_step=MAX_STEPS, cwd=REPO, env=recipe_env())
-    assert hits >= 1
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=recipe_env(),
-                          timeout=300)
-    assert proc.returncode == 0, describe(proc)
-    assert "resumed from" in proc.stderr
+    kill_once_then_finish(command, killed, MAX_STEPS)
     final = f"checkpoints/step_{MAX_STEPS}"
     assert_same_state(checkpoint_state(runs["straight"] / final), checkpoint_state(killed / final))
     for section, prefix in (("train", ""), ("valid", "valid/")):

@@ -1,0 +1,8 @@
+"""Online RL as units: GRPO, Dr. GRPO, DAPO and RLOO (`losses`), generation and scoring
+inside the unit (`unit`), a generation window's completions on one rank (`window`)."""
+
+from units.online_rl.losses import GRPOLoss, TokenScores, loss_and_targets
+from units.online_rl.unit import GRPOUnit, Rollouts, token_logps
+
+__all__ = ["GRPOLoss", "GRPOUnit", "Rollouts", "TokenScores", "loss_and_targets",
+           "token_logps"]

@@ -1,0 +1,336 @@
+"""`GRPOUnit`: online RL as a `TrainUnit`. When the first micro-batch of a generation window
+arrives (`gangtrain.rl.windows.PromptWindows`), it samples the window's completions with
+the current policy (its `Generator`), or takes them from recorded rollouts (replay), scores
+them with the reward functions, gathers the rewards over DP so advantages see whole groups,
+and keeps this rank's micro-batches (`window`); each micro-batch then returns
+``(loss summed, num_targets)`` of its loss kind (`losses`). The Trainer's division by the
+step's global target count normalises per optimizer step, whatever the window, the
+accumulation and the DP size.
+
+Old log-probabilities (the policy at generation) are computed with a forward of each
+micro-batch right after generation when some micro-batch of the window is trained after an
+optimizer step (``num_iterations > 1``, or a window longer than what remains of the step);
+otherwise the ratio is exactly 1 (TRL's shortcut). The reference's log-probabilities
+(``loss.beta > 0``) are computed then too. The window is checkpointed (`state_dict`), so a
+run resumed inside a window trains on the same completions and ends bit for bit the same.
+
+Metrics (TRL's names; window statistics are computed from the gathered window, identical on
+every rank; token and completion statistics are totals, exact over DP): ``reward``,
+``reward_std``, ``frac_reward_zero_std``, ``rewards/<fn>/mean|std``,
+``completions/mean_length``, ``completions/min_length``, ``completions/max_length``,
+``completions/clipped_ratio``, ``kl``, ``entropy``, ``clip_ratio/*``,
+``generation/completions_per_s``, ``generation/tokens_per_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gangs import FakeGang, Gang
+from gangs.errors import UserError
+from gangtrain.data.prompts import PromptSet
+from gangtrain.layers.wrappers import unwrapped
+from gangtrain.rl.advantages import group_advantages, leave_one_out_advantages, reward_metrics
+from gangtrain.rl.generation import Completion, Generator, sample_seed
+from gangtrain.rl.rewards import RewardFunction, score, weighted_sum
+from gangtrain.rl.rollouts import write_rollouts
+from units.metrics import MetricBag
+from units.online_rl.losses import GRPOLoss, TokenScores, loss_and_targets
+from units.online_rl.window import Slice, WindowBuffer, local_indices, slice_tensors
+from units.reference import ReferenceModel
+from units.unit import TrainUnit
+
+__all__ = ["GRPOUnit", "Rollouts", "token_logps"]
+
+
+@dataclass
+class Rollouts:
+    """Where completions come from and go: the generator (None with ``replay``), recorded
+    windows to replay ({window: records}), the directory step files are written to."""
+
+    generator: Generator | None = None
+    replay: dict[int, list[dict[str, Any]]] | None = None
+    directory: Path | None = None
+    decode: Callable[[Sequence[int]], str] | None = None
+
+
+def token_logps(model: nn.Module, s: Slice, temperature: float, with_entropy: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+    """(log-probability of each completion token [n], flattened row by row; its entropy
+    [n] or None) under ``logits / temperature``."""
+    keep = torch.nn.functional.pad(s.scored, (0, 1), value=False)
+    out = model(input_ids=s.input_ids, attention_mask=s.attention_mask, use_cache=False,
+                logits_to_keep=keep)
+    logits = out.logits if hasattr(out, "logits") else out
+    if logits.ndim == 3:  # a model that ignored the mask
+        logits = logits[keep]
+    scaled = logits.float() / temperature
+    logp_all = scaled.log_softmax(-1)
+    logp = logp_all.gather(-1, s.targets[:, None])[:, 0]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+class GRPOUnit(TrainUnit[dict[str, Any]]):
+    """``prompts``: the prompt set the windows index; ``rewards`` and ``reward_weights``:
+    TRL's; ``batch_size``: completions per global micro-batch; ``window``: micro-batches
+    per generation; ``num_accumulate``: the Trainer's (to know when a window outlives a
+    step); ``dp``: the data-parallel gang."""
+
+    def __init__(self, model: nn.Module, loss: GRPOLoss, prompts: PromptSet,
+                 rewards: Sequence[RewardFunction], rollouts: Rollouts, *,
+                 num_generations: int, batch_size: int, window: int, num_accumulate: int = 1,
+                 temperature: float = 1.0, pad_id: int = 0, seed: int = 0,
+                 reward_weights: Sequence[float] | None = None,
+                 reference: ReferenceModel | None = None, dp: Gang | None = None) -> None:
+        self._model = model
+        self.loss = loss
+        self.prompts = prompts
+        self.rewards = list(rewards)
+        self.weights = list(reward_weights) if reward_weights is not None else \
+            [1.0] * len(self.rewards)
+        self.rollouts = rollouts
+        self.G, self.B, self.W = num_generations, batch_size, window
+        self.num_accumulate = num_accumulate
+        self.temperature = temperature
+        self.pad_id, self.seed = pad_id, seed
+        self.reference = reference
+        self.dp = dp or FakeGang()
+        if loss.beta > 0 and reference is None:
+            raise ValueError("loss.beta > 0 needs a reference model")
+        if batch_size % self.dp.size:
+            raise ValueError(f"data.batch_size {batch_size} is not divisible by the DP size "
+                             f"{self.dp.size}")
+        self.buffer: WindowBuffer | None = None
+        self._step_nr, self._calls_in_step = 0, 0
+        self._step_records: list[dict[str, Any]] = []
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    def set_step_nr(self, step_nr: int) -> None:
+        if step_nr != self._step_nr:
+            self._step_records = []
+        self._step_nr, self._calls_in_step = step_nr, 0
+
+    # -- checkpointed state: the current window -----------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"buffer": None if self.buffer is None else self.buffer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        buffer = state.get("buffer")
+        self.buffer = None if buffer is None else WindowBuffer.of_state(buffer)
+
+    # -- one micro-batch ----------------------------------------------------------------
+    def __call__(self, batch: dict[str, Any], metrics: MetricBag) -> tuple[Tensor, Tensor | int]:
+        position, window = int(batch["position"]), int(batch["window"])
+        if position == 0:
+            self.buffer = self._open(window, list(batch["prompts"]), metrics)
+        elif self.buffer is None or self.buffer.window != window:
+            raise RuntimeError(f"micro-batch {position} of generation window {window} came "
+                               "without its window (a checkpoint saved under another layout "
+                               "cannot resume inside a window)")
+        self._calls_in_step += 1
+        s = self.buffer.slices[position % self.W]
+        logp, entropy = token_logps(self._model, s, self.temperature, with_entropy=True)
+        row = s.row
+        scores = TokenScores(logp, s.old, s.ref, row, s.advantages, s.kept)
+        loss, num_targets, values = loss_and_targets(self.loss, scores)
+        weight = s.kept[row].double()
+        assert entropy is not None
+        values["entropy"] = ((entropy.double() * weight).sum(), weight.sum())
+        for name, (total, count) in values.items():
+            metrics.update_total(name, total, count)
+        metrics.update_sum("num_tokens", s.attention_mask.sum())  # the Trainer's tokens/s
+        return loss, num_targets
+
+    # -- a new window -------------------------------------------------------------------
+    def _needs_old(self) -> bool:
+        """Whether a micro-batch of the window opening now is trained after an update."""
+        return self.loss.num_iterations > 1 or self._calls_in_step + self.W > \
+            self.num_accumulate or (self.loss.kind == "rloo" and self.loss.beta > 0)
+
+    def _open(self, window: int, prompt_indices: list[int], metrics: MetricBag
+              ) -> WindowBuffer:
+        mine = local_indices(self.W, self.B, self.dp.rank, self.dp.size)
+        where = [(prompt_indices[c // self.G], c % self.G) for c in mine]
+        started = time.perf_counter()
+        completions, values, names = self._sample(window, where)
+        seconds = time.perf_counter() - started
+        prompt_ids = [self.prompts[p].ids for p, _ in where]
+        b = self.B // self.dp.size
+        slices = []
+        for m in range(self.W):
+            part = slice(m * b, (m + 1) * b)
+            ids, mask, scored = slice_tensors(prompt_ids[part],
+                                              [c.ids for c in completions[part]], self.pad_id)
+            truncated = torch.tensor([c.truncated for c in completions[part]])
+            kept = ~truncated if self.loss.mask_truncated_completions else \
+                torch.ones_like(truncated)
+            slices.append(Slice(ids, mask, scored, torch.zeros(b), kept))
+        device = next(self._model.parameters()).device
+        slices = [Slice(*(t.to(device) if isinstance(t, Tensor) else t
+                          for t in vars(s).values())) for s in slices]
+        kl_sequence = self._score_old_and_reference(slices)
+        advantages = self._advantages(values, kl_sequence, names, metrics)
+        local = advantages[torch.tensor(mine)]
+        for m, s in enumerate(slices):
+            s.advantages = local[m * b:(m + 1) * b].float().to(device)
+        self._record_completions(completions, seconds, metrics)
+        if self.rollouts.directory is not None:
+            self._write(window, where, completions, values, names, advantages, mine)
+        return WindowBuffer(window, slices)
+
+    def _sample(self, window: int, where: list[tuple[int, int]]
+                ) -> tuple[list[Completion], Tensor, list[str]]:
+        """This rank's completions and their reward values [n, functions]."""
+        if self.rollouts.replay is not None:
+            return self._replayed(window, where)
+        assert self.rollouts.generator is not None
+        seeds = [sample_seed(self.seed, window, p, s) for p, s in where]
+        completions = self.rollouts.generator.generate([self.prompts[p].ids for p, _ in where],
+                                                       seeds)
+        prompts = [self.prompts[p] for p, _ in where]
+        decode = self.rollouts.decode or (lambda ids: " ".join(map(str, ids)))
+        texts: list[Any] = [decode(c.ids) for c in completions]
+        if self.prompts.conversational:
+            texts = [[{"role": "assistant", "content": t}] for t in texts]
+        columns: dict[str, list[Any]] = {}
+        for key in sorted({k for p in prompts for k in p.columns}):
+            columns[key] = [p.columns.get(key) for p in prompts]
+        values = score(self.rewards, [p.prompt for p in prompts], texts,
+                       [c.ids for c in completions], columns)
+        return completions, values, [r.name for r in self.rewards]
+
+    def _replayed(self, window: int, where: list[tuple[int, int]]
+                  ) -> tuple[list[Completion], Tensor, list[str]]:
+        assert self.rollouts.replay is not None
+        records = {(r["prompt_index"], r["sample_index"]): r
+                   for r in self.rollouts.replay.get(window, [])}
+        missing = [w for w in where if w not in records]
+        if missing:
+            raise UserError(f"generation.replay holds no completion {missing[0][1]} of prompt "
+                            f"{missing[0][0]} for window {window}: replay with the recorded "
+                            "run's data.files, data.batch_size, data.shuffle_seed, "
+                            "generation.window and generation.num_generations")
+        chosen = [records[w] for w in where]
+        names = list(chosen[0]["rewards"])
+        completions = [Completion(tuple(r["completion_ids"]),
+                                  tuple(r.get("logprobs") or ()), bool(r["truncated"]))
+                       for r in chosen]
+        values = torch.tensor([[float("nan") if r["rewards"][n] is None else r["rewards"][n]
+                                for n in names] for r in chosen], dtype=torch.float64)
+        return completions, values.reshape(len(chosen), len(names)), names
+
+    @torch.no_grad()
+    def _score_old_and_reference(self, slices: list[Slice]) -> Tensor | None:
+        """Fill each slice's old and reference log-probs when needed; rloo with beta: each
+        completion's k1 KL sum (this rank's, slice by slice)."""
+        needs_old = self._needs_old()
+        policy = unwrapped(self._model)
+        kl = []
+        for s in slices:
+            if needs_old:
+                s.old = token_logps(policy, s, self.temperature)[0].detach()
+            if self.reference is not None and self.loss.beta > 0:
+                with self.reference.scoring() as reference:
+                    s.ref = token_logps(unwrapped(reference), s, self.temperature)[0]
+                if self.loss.kind == "rloo":
+                    assert s.old is not None and s.row is not None
+                    kl.append(torch.zeros(s.scored.shape[0], dtype=torch.float64,
+                                          device=s.row.device).index_add(
+                        0, s.row, (s.old - s.ref).double()))
+        return torch.cat(kl).cpu() if kl else None
+
+    def _gather(self, local: Tensor) -> Tensor:
+        """Every rank's rows of ``local`` [n, k], in window order."""
+        if self.dp.size == 1:
+            return local
+        out = torch.empty((self.dp.size, *local.shape), dtype=local.dtype)
+        self.dp.all_gather(out, local)
+        b = self.B // self.dp.size
+        # rank r's k-th row is micro-batch k // b, place r * b + k % b
+        parts = out.view(self.dp.size, self.W, b, -1).permute(1, 0, 2, 3)
+        return parts.reshape(self.W * self.B, -1)
+
+    def _advantages(self, values: Tensor, kl_sequence: Tensor | None, names: list[str],
+                    metrics: MetricBag) -> Tensor:
+        local = values if kl_sequence is None else torch.cat([values, kl_sequence[:, None]], 1)
+        device = next(self._model.parameters()).device
+        gathered = self._gather(local.to(device)).cpu()
+        per_function = gathered[:, :len(names)]
+        weights = self.weights if len(self.weights) == len(names) else [1.0] * len(names)
+        rewards = weighted_sum(per_function, weights)
+        scale = self.loss.scale_rewards
+        for name, value in reward_metrics(rewards, per_function, names, self.G, scale).items():
+            metrics.update_mean(name, float(value))
+        if self.loss.kind != "rloo":
+            return group_advantages(rewards, self.G, scale)
+        if kl_sequence is not None:
+            rewards = rewards - self.loss.beta * gathered[:, -1]
+        advantages = leave_one_out_advantages(rewards, self.G)
+        if scale == "batch":
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-4)
+        return advantages
+
+    def _record_completions(self, completions: list[Completion], seconds: float,
+                            metrics: MetricBag) -> None:
+        lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float64)
+        truncated = torch.tensor([c.truncated for c in completions], dtype=torch.float64)
+        n = float(len(completions))
+        # host floats: these are CPU values and the bag may live on an accelerator
+        metrics.update_total("completions/mean_length", float(lengths.sum()), n)
+        metrics.update_min("completions/min_length", float(lengths.min()))
+        metrics.update_max("completions/max_length", float(lengths.max()))
+        metrics.update_total("completions/clipped_ratio", float(truncated.sum()), n)
+        if self.rollouts.replay is None and seconds > 0:
+            # per rank rates averaged over ranks and windows, times the DP size: the gang's
+            metrics.update_mean("generation/completions_per_s", n * self.dp.size / seconds)
+            metrics.update_mean("generation/tokens_per_s",
+                                float(lengths.sum()) * self.dp.size / seconds)
+
+    def _write(self, window: int, where: list[tuple[int, int]], completions: list[Completion],
+               values: Tensor, names: list[str], advantages: Tensor, mine: list[int]) -> None:
+        """Append this window to ``rollouts/step_N.jsonl`` (rank 0 writes the file)."""
+        local = [(c, p, s, comp.ids, comp.logprobs, comp.truncated, values[i].tolist())
+                 for i, (c, (p, s), comp) in enumerate(zip(mine, where, completions,
+                                                           strict=True))]
+        gathered = [local]
+        if self.dp.size > 1:
+            import torch.distributed as dist
+
+            group = self.dp.as_process_group()
+            everything: list[Any] = [None] * self.dp.size if self.dp.rank == 0 else []
+            dist.gather_object(local, everything if self.dp.rank == 0 else None,
+                               dst=dist.get_global_rank(group, 0), group=group)
+            gathered = everything
+        if self.dp.rank != 0:
+            return
+        decode = self.rollouts.decode or (lambda ids: " ".join(map(str, ids)))
+        rows = sorted(row for part in gathered for row in part)
+        weights = self.weights if len(self.weights) == len(names) else [1.0] * len(names)
+        for c, p, s, ids, logprobs, truncated, reward_values in rows:
+            prompt = self.prompts[p]
+            rewards = dict(zip(names, reward_values, strict=True))
+            total = sum(w * v for w, v in zip(weights, reward_values, strict=True)
+                        if v == v)
+            self._step_records.append({
+                "window": window, "prompt_index": p, "sample_index": s,
+                "prompt_ids": list(prompt.ids), "completion_ids": list(ids),
+                "prompt": prompt.prompt, "completion": decode(ids), "truncated": truncated,
+                "rewards": rewards, "reward": total, "advantage": float(advantages[c]),
+                "logprobs": list(logprobs)})
+        assert self.rollouts.directory is not None
+        write_rollouts(self.rollouts.directory / f"step_{self._step_nr}.jsonl",
+                       self._step_records)
