@@ -16,7 +16,8 @@ from torch import nn
 
 from gangs import Gangs
 from gangtrain.app.cli import recipe_gangs, run_recipe
-from gangtrain.app.evaluate import evaluate
+from gangtrain.app.pretrained import check_layout, evaluate_and_close
+from gangtrain.app.pretrained import load_layout_of as load_pretrained_layout
 from gangtrain.data import (
     WindowReader,
     pack_windows,
@@ -25,8 +26,8 @@ from gangtrain.data import (
     tokenize_documents,
 )
 from gangtrain.models.hf import hf_model_of
-from gangtrain.models.hf.hf_config import check_model_dir, load_tokenizer
-from gangtrain.models.hf.layout import HFLayout, check_layout, load_layout
+from gangtrain.models.hf.hf_config import load_tokenizer
+from gangtrain.models.hf.layout import HFLayout
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
 from recipes.finetune.data import eval_batches
 from trainer.errors import UserError
@@ -51,13 +52,7 @@ def load_layout_of(config: FinetuneConfig, gangs: Gangs) -> HFLayout:
     weights; activation checkpointing per block if asked."""
     # Activation checkpointing goes on each block before the model is wrapped (DDP, FSDP2,
     # or FSDP2 for DDP x TP), in one process too.
-    layout = load_layout(config.model.path, gangs,
-                         data_parallel=config.trainer.data_parallel,
-                         num_accumulate=config.trainer.num_accumulate,
-                         pp_schedule=config.gangs.pp_schedule,
-                         pp_boundaries=config.gangs.pp_boundaries,
-                         activation_checkpointing=config.model.activation_checkpointing,
-                         **config.lora.load_options(config.trainer.seed))
+    layout = load_pretrained_layout(config, gangs)
     hf_model = hf_model_of(layout.model)
     # No KV cache: training never reuses it, and a block recomputed in backward would append
     # its keys and values to it a second time. Passed to each forward (it outranks the
@@ -125,12 +120,7 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
 def _checked_documents(config: FinetuneConfig) -> tuple[Any, list[str]]:
     """(the model's HF config, the documents of data.files), after the checks of the model
     directory (as a whole) and of the layout settings that only meet at build time."""
-    hf_config = check_model_dir(config.model.path, config.data.seq_len)
-    g = config.gangs
-    g.check(config.trainer.data_parallel)
-    check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
-                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule,
-                 activation_checkpointing=config.model.activation_checkpointing)
+    hf_config = check_layout(config)
     return hf_config, read_documents(config.data.files, config.data.text_field)
 
 
@@ -161,9 +151,8 @@ def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
 def eval_main(config: FinetuneConfig, output_dir: Path, checkpoint: str) -> int:
     """``--eval-only``: validate a checkpoint of ``output_dir`` (see `gangtrain.app.evaluate`)."""
     s = _setup(config, train=False)
-    evaluate(s.valid_units, s.valid_readers, output_dir=output_dir, gangs=s.gangs,
-             checkpoint=checkpoint, console=s.console)
-    s.gangs.close()
+    evaluate_and_close(s.valid_units, s.valid_readers, output_dir=output_dir, gangs=s.gangs,
+                       checkpoint=checkpoint, console=s.console)
     return 0
 
 
