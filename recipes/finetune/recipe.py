@@ -16,7 +16,7 @@ from torch import nn
 
 from gangs import Gangs
 from gangtrain.app.cli import recipe_gangs, run_recipe
-from gangtrain.app.pretrained import check_layout, evaluate_and_close
+from gangtrain.app.pretrained import check_layout, evaluate_and_close, report_run
 from gangtrain.app.pretrained import load_layout_of as load_pretrained_layout
 from gangtrain.data import (
     WindowReader,
@@ -33,8 +33,6 @@ from recipes.finetune.data import eval_batches
 from trainer.errors import UserError
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
-from trainer.result import TrainResult
-from trainer.run_dir import RunDir
 
 __all__ = ["cli", "eval_main", "load_model", "main"]
 
@@ -142,8 +140,7 @@ def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
         run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
-    if s.console:
-        _summary(s.console, result, config, RunDir(output_dir))
+    report_run(s.console, result, config.trainer.score_metric, output_dir)
     s.gangs.close()
     return 0
 
@@ -171,16 +168,3 @@ def _flops_per_token(hf_config: Any, num_params: int, trained: int, seq_len: int
     layers = getattr(hf_config, "num_hidden_layers", 0) or 0
     width = getattr(hf_config, "hidden_size", 0) or 0
     return 4.0 * num_params + 2.0 * trained + 12.0 * layers * width * seq_len
-
-
-def _summary(console: Console, result: TrainResult, config: FinetuneConfig,
-             run_dir: RunDir) -> None:
-    console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
-    if result.best_score is not None:
-        console.print(f"best {config.trainer.score_metric}: {result.best_score:.4f} at step "
-                      f"{result.best_step}")
-    if result.best_checkpoint is not None and run_dir.hf.is_dir():
-        console.print(f"exported {result.best_checkpoint} as a Hugging Face model: "
-                      f"{run_dir.hf}")
-    if result.best_checkpoint is not None and run_dir.adapter.is_dir():
-        console.print(f"its LoRA adapters in peft's format: {run_dir.adapter}")

@@ -23,7 +23,12 @@ from torch import nn
 
 from gangs import Gangs, rank0_first
 from gangtrain.app.cli import recipe_gangs, run_recipe
-from gangtrain.app.pretrained import check_layout, evaluate_and_close, load_tokenizer
+from gangtrain.app.pretrained import (
+    check_layout,
+    evaluate_and_close,
+    load_tokenizer,
+    report_run,
+)
 from gangtrain.data.mixing import hold_out
 from gangtrain.data.preference import (
     PairEvalBatches,
@@ -39,7 +44,6 @@ from recipes.preference.config import PRESETS, RESUME_GUARD, PreferenceConfig
 from trainer.errors import UserError
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
-from trainer.run_dir import RunDir
 from units.preference import PreferenceEvalUnit, PreferenceUnit
 
 __all__ = ["cli", "eval_main", "main", "prepare_pairs"]
@@ -173,17 +177,7 @@ def main(config: PreferenceConfig, output_dir: Path, resume: bool) -> int:
         run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
-    exported = RunDir(output_dir).hf
-    if s.console:
-        if exported.is_dir():  # the tokenizer as this run used it, chat template included
-            s.tokenizer.save_pretrained(exported)
-        s.console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
-        if result.best_score is not None:
-            s.console.print(f"best {config.trainer.score_metric}: {result.best_score:.4f} "
-                            f"at step {result.best_step}")
-        if exported.is_dir():
-            s.console.print(f"exported {result.best_checkpoint} as a Hugging Face model: "
-                            f"{exported}")
+    report_run(s.console, result, config.trainer.score_metric, output_dir, s.tokenizer)
     s.gangs.close()
     return 0
 

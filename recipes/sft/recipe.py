@@ -19,7 +19,12 @@ from torch import nn
 
 from gangs import Gangs, rank0_first
 from gangtrain.app.cli import recipe_gangs, run_recipe
-from gangtrain.app.pretrained import check_layout, evaluate_and_close, load_layout_of
+from gangtrain.app.pretrained import (
+    check_layout,
+    evaluate_and_close,
+    load_layout_of,
+    report_run,
+)
 from gangtrain.app.pretrained import load_tokenizer as load_recipe_tokenizer
 from gangtrain.data.formats import Fields
 from gangtrain.data.mixing import hold_out, mix
@@ -34,8 +39,6 @@ from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
 from trainer.errors import UserError
 from trainer.lr_schedules import schedule_length, warmup_decay
 from trainer.observe.console_log import configure_logging
-from trainer.result import TrainResult
-from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMUnit
 
 __all__ = ["check_inputs", "cli", "eval_main", "load_model", "load_tokenizer", "main",
@@ -263,11 +266,7 @@ def main(config: SFTConfig, output_dir: Path, resume: bool) -> int:
         run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
-    exported = RunDir(output_dir).hf
-    if s.console:
-        if exported.is_dir():  # the tokenizer as this run used it, chat template included
-            s.tokenizer.save_pretrained(exported)
-        _summary(s.console, result, config, exported)
+    report_run(s.console, result, config.trainer.score_metric, output_dir, s.tokenizer)
     s.gangs.close()
     return 0
 
@@ -286,13 +285,3 @@ def cli(argv: Sequence[str] | None = None) -> int:
     return run_recipe(SFTConfig, PRESETS, main, argv, prog="python -m recipes.sft",
                       default_preset="default", resume_guard=RESUME_GUARD,
                       eval_main=eval_main, check_inputs=check_inputs)
-
-
-def _summary(console: Console, result: TrainResult, config: SFTConfig,
-             exported: Path) -> None:
-    console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
-    if result.best_score is not None:
-        console.print(f"best {config.trainer.score_metric}: {result.best_score:.4f} at step "
-                      f"{result.best_step}")
-    if result.best_checkpoint is not None and exported.is_dir():
-        console.print(f"exported {result.best_checkpoint} as a Hugging Face model: {exported}")

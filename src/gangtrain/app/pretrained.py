@@ -26,8 +26,11 @@ from gangtrain.models.hf.layout import HFLayout, load_layout
 from gangtrain.models.hf.spec import spec_for
 from gangtrain.parallel.spec import LayoutSizes
 from trainer.errors import UserError
+from trainer.result import TrainResult
+from trainer.run_dir import RunDir
 
-__all__ = ["check_layout", "evaluate_and_close", "load_layout_of", "load_tokenizer"]
+__all__ = ["check_layout", "evaluate_and_close", "load_layout_of", "load_tokenizer",
+           "report_run"]
 
 
 def load_tokenizer(path: str, chat_template: str | None = None,
@@ -96,3 +99,24 @@ def evaluate_and_close(valid_units: Sequence[Any], valid_readers: Sequence[Itera
                       checkpoint=checkpoint, console=console)
     gangs.close()
     return values
+
+
+def report_run(console: Console | None, result: TrainResult, score_metric: str | None,
+               output_dir: Path, tokenizer: Any = None) -> None:
+    """Rank 0 (`console` given), at the end of a run: the tokenizer as the run used it (chat
+    template included) beside the exported model, then why the run stopped, its best score
+    and where the best checkpoint went (`OUTPUT_DIR/hf/`, `OUTPUT_DIR/adapter/`)."""
+    if console is None:
+        return
+    run_dir = RunDir(output_dir)
+    if tokenizer is not None and run_dir.hf.is_dir():
+        tokenizer.save_pretrained(run_dir.hf)
+    console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
+    if result.best_score is not None:
+        console.print(f"best {score_metric}: {result.best_score:.4f} at step "
+                      f"{result.best_step}")
+    if result.best_checkpoint is not None and run_dir.hf.is_dir():
+        console.print(f"exported {result.best_checkpoint} as a Hugging Face model: "
+                      f"{run_dir.hf}")
+    if result.best_checkpoint is not None and run_dir.adapter.is_dir():
+        console.print(f"its LoRA adapters in peft's format: {run_dir.adapter}")
