@@ -1,9 +1,9 @@
-"""Model families: what the generic layers (`parallel`, `trainer`) need to know of a model,
-as a `parallel.spec.ModelSpec` per family.
+"""Model families, each in one home with its `parallel.spec.ModelSpec` (build, TP plan,
+pipeline split, CP attention, experts, layout refusals, LoRA targets, export):
 
-- `models.hf`: any Hugging Face decoder family, from its own config and class (its declared
-  TP and PP plans, its attention interface), with a per-family entry only where one is
-  needed.
+- `gangtrain.models.hf`: any Hugging Face decoder family, from its own config and class (its
+  declared TP and PP plans, its attention interface); a family that declares too little
+  gets one file under `gangtrain.models.hf.families`.
+- `gangtrain.models.gpt`: the native GPT (model, spec, TP plan, build), any recipe's to use.
 
-The LM recipe's GPT brings its spec from `gangtrain.models.gpt.spec`. Imports `gangs`, `layers` and
-`parallel` only."""
+Above the trainer: the trainer imports nothing of this package."""
