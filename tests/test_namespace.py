@@ -31,24 +31,24 @@ from trainer import Trainer
 from units import TrainUnit
 
 
-class Regression(TrainUnit):
-    def __init__(self, model):
-        self._model = model
+class Classify(TrainUnit):
+    """The user's own unit: the summed cross-entropy and its target count."""
 
-    @property
-    def model(self):
-        return self._model
+    def __init__(self, net):
+        self.net = net
+
+    model = property(lambda self: self.net)
 
     def __call__(self, batch, metrics):
-        x, y = batch
-        return ((self._model(x) - y) ** 2).sum(), y.numel()
+        logits = self.net(batch["x"])
+        return nn.functional.cross_entropy(logits, batch["y"], reduction="sum"), len(logits)
 
 
 torch.manual_seed(0)
 x = torch.randn(64, 4)
-batches = [(x[i:i + 8], x[i:i + 8].sum(1, keepdim=True)) for i in range(0, 64, 8)]
-model = nn.Linear(4, 1)
-result = Trainer(Regression(model), batches, torch.optim.SGD(model.parameters(), lr=0.05),
+batches = [{"x": x[i:i + 8], "y": (x[i:i + 8].sum(1) > 0).long()} for i in range(0, 64, 8)]
+model = nn.Linear(4, 2)
+result = Trainer(Classify(model), batches, torch.optim.SGD(model.parameters(), lr=0.05),
                  output_dir="user_run", max_num_steps=5, progress=False).run()
 print("steps", result.num_steps)
 '''
