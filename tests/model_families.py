@@ -55,6 +55,8 @@ def _config(family: str) -> Any:
     if family == "mixtral":
         return t.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
                                output_router_logits=False)
+    if family == "stablelm":  # no TP or PP plan declared: its spec is a file of ours
+        return t.StableLmConfig(**COMMON)
     raise KeyError(family)
 
 

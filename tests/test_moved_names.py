@@ -15,6 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (the old import, how to reach the new object, what the warning must name)
 CASES = [
+    # The names of the last release's layout (issue #53): code written against them.
+    ("import data.chat as m", "gangtrain.data.chat", "gangtrain.data"),
+    ("from parallel import fully_shard_model", "gangtrain.parallel.fully_shard_model",
+     "gangtrain.parallel"),
+    ("from trainer.hf import load_pretrained", "gangtrain.models.hf.load_pretrained",
+     "gangtrain.models.hf"),
+    ("from recipes.lm.model import GPT", "gangtrain.models.gpt.model.GPT",
+     "gangtrain.models.gpt.model"),
+    ("from trainer import TrainerConfig", "gangtrain.app.config.trainer_config.TrainerConfig",
+     "gangtrain.app"),
     ("from gangs.parallel import fully_shard_model", "gangtrain.parallel.fully_shard_model",
      "gangtrain.parallel.fully_shard_model"),
     ("from gangs.parallel import MoEFeedForward", "gangtrain.layers.moe.MoEFeedForward",

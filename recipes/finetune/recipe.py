@@ -16,7 +16,8 @@ from torch import nn
 
 from gangs import Gangs
 from gangtrain.app.cli import recipe_gangs, run_recipe
-from gangtrain.app.evaluate import evaluate
+from gangtrain.app.pretrained import check_layout, evaluate_and_close, report_run
+from gangtrain.app.pretrained import load_layout_of as load_pretrained_layout
 from gangtrain.data import (
     WindowReader,
     pack_windows,
@@ -25,15 +26,13 @@ from gangtrain.data import (
     tokenize_documents,
 )
 from gangtrain.models.hf import hf_model_of
-from gangtrain.models.hf.hf_config import check_model_dir, load_tokenizer
-from gangtrain.models.hf.layout import HFLayout, check_layout, load_layout
+from gangtrain.models.hf.hf_config import load_tokenizer
+from gangtrain.models.hf.layout import HFLayout
 from recipes.finetune.config import PRESETS, RESUME_GUARD, FinetuneConfig
 from recipes.finetune.data import eval_batches
 from trainer.errors import UserError
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
-from trainer.result import TrainResult
-from trainer.run_dir import RunDir
 
 __all__ = ["cli", "eval_main", "load_model", "main"]
 
@@ -51,13 +50,7 @@ def load_layout_of(config: FinetuneConfig, gangs: Gangs) -> HFLayout:
     weights; activation checkpointing per block if asked."""
     # Activation checkpointing goes on each block before the model is wrapped (DDP, FSDP2,
     # or FSDP2 for DDP x TP), in one process too.
-    layout = load_layout(config.model.path, gangs,
-                         data_parallel=config.trainer.data_parallel,
-                         num_accumulate=config.trainer.num_accumulate,
-                         pp_schedule=config.gangs.pp_schedule,
-                         pp_boundaries=config.gangs.pp_boundaries,
-                         activation_checkpointing=config.model.activation_checkpointing,
-                         **config.lora.load_options(config.trainer.seed))
+    layout = load_pretrained_layout(config, gangs)
     hf_model = hf_model_of(layout.model)
     # No KV cache: training never reuses it, and a block recomputed in backward would append
     # its keys and values to it a second time. Passed to each forward (it outranks the
@@ -125,12 +118,7 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
 def _checked_documents(config: FinetuneConfig) -> tuple[Any, list[str]]:
     """(the model's HF config, the documents of data.files), after the checks of the model
     directory (as a whole) and of the layout settings that only meet at build time."""
-    hf_config = check_model_dir(config.model.path, config.data.seq_len)
-    g = config.gangs
-    g.check(config.trainer.data_parallel)
-    check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
-                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule,
-                 activation_checkpointing=config.model.activation_checkpointing)
+    hf_config = check_layout(config)
     return hf_config, read_documents(config.data.files, config.data.text_field)
 
 
@@ -152,8 +140,7 @@ def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
         run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
-    if s.console:
-        _summary(s.console, result, config, RunDir(output_dir))
+    report_run(s.console, result, config.trainer.score_metric, output_dir)
     s.gangs.close()
     return 0
 
@@ -161,9 +148,8 @@ def main(config: FinetuneConfig, output_dir: Path, resume: bool) -> int:
 def eval_main(config: FinetuneConfig, output_dir: Path, checkpoint: str) -> int:
     """``--eval-only``: validate a checkpoint of ``output_dir`` (see `gangtrain.app.evaluate`)."""
     s = _setup(config, train=False)
-    evaluate(s.valid_units, s.valid_readers, output_dir=output_dir, gangs=s.gangs,
-             checkpoint=checkpoint, console=s.console)
-    s.gangs.close()
+    evaluate_and_close(s.valid_units, s.valid_readers, output_dir=output_dir, gangs=s.gangs,
+                       checkpoint=checkpoint, console=s.console)
     return 0
 
 
@@ -182,16 +168,3 @@ def _flops_per_token(hf_config: Any, num_params: int, trained: int, seq_len: int
     layers = getattr(hf_config, "num_hidden_layers", 0) or 0
     width = getattr(hf_config, "hidden_size", 0) or 0
     return 4.0 * num_params + 2.0 * trained + 12.0 * layers * width * seq_len
-
-
-def _summary(console: Console, result: TrainResult, config: FinetuneConfig,
-             run_dir: RunDir) -> None:
-    console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
-    if result.best_score is not None:
-        console.print(f"best {config.trainer.score_metric}: {result.best_score:.4f} at step "
-                      f"{result.best_step}")
-    if result.best_checkpoint is not None and run_dir.hf.is_dir():
-        console.print(f"exported {result.best_checkpoint} as a Hugging Face model: "
-                      f"{run_dir.hf}")
-    if result.best_checkpoint is not None and run_dir.adapter.is_dir():
-        console.print(f"its LoRA adapters in peft's format: {run_dir.adapter}")

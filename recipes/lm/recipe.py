@@ -1,4 +1,5 @@
-"""Assemble the LM recipe: gangs, data, model, unit, optimizer, schedule, trainer."""
+"""Assemble the LM recipe: gangs, data, the GPT (`gangtrain.models.gpt`: built and refused
+by its family), unit, optimizer, schedule, trainer."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from rich.console import Console
 from gangs import Gangs
 from gangtrain.app.cli import recipe_gangs
 from gangtrain.app.evaluate import evaluate
-from gangtrain.models.gpt.model import GPT, GPTConfig, flops_per_token, num_parameters
+from gangtrain.models.gpt.build import build_model, build_pipelined_model
+from gangtrain.models.gpt.model import GPTConfig, flops_per_token, num_parameters
 from gangtrain.models.gpt.spec import GPT_SPEC
-from gangtrain.parallel import plan
-from gangtrain.parallel.materialize import materialize, seeded_init
-from gangtrain.parallel.pipeline import PipelinedModel, pipeline_model
+from gangtrain.parallel.pipeline import PipelinedModel
+from gangtrain.parallel.spec import LayoutSizes
 from recipes.lm.config import LMConfig
 from recipes.lm.data import (
     ByteWindowReader,
@@ -27,14 +28,12 @@ from recipes.lm.data import (
     load_bytes,
     split_files,
 )
-from trainer.errors import UserError
 from trainer.fault_tolerance import replica_group_of
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
-from units.pipeline import PipelineLMEvalUnit, PipelineLMUnit, summed_lm_loss
-from units.router_aux_loss import share_router_statistics
+from units.pipeline import PipelineLMEvalUnit, PipelineLMUnit
 
 
 @dataclass
@@ -85,11 +84,7 @@ def _setup(config: LMConfig, train: bool) -> _Setup:
 
     # Model: the same initial bits on every layout (built on meta, parallelised, then
     # materialised from draws seeded by (seed, parameter name)).
-    m = config.model
-    gpt_config = GPTConfig(seq_len=d.seq_len, dim=m.dim, num_layers=m.num_layers,
-                           num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
-                           num_experts=m.num_experts, top_k=m.top_k,
-                           tie_embeddings=m.tie_embeddings)
+    gpt_config = gpt_config_of(config)
     torch.manual_seed(config.trainer.seed)  # the rest of the setup's randomness
     pipe = None
     if gangs.pp.size > 1:
@@ -152,79 +147,18 @@ def eval_main(config: LMConfig, output_dir: Path, checkpoint: str) -> int:
     return 0
 
 
-def build_model(gpt_config: GPTConfig, gangs: Gangs, data_parallel: str = "ddp",
-                seed: int = 0) -> torch.nn.Module:
-    """The recipe's GPT, parallelised over `gangs` and ready to train, by the build plan
-    every model goes through (`parallel.plan.build_model`): built on the meta device,
-    parallelised, then materialised with each parameter drawn whole on the host from a
-    generator seeded by (seed, its name) and sliced to this rank's shard
-    (`parallel.materialize`): the same initial bits on every layout, and no rank ever
-    holds more than its shards plus one full parameter."""
-    from gangtrain.models.gpt.parallelize import gpt_tensor_parallel
-
-    def init(model: torch.nn.Module, device: torch.device) -> None:
-        materialize(model, device, seeded_init(seed, model.init_parameter))
-
-    model = plan.build_model(
-        lambda: GPT(gpt_config, ep_gang=gangs.ep if gangs.ep.size > 1 else None), gangs,
-        tensor_parallel=gpt_tensor_parallel, materialize=init,
-        # One DP rank (one process, or TP alone): nothing to wrap.
-        data_parallel=data_parallel if gangs.dp.size > 1 else None)
-    # The MoE aux loss is the global micro-batch's: its counts summed over the ranks holding
-    # other tokens of it (units.router_aux_loss).
-    share_router_statistics(model, (gangs.dp, gangs.cp))
-    return model
-
-
-def build_pipelined_model(gpt_config: GPTConfig, gangs: Gangs, seed: int, *,
-                          num_microbatches: int, schedule: str,
-                          boundaries: list[int] | None = None,
-                          data_parallel: str | None = "ddp") -> PipelinedModel:
-    """The recipe's GPT cut into pipeline stages over `gangs.pp` (tensor parallel inside each
-    stage over `gangs.tp`; each stage sharded over DP with data_parallel "fsdp", else
-    replicated), this rank's stages materialised by the same seeded rule as `build_model`:
-    the same initial bits as one process."""
-    from gangtrain.models.gpt.parallelize import gpt_tensor_parallel
-
-    def init(model: torch.nn.Module, device: torch.device) -> None:
-        materialize(model, device, seeded_init(seed, rule))
-
-    def split(model: torch.nn.Module) -> PipelinedModel:
-        return pipeline_model(model, gangs.pp.as_process_group(), spec=GPT_SPEC,
-                              loss_fn=summed_lm_loss,
-                              num_microbatches=num_microbatches, schedule=schedule,
-                              boundaries=boundaries, device=gangs.device)
-
-    with torch.device("meta"):
-        whole = GPT(gpt_config)
-    rule = whole.init_parameter  # by whole-model name: the stages keep those names
-    return plan.build_model(lambda: whole, gangs, materialize=init, pipeline=split,
-                            tensor_parallel=gpt_tensor_parallel, data_parallel=data_parallel)
+def gpt_config_of(config: LMConfig) -> GPTConfig:
+    """The GPT the recipe's `model` section (and `data.seq_len`) describes."""
+    m = config.model
+    return GPTConfig(seq_len=config.data.seq_len, dim=m.dim, num_layers=m.num_layers,
+                     num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
+                     num_experts=m.num_experts, top_k=m.top_k, tie_embeddings=m.tie_embeddings)
 
 
 def check_pp_cp_config(config: LMConfig) -> None:
-    """The recipe's settings that pipeline and context parallelism cannot take, by name."""
-    g, m = config.gangs, config.model
-    if g.pp_size > 1:
-        problems = {
-            "model.tie_embeddings": (m.tie_embeddings, "false: the embedding and the output "
-                                     "layer sit on different stages"),
-            "model.num_experts": (m.num_experts, "0: no mixture of experts under PP yet"),
-        }
-        bad = {"model.tie_embeddings": m.tie_embeddings, "model.num_experts": m.num_experts > 0}
-        for key, is_bad in bad.items():
-            if is_bad:
-                value, allowed = problems[key]
-                raise UserError(f"config '{key}' is {value!r}; with gangs.pp_size "
-                                f"{g.pp_size} it must be {allowed}")
-    if g.cp_size > 1:
-        for key, ok, allowed in (
-                ("data.seq_len", config.data.seq_len % g.cp_size == 0,
-                 f"a multiple of gangs.cp_size {g.cp_size}"),
-                ("model.num_heads", m.num_heads % g.cp_size == 0,
-                 f"a multiple of gangs.cp_size {g.cp_size}")):
-            if not ok:
-                raise UserError(f"config '{key}' must be {allowed}")
+    """The settings the GPT cannot take on the asked layout, by name (its spec's refusals)."""
+    GPT_SPEC.check_layout(gpt_config_of(config),
+                          LayoutSizes.of(config.gangs, config.data.seq_len))
 
 
 def _summary(console: Console, result, output_dir: Path, gzip_bpb: float) -> None:

@@ -1,4 +1,4 @@
-"""Assemble the preference recipe: gangs, the model's tokenizer (`recipes.sft`'s), the pairs
+"""Assemble the preference recipe: gangs, the model's tokenizer (`gangtrain.app.pretrained`), the pairs
 tokenised once into a cache (`data.preference`), the pretrained policy loaded over the gangs
 (`gangtrain.models.hf.load_pretrained`), the reference model, the preference units
 (`units.preference`) and the trainer; at the end the best checkpoint is exported to
@@ -23,7 +23,12 @@ from torch import nn
 
 from gangs import Gangs, rank0_first
 from gangtrain.app.cli import recipe_gangs, run_recipe
-from gangtrain.app.evaluate import evaluate
+from gangtrain.app.pretrained import (
+    check_layout,
+    evaluate_and_close,
+    load_tokenizer,
+    report_run,
+)
 from gangtrain.data.mixing import hold_out
 from gangtrain.data.preference import (
     PairEvalBatches,
@@ -34,13 +39,11 @@ from gangtrain.data.preference import (
 )
 from gangtrain.data.sft import Tokenized
 from gangtrain.models.hf import load_pretrained
-from gangtrain.models.hf.hf_config import check_model_dir, check_tokenizer_fits
-from gangtrain.parallel import check_hsdp
+from gangtrain.models.hf.hf_config import check_tokenizer_fits
 from recipes.preference.config import PRESETS, RESUME_GUARD, PreferenceConfig
 from trainer.errors import UserError
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
-from trainer.run_dir import RunDir
 from units.preference import PreferenceEvalUnit, PreferenceUnit
 
 __all__ = ["cli", "eval_main", "main", "prepare_pairs"]
@@ -99,24 +102,10 @@ def _counts(bins: Any) -> str:
             f"data.seq_len={bins.seq_len}")
 
 
-def load_tokenizer(path: str, chat_template: str | None) -> Any:
-    """The tokenizer of the model at ``path``, with the Jinja file ``chat_template`` (when
-    given) as its template."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if chat_template is not None:
-        if not Path(chat_template).is_file():
-            raise UserError(f"config 'data.chat_template': no such file: '{chat_template}'")
-        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
-        raise UserError(f"the tokenizer of '{path}' has neither a pad nor an end token to "
-                        "pad pairs with")
-    return tokenizer
-
-
-def check_layout(config: PreferenceConfig) -> None:
-    """Refuse, by name, the layouts this recipe does not run exactly."""
+def check_settings(config: PreferenceConfig) -> Any:
+    """The model's HF config, after refusing by name the layouts this recipe does not run
+    exactly, then what the layout's own rules and the model's family refuse
+    (`gangtrain.app.pretrained.check_layout`)."""
     g = config.gangs
     for name, size in (("pp_size", g.pp_size), ("cp_size", g.cp_size), ("ep_size", g.ep_size)):
         if size > 1:
@@ -124,11 +113,7 @@ def check_layout(config: PreferenceConfig) -> None:
                             "tensor parallelism (FSDP2, HSDP, DDP, gangs.tp_size) only: a "
                             "pair's chosen and rejected sides are scored together, which "
                             f"this parallelism does not do yet; set gangs.{name}=1")
-    try:
-        check_hsdp(config.trainer.data_parallel, g.dp_shard_size)
-    except ValueError:
-        raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
-                        "trainer.data_parallel=fsdp") from None
+    return check_layout(config)
 
 
 def load_models(config: PreferenceConfig, gangs: Gangs) -> tuple[nn.Module, nn.Module | None]:
@@ -156,8 +141,7 @@ class _Setup:
 
 def _setup(config: PreferenceConfig, train: bool) -> _Setup:
     configure_logging()
-    hf_config = check_model_dir(config.model.path, config.data.seq_len)
-    check_layout(config)
+    hf_config = check_settings(config)
     config.loss.settings()  # a mistake in the loss before anything is loaded
     tokenizer = load_tokenizer(config.model.path, config.data.chat_template)
     gangs, console = recipe_gangs(config.gangs.timeout_s, config.gangs.tp_size, 1,
@@ -193,17 +177,7 @@ def main(config: PreferenceConfig, output_dir: Path, resume: bool) -> int:
         run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
-    exported = RunDir(output_dir).hf
-    if s.console:
-        if exported.is_dir():  # the tokenizer as this run used it, chat template included
-            s.tokenizer.save_pretrained(exported)
-        s.console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
-        if result.best_score is not None:
-            s.console.print(f"best {config.trainer.score_metric}: {result.best_score:.4f} "
-                            f"at step {result.best_step}")
-        if exported.is_dir():
-            s.console.print(f"exported {result.best_checkpoint} as a Hugging Face model: "
-                            f"{exported}")
+    report_run(s.console, result, config.trainer.score_metric, output_dir, s.tokenizer)
     s.gangs.close()
     return 0
 
@@ -214,9 +188,8 @@ def eval_main(config: PreferenceConfig, output_dir: Path, checkpoint: str) -> in
     loss per pair, with the reward metrics."""
     s = _setup(config, train=False)
     unit = PreferenceEvalUnit(s.model, config.loss.settings(), s.reference)
-    evaluate([unit], [s.data.valid], output_dir=output_dir, gangs=s.gangs,
-             checkpoint=checkpoint, console=s.console)
-    s.gangs.close()
+    evaluate_and_close([unit], [s.data.valid], output_dir=output_dir, gangs=s.gangs,
+                       checkpoint=checkpoint, console=s.console)
     return 0
 
 

@@ -19,8 +19,13 @@ from torch import nn
 
 from gangs import Gangs, rank0_first
 from gangtrain.app.cli import recipe_gangs, run_recipe
-from gangtrain.app.evaluate import evaluate
-from gangtrain.data.chat import CHATML_TEMPLATE, CHATML_TOKENS
+from gangtrain.app.pretrained import (
+    check_layout,
+    evaluate_and_close,
+    load_layout_of,
+    report_run,
+)
+from gangtrain.app.pretrained import load_tokenizer as load_recipe_tokenizer
 from gangtrain.data.formats import Fields
 from gangtrain.data.mixing import hold_out, mix
 from gangtrain.data.sft import Tokenized, plan_examples, tokenize_files
@@ -28,15 +33,12 @@ from gangtrain.data.token_batches import BinReader, Bins, EvalBatches
 from gangtrain.layers.neftune import add_neftune
 from gangtrain.models.hf import hf_model_of
 from gangtrain.models.hf.document_attention import use_document_attention
-from gangtrain.models.hf.hf_config import check_model_dir, check_tokenizer_fits
-from gangtrain.models.hf.hf_config import load_tokenizer as load_model_tokenizer
-from gangtrain.models.hf.layout import HFLayout, check_layout, load_layout
+from gangtrain.models.hf.hf_config import check_tokenizer_fits
+from gangtrain.models.hf.layout import HFLayout
 from recipes.sft.config import PRESETS, RESUME_GUARD, SFTConfig
 from trainer.errors import UserError
 from trainer.lr_schedules import schedule_length, warmup_decay
 from trainer.observe.console_log import configure_logging
-from trainer.result import TrainResult
-from trainer.run_dir import RunDir
 from units.causal_lm import CausalLMUnit
 
 __all__ = ["check_inputs", "cli", "eval_main", "load_model", "load_tokenizer", "main",
@@ -55,31 +57,9 @@ class SFTData:
 
 def load_tokenizer(config: SFTConfig) -> Any:
     """The tokenizer of `model.path`, with `data.chat_template` in place of its own and
-    `data.eos_token` as its end token."""
-    tokenizer = load_model_tokenizer(config.model.path)
-    template = config.data.chat_template
-    if template == "chatml" and not Path(template).is_file():
-        missing = [t for t in CHATML_TOKENS if t not in tokenizer.get_vocab()]
-        if missing:
-            raise UserError(f"config 'data.chat_template=chatml': the tokenizer of "
-                            f"'{config.model.path}' has no {' or '.join(missing)} token: give "
-                            "a template of its own tokens (a Jinja file)")
-        tokenizer.chat_template = CHATML_TEMPLATE
-    elif template is not None:
-        if not Path(template).is_file():
-            raise UserError(f"config 'data.chat_template': no such file: '{template}' (a "
-                            "Jinja file, or chatml for the built-in ChatML template)")
-        tokenizer.chat_template = Path(template).read_text(encoding="utf-8")
-    if config.data.eos_token is not None:
-        if config.data.eos_token not in tokenizer.get_vocab():
-            raise UserError(f"config 'data.eos_token': {config.data.eos_token!r} is not a token "
-                            f"of the tokenizer of '{config.model.path}': give one of its "
-                            "tokens (adding one would grow the model's vocabulary)")
-        tokenizer.eos_token = config.data.eos_token
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
-        raise UserError(f"the tokenizer of '{config.model.path}' has neither a pad nor an end "
-                        "token to pad rows with")
-    return tokenizer
+    `data.eos_token` as its end token (`gangtrain.app.pretrained.load_tokenizer`)."""
+    return load_recipe_tokenizer(config.model.path, config.data.chat_template,
+                                 config.data.eos_token)
 
 
 def _tokenize(config: SFTConfig, tokenizer: Any, files: list[str], setting: str) -> Tokenized:
@@ -160,16 +140,8 @@ def load_model(config: SFTConfig, gangs: Gangs) -> HFLayout:
     (built on meta, TP by its own plan, cut into pipeline stages or attending over the cp
     gang, wrapped over DP, each rank reading its slices of the weights), with the attention
     kernel of `model.attn_implementation` and NEFTune's noise when they are set."""
-    options = config.lora.load_options(config.trainer.seed)
-    if config.model.dtype == "bf16":
-        options["dtype"] = torch.bfloat16
-    layout = load_layout(config.model.path, gangs,
-                         data_parallel=config.trainer.data_parallel,
-                         num_accumulate=config.trainer.num_accumulate,
-                         pp_schedule=config.gangs.pp_schedule,
-                         pp_boundaries=config.gangs.pp_boundaries,
-                         activation_checkpointing=config.model.activation_checkpointing,
-                         **options)
+    layout = load_layout_of(config, gangs, **(
+        {"dtype": torch.bfloat16} if config.model.dtype == "bf16" else {}))
     hf_model = hf_model_of(layout.model)  # inside DDP's wrapper; None for pipeline stages
     if config.model.attn_implementation is not None and hf_model is not None:
         try:
@@ -188,20 +160,17 @@ def check_inputs(config: SFTConfig) -> None:
     directory as a whole, the settings that only meet at build time, the tokenizer, every
     data file (tokenised into the cache, which the run then reads) and the schedule's
     length. A mistake is a `UserError` naming it."""
-    hf_config = check_model_dir(config.model.path, config.data.seq_len)
-    _check_settings(config, hf_config)
+    _check_settings(config)
     optimizer = config.optimizer.build(nn.Linear(1, 1))  # its name and options
     data = prepare_data(config, load_tokenizer(config))
     warmup_decay(optimizer, config.lr_scheduler, _schedule_length(config, data))
 
 
-def _check_settings(config: SFTConfig, hf_config: Any) -> None:
-    """A `UserError` naming the first setting that does not fit the others or the model."""
+def _check_settings(config: SFTConfig) -> Any:
+    """The model's HF config, after a `UserError` naming the first setting that does not fit
+    the others or the model (the layout: its family's spec)."""
+    hf_config = check_layout(config)
     g = config.gangs
-    g.check(config.trainer.data_parallel)
-    check_layout(hf_config, tp_size=g.tp_size, pp_size=g.pp_size, cp_size=g.cp_size,
-                 seq_len=config.data.seq_len, pp_schedule=g.pp_schedule,
-                 activation_checkpointing=config.model.activation_checkpointing)
     if g.pp_size > 1 and not config.data.packing:
         raise UserError(f"config 'data.packing' is false; with gangs.pp_size {g.pp_size} it "
                         "must be true: a pipeline schedule runs micro-batches of one shape "
@@ -218,6 +187,7 @@ def _check_settings(config: SFTConfig, hf_config: Any) -> None:
     if config.model.neftune_noise_alpha is not None and config.gangs.tp_size > 1:
         raise UserError("config 'model.neftune_noise_alpha' (NEFTune) is not supported with "
                         "gangs.tp_size > 1 (the noise would differ between TP ranks)")
+    return hf_config
 
 
 def _schedule_length(config: SFTConfig, data: SFTData) -> int | None:
@@ -243,8 +213,7 @@ class _Setup:
 
 def _setup(config: SFTConfig, train: bool) -> _Setup:
     configure_logging()
-    hf_config = check_model_dir(config.model.path, config.data.seq_len)
-    _check_settings(config, hf_config)
+    hf_config = _check_settings(config)
     g = config.gangs
     tokenizer = load_tokenizer(config)
     gangs, console = recipe_gangs(g.timeout_s, g.tp_size, g.ep_size, g.dp_shard_size,
@@ -297,11 +266,7 @@ def main(config: SFTConfig, output_dir: Path, resume: bool) -> int:
         run_config=config.model_dump(mode="json"),
     )
     result = trainer.run()
-    exported = RunDir(output_dir).hf
-    if s.console:
-        if exported.is_dir():  # the tokenizer as this run used it, chat template included
-            s.tokenizer.save_pretrained(exported)
-        _summary(s.console, result, config, exported)
+    report_run(s.console, result, config.trainer.score_metric, output_dir, s.tokenizer)
     s.gangs.close()
     return 0
 
@@ -310,9 +275,8 @@ def eval_main(config: SFTConfig, output_dir: Path, checkpoint: str) -> int:
     """``--eval-only``: validate a checkpoint of ``output_dir`` on data.valid_files (or the
     held-out split): valid/loss is the mean NLL per trained (assistant) token."""
     s = _setup(config, train=False)
-    evaluate([s.valid_unit], [s.data.valid], output_dir=output_dir, gangs=s.gangs,
-             checkpoint=checkpoint, console=s.console)
-    s.gangs.close()
+    evaluate_and_close([s.valid_unit], [s.data.valid], output_dir=output_dir, gangs=s.gangs,
+                       checkpoint=checkpoint, console=s.console)
     return 0
 
 
@@ -321,13 +285,3 @@ def cli(argv: Sequence[str] | None = None) -> int:
     return run_recipe(SFTConfig, PRESETS, main, argv, prog="python -m recipes.sft",
                       default_preset="default", resume_guard=RESUME_GUARD,
                       eval_main=eval_main, check_inputs=check_inputs)
-
-
-def _summary(console: Console, result: TrainResult, config: SFTConfig,
-             exported: Path) -> None:
-    console.print(f"stopped after step {result.num_steps}: {result.stop_reason}")
-    if result.best_score is not None:
-        console.print(f"best {config.trainer.score_metric}: {result.best_score:.4f} at step "
-                      f"{result.best_step}")
-    if result.best_checkpoint is not None and exported.is_dir():
-        console.print(f"exported {result.best_checkpoint} as a Hugging Face model: {exported}")

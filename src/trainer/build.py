@@ -31,9 +31,11 @@ from trainer.observe.profiler import StepProfiler
 from trainer.observe.recorders import MetricRecorder, training_recorder
 from trainer.observe.recorders.buffered import BufferedRecorder
 from trainer.observe.system_metrics import SystemMetrics, flops_per_target_of
+from trainer.publishing import Publishing
 from trainer.run_checks import check_run
 from trainer.run_dir import RunDir
 from trainer.same_start import check_same_start
+from trainer.saving import Saving
 from trainer.schedule import NEVER, Every, SyncJob
 from trainer.score_direction import score_direction
 from trainer.settings import TrainerSettings
@@ -41,6 +43,7 @@ from trainer.step.forward_backward import ForwardBackward
 from trainer.step.loss_scaler import LossScaler
 from trainer.step.optimizer_step import OptimizerStep
 from trainer.step.parallel_axes import build_seam, check_layout, split_over
+from trainer.validation import Validation
 from trainer.validator import Validator
 from units import EvalUnit, MetricBag, TrainUnit
 
@@ -152,19 +155,19 @@ def build_observers(unit: TrainUnit[Any], recorders: Sequence[MetricRecorder] | 
     return Observers(recorder, system, flops)
 
 
-def sync_jobs(trainer: Any) -> tuple[SyncJob, ...]:
+def sync_jobs(s: TrainerSettings, publishing: Publishing, validation: Validation,
+              saving: Saving) -> tuple[SyncJob, ...]:
     """The work at the trainer's sync points, each job on its own schedule of steps and
     epochs (`trainer.schedule`); a job with nothing to do (no validator, no checkpoints)
     never runs."""
-    s = trainer.settings
     return (
-        SyncJob("publish", Every(s.publish_metrics_every_n_steps), trainer.publishing),
+        SyncJob("publish", Every(s.publish_metrics_every_n_steps), publishing),
         SyncJob("validate", Every(s.validate_every_n_steps, s.validate_every_n_epochs)
-                if trainer.validator else NEVER, trainer.validation.on_schedule),
+                if validation.validator else NEVER, validation.on_schedule),
         SyncJob("checkpoint", Every(s.checkpoint_every_n_steps, s.checkpoint_every_n_epochs)
-                if trainer.checkpoints is not None else NEVER, trainer.saving.save_once),
+                if saving.checkpoints is not None else NEVER, saving.save_once),
         SyncJob("model_save", Every(s.model_checkpoint_every_n_steps)
-                if trainer.model_saves is not None else NEVER, trainer.saving.save_model),
+                if saving.model_saves is not None else NEVER, saving.save_model),
     )
 
 

@@ -2,51 +2,72 @@
 window's values synced over DP (the only host copy of a step's values), with the system
 metrics, to the recorders; and auto's thread choice, once made.
 
-A component of the `Trainer` (it reads the trainer's public parts).
+A component of the `Trainer`, handed the few parts it uses.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch.optim import Optimizer
+
+from gangs import Gang
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.lifecycle.threads import IntraOpThreads
+from trainer.observe.flops import FirstStepFlops
+from trainer.observe.recorders.buffered import BufferedRecorder
+from trainer.observe.system_metrics import SystemMetrics
+from trainer.state.data_position import DataPosition
+from trainer.state.train_state import TrainState
+from trainer.step.loss_scaler import LossScaler
+from trainer.step.step_log import StepLog
+from units import MetricBag, TrainUnit
+
 
 class Publishing:
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    """`run_config`: the config kept beside each checkpoint (auto's thread choice is added
+    to it, in place)."""
+
+    def __init__(self, *, unit: TrainUnit[Any], optimizer: Optimizer, dp: Gang,
+                 state: TrainState, steps: StepLog, metrics: MetricBag, data: DataPosition[Any],
+                 scaler: LossScaler | None, system: SystemMetrics, flops: FirstStepFlops,
+                 threads: IntraOpThreads, recorder: BufferedRecorder,
+                 checkpoints: CheckpointManager | None, run_config: dict[str, Any]) -> None:
+        self.unit, self.optimizer, self.dp, self.state = unit, optimizer, dp, state
+        self.steps, self.metrics, self.data, self.scaler = steps, metrics, data, scaler
+        self.system, self.flops, self.threads = system, flops, threads
+        self.recorder, self.checkpoints, self.run_config = recorder, checkpoints, run_config
         self.last_published: dict[str, float] = {}  # for the run's result
 
     def __call__(self) -> bool:
         """Sync the window's metrics over DP (the only host copy) and record them."""
-        trainer = self.trainer
-        window = trainer.steps.take_window()  # a non-finite loss stops the run here
-        values = window.metrics(trainer.metrics, trainer.gangs.dp)
-        trainer.unit.derive_metrics(values)
-        values["num_skipped_steps"] = trainer.steps.total_skipped
-        trainer.system.flops_per_target = trainer.flops.flops_per_target  # counted on step 1
-        values.update(trainer.system.publish(trainer.optimizer, window.num_steps,
-                                             values.get("num_targets", 0.0)))
+        window = self.steps.take_window()  # a non-finite loss stops the run here
+        values = window.metrics(self.metrics, self.dp)
+        self.unit.derive_metrics(values)
+        values["num_skipped_steps"] = self.steps.total_skipped
+        self.system.flops_per_target = self.flops.flops_per_target  # counted on step 1
+        values.update(self.system.publish(self.optimizer, window.num_steps,
+                                          values.get("num_targets", 0.0)))
         if values.get("num_tokens") and values.get("num_targets"):  # a unit counts its tokens
             values["tokens_per_s"] = (values["targets_per_s"] * values["num_tokens"]
                                       / values["num_targets"])
-        values["epoch"] = trainer.data.epoch_nr
-        if trainer.scaler is not None:
-            values["loss_scale"] = trainer.scaler.scale
-        trainer.recorder.record("train", trainer.state.step_nr, values)
+        values["epoch"] = self.data.epoch_nr
+        if self.scaler is not None:
+            values["loss_scale"] = self.scaler.scale
+        self.recorder.record("train", self.state.step_nr, values)
         self.last_published = values
-        trainer.metrics.reset()
+        self.metrics.reset()
         return False
 
     def record_threads(self, publish: bool = False) -> None:
         """Auto's thread choice into the config kept beside each later checkpoint, and when
         just made, into metrics/threads.jsonl (not the train records: timings differ from
         run to run, and a resumed run's records equal an uninterrupted one's)."""
-        trainer = self.trainer
-        record = trainer.threads.record()
+        record = self.threads.record()
         if record is None:
             return
-        trainer.run_config["threads"] = record
-        if trainer.checkpoints is not None:
-            trainer.checkpoints.set_config(trainer.run_config)
+        self.run_config["threads"] = record
+        if self.checkpoints is not None:
+            self.checkpoints.set_config(self.run_config)
         if publish:
-            trainer.recorder.record("threads", trainer.state.step_nr,
-                                    trainer.threads.published())
+            self.recorder.record("threads", self.state.step_nr, self.threads.published())

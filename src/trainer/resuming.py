@@ -3,70 +3,89 @@
 implies (the epoch under way, an early stopper's history replayed, scores for retention,
 auto's thread choice, recorders rewound to the step), and a warning naming what changed in
 the run's config since.
+
+Functions of the parts they use, which the `Trainer` hands in.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from gangs import first_error
+from torch import nn
+from torch.optim import Optimizer
+
+from gangs import Gang, first_error
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume_point import resume_point
 from trainer.checkpoint.run_config import warn_if_changed
+from trainer.early_stoppers import EarlyStopper
 from trainer.errors import UserError
+from trainer.observe.recorders.buffered import BufferedRecorder
+from trainer.state.data_position import DataPosition
+from trainer.state.extensions import ExtensionStates
+from trainer.state.train_state import TrainState
+from trainer.step.step_log import StepLog
 
 log = logging.getLogger("gangtrain")
 
 
-def resume(trainer: Any) -> None:
+def resume(*, resume_from: str | None, checkpoints: CheckpointManager | None,
+           model: nn.Module, optimizer: Optimizer, states: Mapping[str, Any],
+           extensions: ExtensionStates, state: TrainState, data: DataPosition[Any],
+           steps: StepLog, early_stopper: EarlyStopper | None, recorder: BufferedRecorder,
+           root: Gang, run_config: Mapping[str, Any],
+           record_threads: Callable[[], None]) -> int | None:
     """Continue from the newest complete checkpoint (or the one `resume_from` names),
-    if any; recorders forget the steps after it (all of them when there is none)."""
-    if trainer.settings.resume_from is not None and trainer.checkpoints is None:
-        raise UserError(f"resume_from={trainer.settings.resume_from!r} needs checkpoints: "
+    if any; recorders forget the steps after it (all of them when there is none). `states`:
+    every component a checkpoint holds, by name; `record_threads`: keeps auto's thread
+    choice (`Publishing.record_threads`). Returns the epoch under way, whose start event has
+    run (None when none is)."""
+    if resume_from is not None and checkpoints is None:
+        raise UserError(f"resume_from={resume_from!r} needs checkpoints: "
                         "set checkpoint_every_n_steps (or _epochs)")
     step_nr, step_dir = None, None
-    if trainer.checkpoints is not None:
-        step_nr, step_dir = resume_point(trainer.checkpoints, trainer.settings.resume_from)
+    if checkpoints is not None:
+        step_nr, step_dir = resume_point(checkpoints, resume_from)
     if step_nr is None:  # nothing to resume: start over cleanly
-        trainer.recorder.rewind(0)
-        return
-    assert trainer.checkpoints is not None
-    own = {k: v for k, v in trainer.states().items()
-           if k not in trainer.extensions.components}
-    loaded = trainer.checkpoints.load(step_nr, trainer.unit.model, trainer.optimizer, own,
-                                   step_dir=step_dir)
-    trainer.extensions.load(loaded, step_nr)
-    if trainer.data.in_epoch:  # the epoch the run continues has had its start event
-        trainer.epoch_open = trainer.data.epoch_nr
-    problem = first_error(trainer.gangs.root, trainer.data.resume_problem)
+        recorder.rewind(0)
+        return None
+    assert checkpoints is not None
+    own = {k: v for k, v in states.items() if k not in extensions.components}
+    loaded = checkpoints.load(step_nr, model, optimizer, own, step_dir=step_dir)
+    extensions.load(loaded, step_nr)
+    epoch_open = data.epoch_nr if data.in_epoch else None  # its start event has run
+    problem = first_error(root, data.resume_problem)
     if problem is not None:  # refused on every rank, before a step is taken
         raise UserError(f"cannot resume from step {step_nr}: {problem}")
-    if trainer.early_stopper is not None and "early_stopper" not in loaded:
+    if early_stopper is not None and "early_stopper" not in loaded:
         # A plain callable keeps its state to itself: rebuild it from what it was given.
-        for history_step, score in trainer.state.scheduled_scores():
-            trainer.early_stopper(history_step, score)
-    trainer.checkpoints.remember_scores(dict(trainer.state.score_history))
-    trainer.publishing.record_threads()  # a choice the run made before, kept
-    trainer.state.last_saved_step = step_nr
-    path = step_dir or trainer.checkpoints.step_dir(step_nr)
-    trainer.steps.last_good_checkpoint = path
-    trainer.recorder.rewind(step_nr)
+        for history_step, score in state.scheduled_scores():
+            early_stopper(history_step, score)
+    checkpoints.remember_scores(dict(state.score_history))
+    record_threads()  # a choice the run made before, kept
+    state.last_saved_step = step_nr
+    path = step_dir or checkpoints.step_dir(step_nr)
+    steps.last_good_checkpoint = path
+    recorder.rewind(step_nr)
     log.warning("resumed from %s (step %d)", path, step_nr)
-    if trainer.gangs.root.rank == 0:  # the one rank that logs reads the saved config
-        warn_if_changed(path, trainer.run_config)
+    if root.rank == 0:  # the one rank that logs reads the saved config
+        warn_if_changed(path, run_config)
+    return epoch_open
 
 
-def stays_early_stopped(trainer: Any) -> bool:
+def stays_early_stopped(state: TrainState, early_stopper: EarlyStopper | None) -> bool:
     """Whether a run that early-stopped (a resumed state says so) stays stopped: with an
     early stopper, nothing is left to do; without one now, it trains on."""
-    stopped_at = trainer.state.early_stopped_at
+    stopped_at = state.early_stopped_at
     if stopped_at is None:
         return False
-    if trainer.early_stopper is not None:
+    if early_stopper is not None:
         log.warning("the run early-stopped at step %d: nothing to do (to train on, remove "
                     "the early stopper)", stopped_at)
         return True
     log.warning("the run early-stopped at step %d; no early stopper now: training on",
                 stopped_at)
-    trainer.state.early_stopped_at = None
+    state.early_stopped_at = None
     return False

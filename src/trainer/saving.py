@@ -3,86 +3,102 @@
 and at the end the final save, the export of the best checkpoint and, when asked, the best
 weights back into the model.
 
-A component of the `Trainer` (it reads the trainer's public parts); what it saves was
-checked first: never a model a non-finite loss poisoned.
+A component of the `Trainer`, handed the few parts it uses; what it saves was checked first:
+never a model a non-finite loss poisoned.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from torch import nn
+from torch.optim import Optimizer
+
+from gangs import Gang
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.model_files import ModelFiles
+from trainer.checkpoint.model_saves import ModelSaves
+from trainer.observe.recorders.buffered import BufferedRecorder
 from trainer.run_checks import check_finite_state
 from trainer.run_dir import RunDir
+from trainer.state.train_state import TrainState
+from trainer.step.step_log import StepLog
 
 log = logging.getLogger("gangtrain")
 
 
 class Saving:
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    """`states`: every component a checkpoint holds, by name, when called (`Trainer.states`);
+    `load_best_model_at_end`: the setting of that name."""
+
+    def __init__(self, *, model: nn.Module, optimizer: Optimizer, state: TrainState,
+                 steps: StepLog, states: Callable[[], dict[str, Any]], root: Gang,
+                 recorder: BufferedRecorder, checkpoints: CheckpointManager | None,
+                 model_saves: ModelSaves | None, model_files: ModelFiles, output_dir: Path,
+                 load_best_model_at_end: bool) -> None:
+        self.model, self.optimizer, self.state, self.steps = model, optimizer, state, steps
+        self.states, self.root, self.recorder = states, root, recorder
+        self.checkpoints, self.model_saves, self.model_files = (checkpoints, model_saves,
+                                                                model_files)
+        self.output_dir, self.load_best_model_at_end = output_dir, load_best_model_at_end
 
     def save_once(self) -> bool:
         """`save`, unless this step was saved already (an epoch's end)."""
-        trainer = self.trainer
-        if trainer.state.step_nr > (trainer.state.last_saved_step or 0):
+        if self.state.step_nr > (self.state.last_saved_step or 0):
             self.save()
         return False
 
     def save(self, blocking: bool | None = None) -> None:
         """Checkpoint the model, the optimizer and every component at the current step,
         once the steps since the last check are known to be finite."""
-        trainer = self.trainer
-        trainer.steps.check()  # a non-finite loss stops the run before it is saved
-        check_finite_state(trainer.optimizer, trainer.gangs.root, trainer.state.step_nr,
-                           trainer.steps.last_good_checkpoint)
-        trainer.recorder.flush()  # this step's metrics reach the disk before its checkpoint
-        step_nr = trainer.state.step_nr
-        assert trainer.checkpoints is not None
-        trainer.checkpoints.save(step_nr, trainer.unit.model, trainer.optimizer,
-                                 trainer.states(), trainer.state.score_at(step_nr),
-                                 blocking=blocking)
-        trainer.state.last_saved_step = step_nr
-        trainer.steps.last_good_checkpoint = trainer.checkpoints.step_dir(step_nr)
+        self.steps.check()  # a non-finite loss stops the run before it is saved
+        check_finite_state(self.optimizer, self.root, self.state.step_nr,
+                           self.steps.last_good_checkpoint)
+        self.recorder.flush()  # this step's metrics reach the disk before its checkpoint
+        step_nr = self.state.step_nr
+        assert self.checkpoints is not None
+        self.checkpoints.save(step_nr, self.model, self.optimizer, self.states(),
+                              self.state.score_at(step_nr), blocking=blocking)
+        self.state.last_saved_step = step_nr
+        self.steps.last_good_checkpoint = self.checkpoints.step_dir(step_nr)
 
     def save_model(self) -> bool:
         """The model's weights alone (`model_checkpoint_every_n_steps`), once finite."""
-        trainer = self.trainer
-        trainer.steps.check()
-        assert trainer.model_saves is not None
-        trainer.model_saves.save(trainer.state.step_nr, trainer.unit.model)
+        self.steps.check()
+        assert self.model_saves is not None
+        self.model_saves.save(self.state.step_nr, self.model)
         return False
 
     def at_end(self, stopped_by_signal: bool) -> None:
         """The final model save and checkpoint (a clean stop included), then, on rank 0, the
         best checkpoint exported: a HF model's to OUTPUT_DIR/hf/, any other's to
         best_model.safetensors (the trainer's `model_files`); the best weights loaded when asked."""
-        trainer = self.trainer
-        step_nr = trainer.state.step_nr
-        if trainer.model_saves is not None and step_nr > 0 and not stopped_by_signal:
-            if trainer.model_saves.last_step != step_nr:
+        step_nr = self.state.step_nr
+        if self.model_saves is not None and step_nr > 0 and not stopped_by_signal:
+            if self.model_saves.last_step != step_nr:
                 self.save_model()
-        if trainer.checkpoints is None:
+        if self.checkpoints is None:
             return
-        if step_nr > (trainer.state.last_saved_step or 0):
+        if step_nr > (self.state.last_saved_step or 0):
             self.save(blocking=True)
-        trainer.checkpoints.wait()
-        if trainer.gangs.root.rank == 0 and trainer.checkpoints.best_step is not None:
-            trainer.model_files.export_best(trainer.checkpoints.dir,
-                                            RunDir(trainer.output_dir).hf)
-        if trainer.settings.load_best_model_at_end and not stopped_by_signal:
+        self.checkpoints.wait()
+        if self.root.rank == 0 and self.checkpoints.best_step is not None:
+            self.model_files.export_best(self.checkpoints.dir, RunDir(self.output_dir).hf)
+        if self.load_best_model_at_end and not stopped_by_signal:
             self.load_best_model()
 
     def load_best_model(self) -> None:
         """`load_best_model_at_end`: the best checkpoint's weights into the model (every
         rank its part, resharded as needed); the optimizer and the run's state stay."""
-        trainer = self.trainer
-        assert trainer.checkpoints is not None
-        best = [trainer.checkpoints.best_step]
-        trainer.gangs.root.broadcast_objects(best)  # rank 0 judged the files
+        assert self.checkpoints is not None
+        best = [self.checkpoints.best_step]
+        self.root.broadcast_objects(best)  # rank 0 judged the files
         if best[0] is None:
             log.warning("load_best_model_at_end: no checkpoint has a score; the model keeps "
                         "the last step's weights")
             return
-        trainer.checkpoints.load(best[0], trainer.unit.model, None)
+        self.checkpoints.load(best[0], self.model, None)
         log.warning("load_best_model_at_end: the model holds step %d's weights", best[0])

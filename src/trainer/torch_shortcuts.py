@@ -14,10 +14,6 @@ each is kept because it pays (docs/measured.md):
   a device-decided skip inside the optimizer's kernel: no pass over the gradients and no
   host read a step. The public path scales the gradients with foreach ops and reads a
   device-decided skip on the host.
-* `step.backward_call.seeded_backward`: a mean-seeded backward calls the autograd engine as
-  `Tensor.backward` ends up calling it, without the checks of a seed the trainer built itself
-  (reads `Variable._execution_engine`, `torch._C._stash_obj_in_tls`): ~400 Python opcodes, a
-  few us a step at the small size.
 * `checkpoint.digest`: crc32c by ctypes on the buffer (the C library of `google_crc32c`):
   no copy of each tensor into `bytes`, and the GIL released while hashing.
 

@@ -182,9 +182,25 @@ class Trainer(Generic[BatchT]):
         self._profiler: StepProfiler | None = None  # built in run(), from the resumed step
 
         # The work at sync points, each job on its own schedule (`trainer.schedule`).
-        self.publishing, self.validation, self.saving = (Publishing(self), Validation(self),
-                                                         Saving(self))
-        self.jobs = build.sync_jobs(self)
+        self.publishing = Publishing(
+            unit=unit, optimizer=optimizer, dp=self.gangs.dp, state=self.state, steps=self.steps,
+            metrics=self.metrics, data=self.data, scaler=self.scaler, system=self.system,
+            flops=self.flops, threads=self.threads, recorder=self.recorder,
+            checkpoints=self.checkpoints, run_config=self.run_config)
+        self.validation = Validation(
+            validator=self.validator, model=unit.model, gangs=self.gangs, state=self.state,
+            steps=self.steps, recorder=self.recorder, system=self.system,
+            checkpoints=self.checkpoints, early_stopper=early_stopper,
+            score_metric=s.score_metric,
+            on_start=partial(self.callbacks.on_validation_start, self),
+            on_end=partial(self.callbacks.on_validation_end, self))
+        self.saving = Saving(
+            model=unit.model, optimizer=optimizer, state=self.state, steps=self.steps,
+            states=self.states, root=self.gangs.root, recorder=self.recorder,
+            checkpoints=self.checkpoints, model_saves=self.model_saves,
+            model_files=self.model_files, output_dir=self.output_dir,
+            load_best_model_at_end=s.load_best_model_at_end)
+        self.jobs = build.sync_jobs(s, self.publishing, self.validation, self.saving)
         self.epoch_open: int | None = None  # the epoch whose on_epoch_start has run
         self._step_start_event = self.callbacks.has("on_step_start")
         # torchft replica groups (`trainer.fault_tolerance`): a quorum each step, commit on it.
@@ -217,7 +233,14 @@ class Trainer(Generic[BatchT]):
         with StopSignal() as stop, anomaly:
             try:
                 if self.resume and self.state.step_nr == 0:  # a fresh trainer, not a re-run
-                    resuming.resume(self)
+                    self.epoch_open = resuming.resume(
+                        resume_from=self.settings.resume_from, checkpoints=self.checkpoints,
+                        model=self.unit.model, optimizer=self.optimizer, states=self.states(),
+                        extensions=self.extensions, state=self.state, data=self.data,
+                        steps=self.steps, early_stopper=self.early_stopper,
+                        recorder=self.recorder, root=self.gangs.root,
+                        run_config=self.run_config,
+                        record_threads=self.publishing.record_threads)
                 self.callbacks.on_train_start(self)
                 self._profiler = build.build_profiler(self.settings, self.output_dir, self.gangs,
                                                       start_step=self.state.step_nr)
@@ -243,7 +266,7 @@ class Trainer(Generic[BatchT]):
     def _loop(self, stop: StopSignal) -> str:
         s = self.settings
         every = sync_every(self.jobs)  # every job's step is a multiple of this
-        if resuming.stays_early_stopped(self):
+        if resuming.stays_early_stopped(self.state, self.early_stopper):
             return "early_stop"
         if s.validate_at_start and self.state.step_nr == 0 and self.validator:
             if self.validation():

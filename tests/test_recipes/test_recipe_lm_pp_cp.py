@@ -103,7 +103,8 @@ def test_killed_pp2_run_resumes_bit_for_bit(pp2, tmp_path):
      "config 'model.tie_embeddings' is True; with gangs.pp_size 2 it must be false"),
     ({"gangs": {"pp_size": 2}, "model": {"tie_embeddings": False, "num_experts": 4}},
      "config 'model.num_experts' is 4; with gangs.pp_size 2 it must be 0"),
-    ({"gangs": {"cp_size": 3}}, "config 'data.seq_len' must be a multiple of gangs.cp_size 3"),
+    ({"gangs": {"cp_size": 3}},  # the rule HF models share (parallel.layout_rules)
+     "config 'data.seq_len' 256 must be a multiple of gangs.cp_size 3"),
 ])
 def test_settings_pp_and_cp_cannot_take_are_refused_by_name(settings, message):
     from recipes.lm.config import LMConfig

@@ -10,12 +10,10 @@ from functools import partial
 import google_crc32c
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 from toy import TokenUnit, collate, make_model, make_samples
 
 from trainer import torch_shortcuts
 from trainer.checkpoint import digest
-from trainer.step.backward_call import seeded_backward
 from trainer.trainer import Trainer
 
 OPTIMIZERS = {"fused": partial(torch.optim.AdamW, lr=0.05, fused=True),
@@ -58,8 +56,6 @@ def test_the_public_paths_train_to_the_same_weights(tmp_path, optimizer, num_acc
     assert fast.optimizer_step.fused == (optimizer == "fused")
     assert public.optimizer_step.step_call._inner is None  # ... and here they were not
     assert not public.optimizer_step.fused and not public.optimizer_step._clear_by_hand
-    if num_accumulate == 1:  # backward from the mean seed: the engine called directly
-        assert fast.forward_backward.seeded_backward is not public.forward_backward.seeded_backward
     assert fast.step_nr == public.step_nr == 8 // num_accumulate
     for name, value in fast_weights.items():
         assert torch.equal(value, public_weights[name]), name
@@ -72,24 +68,3 @@ def test_checksums_are_the_same_without_the_ctypes_call():
     with torch_shortcuts.public_only():
         assert digest.extend(0, memoryview(data)) == expected
         assert digest.extend(digest.extend(0, data[:5000]), data[5000:]) == expected
-
-
-def test_a_torch_function_mode_still_sees_the_seeded_backward():
-    """The engine is called directly only where nothing would see `Tensor.backward`: under a
-    torch function mode the public call is taken, and the gradient is the same."""
-    seen = []
-
-    class Seen(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            seen.append(getattr(func, "__name__", ""))
-            return func(*args, **(kwargs or {}))
-
-    weight = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
-    backward = seeded_backward()
-    backward((weight * weight).sum(), torch.tensor(0.5))
-    torch.testing.assert_close(weight.grad, weight.detach(), rtol=0, atol=0)  # 0.5 * 2w
-    weight.grad = None
-    with Seen():
-        backward((weight * weight).sum(), torch.tensor(0.5))
-    assert "backward" in seen
-    torch.testing.assert_close(weight.grad, weight.detach(), rtol=0, atol=0)

@@ -24,8 +24,6 @@ a JSON array, row of a Parquet file) and the field.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,8 +38,9 @@ from gangtrain.data.collate import padded_batch
 from gangtrain.data.example_packing import OverLong
 from gangtrain.data.formats import list_data_files, load_records
 from gangtrain.data.global_batches import GlobalBatchReader
-from gangtrain.data.sft import Tokenized, plan_examples, tokenizer_digest
+from gangtrain.data.sft import plan_examples
 from gangtrain.data.token_batches import Bins, EvalBatches
+from gangtrain.data.token_cache import Tokenized, tokenize_cached, tokenizer_digest
 
 __all__ = ["PairFields", "PairReader", "PairEvalBatches", "pair_batch", "plan_pairs",
            "shared_prefix", "tokenize_pairs"]
@@ -169,8 +168,8 @@ def _line_numbers(path: Path) -> list[int] | None:
 
 def _tokenize_file(path: Path, tokenizer: Any, name: str, fields: PairFields,
                    cache_dir: str | Path | None, num_proc: int | None) -> Tokenized:
-    from datasets import Features, Value
     from datasets import Sequence as ArrowSequence
+    from datasets import Value
 
     records = load_records([path], cache_dir)
     if len(records) == 0:
@@ -186,27 +185,14 @@ def _tokenize_file(path: Path, tokenizer: Any, name: str, fields: PairFields,
         raise UserError(f"data {path}: preference pairs need fields '{fields.chosen}' and "
                         f"'{fields.rejected}' (data.chosen_field, data.rejected_field); the "
                         f"records have {sorted(records.column_names)}")
-    fingerprint = hashlib.sha256(json.dumps(
-        [records._fingerprint, asdict(fields), tokenizer_digest(tokenizer),  # noqa: SLF001
-         ENCODING_VERSION, "preference"]).encode()).hexdigest()[:32]
     ids, mask = ArrowSequence(Value("int32")), ArrowSequence(Value("int8"))
-    features = Features({"chosen_ids": ids, "chosen_trained": mask, "rejected_ids": ids,
-                         "rejected_trained": mask, "prompt_length": Value("int32"),
-                         "length": Value("int32"), "num_targets": Value("int32")})
-    try:
-        tokenized = records.map(
-            _encoder(tokenizer, name, fields, where), batched=True, batch_size=256,
-            with_indices=True, remove_columns=records.column_names, features=features,
-            num_proc=num_proc, new_fingerprint=fingerprint, desc=None)
-    except UserError:
-        raise
-    except Exception as error:  # noqa: BLE001  (a template that fails on a record, say)
-        raise UserError(f"data {path}: tokenising preference pairs failed: "
-                        f"{type(error).__name__}: {error}") from None
-    columns = tokenized.data
-    return Tokenized(tokenized, "preference",
-                     columns.column("length").to_numpy().astype(np.int64),
-                     columns.column("num_targets").to_numpy().astype(np.int64))
+    columns = {"chosen_ids": ids, "chosen_trained": mask, "rejected_ids": ids,
+               "rejected_trained": mask, "prompt_length": Value("int32"),
+               "length": Value("int32"), "num_targets": Value("int32")}
+    return tokenize_cached(
+        records, _encoder(tokenizer, name, fields, where), fmt="preference", columns=columns,
+        key=[asdict(fields), tokenizer_digest(tokenizer), ENCODING_VERSION, "preference"],
+        num_proc=num_proc, what=f"data {path}: tokenising preference pairs")
 
 
 def tokenize_pairs(paths: Sequence[str | Path], tokenizer: Any, *, name: str,

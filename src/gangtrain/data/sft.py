@@ -17,11 +17,9 @@ the first, which no token predicts).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,35 +31,13 @@ from gangtrain.data.example_packing import OverLong
 from gangtrain.data.formats import Fields, detect_format, list_data_files, load_records
 from gangtrain.data.records import BadRecord, locate, record_problem, scan_files
 from gangtrain.data.token_batches import Bins, plan_bins
+from gangtrain.data.token_cache import Tokenized, tokenize_cached, tokenizer_digest
 
 __all__ = ["ENCODING_VERSION", "TRAIN_ON", "Tokenized", "plan_examples", "tokenize_files",
            "tokenizer_digest"]
 
 ENCODING_VERSION = 1
 """Part of the cache fingerprint: raised when the encoding itself changes."""
-
-
-@dataclass
-class Tokenized:
-    """A tokenised dataset (memory-mapped) and what planning needs of it."""
-
-    dataset: Any  # datasets.Dataset: input_ids, trained, length, num_targets
-    format: str
-    lengths: np.ndarray
-    num_targets: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-
-def tokenizer_digest(tokenizer: Any) -> str:
-    """A digest of what the tokens of a text depend on: the tokenizer's model, special
-    tokens and chat template (a template or token added in code changes it)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    parts = [backend.to_str() if backend is not None else repr(tokenizer.get_vocab()),
-             str(getattr(tokenizer, "chat_template", None)),
-             str([tokenizer.bos_token_id, tokenizer.eos_token_id])]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 TRAIN_ON = ("assistant", "completion", "all")
@@ -146,8 +122,8 @@ def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, *, name: str,
     (see the module docstring); ``name`` names the tokenizer's model in errors; ``train_on``
     one of `TRAIN_ON` (see `_encoder`); ``num_proc`` None: `tokenizing_processes`. A bad
     record is a `UserError` naming its file, line and field."""
-    from datasets import Features, Value
     from datasets import Sequence as ArrowSequence
+    from datasets import Value
 
     fields = fields or Fields()
     files = list_data_files(paths, setting)
@@ -156,35 +132,23 @@ def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, *, name: str,
     records = load_records(files, cache_dir, fields, fmt)
     where = ", ".join(map(str, paths))
     found = detect_format(records.column_names, records[0], fields, fmt, where)
-    fingerprint = hashlib.sha256(json.dumps(
-        [records._fingerprint, found, asdict(fields), tokenizer_digest(tokenizer),  # noqa: SLF001
-         ENCODING_VERSION, train_on]).encode()).hexdigest()[:32]
-    features = Features({"input_ids": ArrowSequence(Value("int32")),
-                         "trained": ArrowSequence(Value("int8")),
-                         "length": Value("int32"), "num_targets": Value("int32")})
-    encode = _encoder(found, fields, tokenizer, name, train_on)
+    ids, mask = ArrowSequence(Value("int32")), ArrowSequence(Value("int8"))
+    columns = {"input_ids": ids, "trained": mask, "length": Value("int32"),
+               "num_targets": Value("int32")}
     if num_proc is None:
         num_proc = tokenizing_processes(len(records))
     try:
-        tokenized = records.map(
-            _encode_batch, batched=True, batch_size=256, with_indices=True,
-            fn_kwargs={"encode": encode},
-            remove_columns=records.column_names, features=features, num_proc=num_proc,
-            new_fingerprint=fingerprint, desc=None)
+        return tokenize_cached(
+            records, _encode_batch, fmt=found, columns=columns, num_proc=num_proc,
+            key=[found, asdict(fields), tokenizer_digest(tokenizer), ENCODING_VERSION,
+                 train_on],
+            fn_kwargs={"encode": _encoder(found, fields, tokenizer, name, train_on)},
+            what=f"data {where}: tokenising as {found}", passed_on=(BadRecord,))
     except BadRecord as bad:
         # The files as written name the first bad line: where datasets met mixed kinds in a
         # column it may have read them another way (pandas' "23" as 23).
         scan_files(files, found, fields, str(getattr(tokenizer, "chat_template", "") or ""))
         raise UserError(f"{locate(files, bad.index)}: {bad.problem}") from None
-    except UserError:
-        raise
-    except Exception as error:  # noqa: BLE001  (a template that fails on a record, say)
-        raise UserError(f"data {where}: tokenising as {found} failed: "
-                        f"{type(error).__name__}: {error}") from None
-    columns = tokenized.data  # a pyarrow table, memory-mapped: no copy of the tokens
-    return Tokenized(tokenized, found,
-                     columns.column("length").to_numpy().astype(np.int64),
-                     columns.column("num_targets").to_numpy().astype(np.int64))
 
 
 def plan_examples(tokenized: Tokenized, selected: np.ndarray, layout: str, seq_len: int,

@@ -80,28 +80,33 @@ class LoraSettings:
     alpha: `scaling = alpha / r` multiplies the update (peft's `lora_alpha`).
     dropout: on the adapter's input only (peft's `lora_dropout`), in training mode.
     target_modules: layer names; a linear layer is adapted when its fully-qualified name is
-        one of them or ends with `.` + one of them (peft's rule for a list).
+        one of them or ends with `.` + one of them (peft's rule for a list). None: the
+        model family's own (its spec's `lora_targets`), chosen by whoever knows the family
+        (e.g. `gangtrain.models.hf.load_pretrained`) before `apply_lora`.
     """
 
     r: int = 8
     alpha: float = 8.0
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.target_modules, str) or not isinstance(self.target_modules,
-                                                                   Sequence):
+        if self.target_modules is None:
+            pass
+        elif isinstance(self.target_modules, str) or not isinstance(self.target_modules,
+                                                                     Sequence):
             raise ValueError("lora.target_modules must be a list of layer names, e.g. "
                              f"[q_proj, v_proj], got {self.target_modules!r}")
-        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        else:
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
             raise ValueError(f"lora.r must be a positive integer, got {self.r!r}")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"lora.alpha must be positive, got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
-        if not self.target_modules or not all(isinstance(t, str) and t
-                                              for t in self.target_modules):
+        if self.target_modules is not None and (not self.target_modules or not all(
+                isinstance(t, str) and t for t in self.target_modules)):
             raise ValueError("lora.target_modules must name at least one layer, got "
                              f"{list(self.target_modules)!r}")
 
@@ -115,6 +120,10 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     and return it (see the module docstring); on meta or on a real device, before tensor
     parallelism (`split_adapters`) and FSDP2 / DDP. A `ValueError` names a target that
     matches no layer and a target that is not an `nn.Linear`."""
+    if settings.target_modules is None:
+        raise ValueError(f"lora.target_modules: none given for {type(model).__name__}; name "
+                         "the linear layers to adapt (or load it through its family, which "
+                         "knows its own)")
     targets = [(name, module) for name, module in model.named_modules()
                if any(name == t or name.endswith("." + t) for t in settings.target_modules)]
     found = {t for t in settings.target_modules

@@ -1,11 +1,9 @@
-"""Model families, each in its one home: what the generic layers (`gangtrain.parallel`,
-`trainer`) need to know of a model, as a `gangtrain.parallel.spec.ModelSpec` per family, and
-the family's files in and out.
+"""Model families, each in one home with its `parallel.spec.ModelSpec` (build, TP plan,
+pipeline split, CP attention, experts, layout refusals, LoRA targets, export):
 
 - `gangtrain.models.hf`: any Hugging Face decoder family, from its own config and class (its
-  declared TP and PP plans, its attention interface), with a per-family entry only where one
-  is needed; `load_pretrained`, `export_pretrained` and the files a HF checkpoint keeps.
-- `gangtrain.models.gpt`: the native GPT of `recipes.lm` (model, spec, TP plan).
+  declared TP and PP plans, its attention interface); a family that declares too little
+  gets one file under `gangtrain.models.hf.families`.
+- `gangtrain.models.gpt`: the native GPT (model, spec, TP plan, build), any recipe's to use.
 
-Sits above the trainer (it hands the trainer its `ModelFiles`); the trainer imports no family.
-"""
+Above the trainer: the trainer imports nothing of this package."""

@@ -1,12 +1,13 @@
-"""Forward and backward over one step's micro-batches: the part of a step that a pipeline
-schedule would replace.
+"""Forward and backward over one step's micro-batches.
 
 `ForwardBackward` is what the Trainer calls once a step, on the micro-batches it drew: it
 runs the forwards and backwards and returns this rank's summed loss and target count
 (`StepGradients`); normalising, unscaling, clipping and stepping follow in `OptimizerStep`.
 `MicroBatchLoop`, the default, runs each micro-batch's forward and backward in turn on this
-rank. A pipeline schedule would interleave its stages' forwards and backwards in its own
-order and return the same.
+rank. The other seams return the same: `step.pipeline_schedule.PipelineSchedule` (the
+pipeline's schedule interleaves its stages' forwards and backwards) and
+`step.context_parallel.ContextParallelStep` (each cp rank its slice of every sequence);
+`step.parallel_axes.build_seam` picks one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from torch import Tensor
 
 from trainer.step import gradients
 from trainer.step.accumulation import MicroBatchSync
-from trainer.step.backward_call import seeded_backward
 from trainer.step.loss_scaler import LossScaler
 from trainer.step.target_counts import bad_target_count
 from units import MetricBag, TrainUnit
@@ -60,7 +60,6 @@ class MicroBatchLoop(Generic[BatchT]):
         self.sync = sync
         self.scaler = scaler
         self.may_seed_mean = may_seed_mean and scaler is None
-        self.seeded_backward = seeded_backward()  # `loss.backward(seed)`
 
     def __call__(self, batches: list[BatchT], step_nr: int) -> StepGradients:
         loss_sum: Tensor | None = None
@@ -75,7 +74,7 @@ class MicroBatchLoop(Generic[BatchT]):
                 if self.scaler is not None:
                     self.scaler.scale_loss(loss).backward()
                 elif self.may_seed_mean and len(batches) == 1 and isinstance(num_targets, int):
-                    self.seeded_backward(loss, gradients.mean_seed(num_targets, loss))
+                    loss.backward(gradients.mean_seed(num_targets, loss))
                     normalised = True
                 else:
                     loss.backward()

@@ -1,5 +1,5 @@
 """What a unit's `num_targets` may be: a whole number >= 0. An int is judged when the unit
-returns it (`trainer.run_checks.check_unit_output`); a tensor where the step's values reach
+returns it (`trainer.step.forward_backward.check_unit_output`); a tensor where the step's values reach
 the host (`trainer.step.step_log.StepLog.check`), so that the hot loop never waits for it."""
 
 from __future__ import annotations

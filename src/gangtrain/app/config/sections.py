@@ -11,7 +11,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from gangtrain.layers.lora import LoraSettings
-from gangtrain.models.hf.spec import HF_LORA_TARGETS
+from gangtrain.parallel.plan import check_hsdp
 from trainer.errors import UserError
 from trainer.fault_tolerance.settings import FaultToleranceSettings
 
@@ -66,9 +66,11 @@ class GangsSection(Section):
     def check(self, data_parallel: str | None) -> None:
         """A `UserError` naming the setting when these sizes do not combine with the
         trainer's `data_parallel` or with each other (before any process group exists)."""
-        if self.dp_shard_size is not None and data_parallel != "fsdp":
+        try:
+            check_hsdp(data_parallel, self.dp_shard_size)  # the build plan's own rule
+        except ValueError:
             raise UserError("config 'gangs.dp_shard_size' (HSDP) needs "
-                            "trainer.data_parallel=fsdp")
+                            "trainer.data_parallel=fsdp") from None
         if self.pp_size > 1 and self.cp_size > 1:
             raise UserError(
                 f"config 'gangs.cp_size' {self.cp_size} with gangs.pp_size {self.pp_size}: "
@@ -85,10 +87,10 @@ class LoraSection(Section):
     """The update is scaled by alpha / r (peft's lora_alpha)."""
     dropout: float = Field(default=0.0, ge=0, lt=1)
     """Dropout on the adapters' input (peft's lora_dropout); 0 under tensor parallelism."""
-    target_modules: list[str] = list(HF_LORA_TARGETS)
-    """Linear layers to adapt, by name or name suffix (peft's rule); the default is the
-    Hugging Face decoders' (`models.hf.spec.HF_LORA_TARGETS`: the query and value
-    projections)."""
+    target_modules: list[str] | None = None
+    """Linear layers to adapt, by name or name suffix (peft's rule); null: the model family's
+    own (its spec's `lora_targets`: the query and value projections of the Hugging Face
+    decoders, `models.hf.spec.HF_LORA_TARGETS`)."""
     base_dtype: Literal["fp32", "bf16"] = "fp32"
     """The frozen base's parameters: bf16 halves their memory (the merged export adds the
     adapters to the base files' own weights); the adapters, their gradients and AdamW's
@@ -102,7 +104,9 @@ class LoraSection(Section):
         if self.r is None:
             return None
         try:
-            return LoraSettings(self.r, self.alpha, self.dropout, tuple(self.target_modules))
+            return LoraSettings(self.r, self.alpha, self.dropout,
+                                None if self.target_modules is None
+                                else tuple(self.target_modules))
         except ValueError as error:
             raise UserError(f"config {error}") from None
 

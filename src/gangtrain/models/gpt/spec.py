@@ -1,22 +1,35 @@
-"""The LM recipe's GPT as a `parallel.spec.ModelSpec`: its pipeline stages and its
-context-parallel attention (each `Attention` takes a `cp_group`)."""
+"""The GPT family's `parallel.spec.ModelSpec`: its pipeline stages, its context-parallel
+attention (each `Attention` takes a `cp_group`), its TP plan (`models.gpt.parallelize`), the
+layouts it refuses, and its build (`build_model`, `build_pipelined_model`: the same initial
+bits on every layout)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gangs import Gangs
+from gangs.errors import UserError
+from gangtrain.models.gpt.parallelize import gpt_tensor_parallel
 from gangtrain.parallel.context import mark_context_parallel
+from gangtrain.parallel.layout_rules import (
+    check_context_split,
+    check_pipeline_schedule,
+    refuse_tied_under_pipeline,
+)
 from gangtrain.parallel.pipeline_stages import refuse_tied
+from gangtrain.parallel.spec import LayoutSizes
 
 __all__ = ["GPT_SPEC", "GPTSpec", "GPTStage"]
 
 
 class GPTSpec:
     name = "gpt"
+    lora_targets = ("wq", "wv")  # the query and value projections, as for HF decoders
 
     def decoder_layers(self, model: nn.Module) -> Sequence[nn.Module]:
         return model.layers
@@ -37,6 +50,22 @@ class GPTSpec:
 
         switch(True)
         mark_context_parallel(model, switch)
+
+    def tensor_parallel(self, model: nn.Module, gangs: Gangs) -> None:
+        gpt_tensor_parallel(model, gangs)
+
+    def check_layout(self, config: Any, sizes: LayoutSizes) -> None:
+        """`config`: a `GPTConfig`, as the LM recipe's `model` section sets it."""
+        check_pipeline_schedule(sizes)
+        refuse_tied_under_pipeline(sizes, config.tie_embeddings, "model.tie_embeddings")
+        if sizes.pp_size > 1 and config.num_experts > 0:
+            raise UserError(f"config 'model.num_experts' is {config.num_experts}; with "
+                            f"gangs.pp_size {sizes.pp_size} it must be 0: no mixture of "
+                            "experts under PP yet")
+        check_context_split(sizes, config.num_heads, "model.num_heads")
+
+    def model_files(self) -> None:
+        return None  # the trainer's null default: best_model.safetensors
 
 
 GPT_SPEC = GPTSpec()

@@ -16,7 +16,8 @@ the units that train and validate it: what `recipes.sft` and `recipes.finetune` 
   gradients over DP).
 
 What cannot be exact is refused by name before any model is built: the layout's own rules
-(`gangtrain.app.config.sections.GangsSection.check`), then the model's sizes (`check_layout`).
+(`gangtrain.app.config.sections.GangsSection.check`), then the model's, by its family's spec
+(`spec_for(hf_config).check_layout`; both in `gangtrain.app.pretrained.check_layout`).
 """
 
 from __future__ import annotations
@@ -30,44 +31,12 @@ from gangs import Gangs
 from gangtrain.models.hf.load import load_pretrained
 from gangtrain.models.hf.model_files import hf_model_of
 from gangtrain.models.hf.spec import DecoderStage, spec_for
-from gangtrain.parallel.pipeline import SPLIT_BACKWARD, PipelinedModel, pipeline_model
+from gangtrain.parallel.pipeline import PipelinedModel, pipeline_model
 from trainer.errors import UserError
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
 from units.pipeline import PipelineLMEvalUnit, PipelineLMUnit, summed_lm_loss
 
-__all__ = ["HFLayout", "check_layout", "load_layout"]
-
-
-def check_layout(hf_config: Any, *, tp_size: int, pp_size: int, cp_size: int,
-                 seq_len: int, pp_schedule: str = "1f1b",
-                 activation_checkpointing: bool = False) -> None:
-    """A `UserError` naming the setting when the model of `hf_config` (its config.json)
-    cannot be split by these settings of the config's `gangs` section (the recipes that
-    call this validate, which torch's V schedule cannot)."""
-    if pp_size > 1 and pp_schedule == "zbv_zero_bubble":
-        raise UserError("config 'gangs.pp_schedule' zbv_zero_bubble cannot run the recipe's "
-                        "validation (torch's V schedule runs backward actions in a "
-                        "forward-only pass): use interleaved_zero_bubble or 1f1b")
-    if pp_size > 1 and activation_checkpointing and pp_schedule in SPLIT_BACKWARD:
-        raise UserError(f"config 'model.activation_checkpointing' with gangs.pp_schedule "
-                        f"{pp_schedule}: a zero-bubble schedule runs each backward as two "
-                        "passes, which one recomputation cannot serve; use 1f1b, gpipe or "
-                        "interleaved_1f1b, or set it to false")
-    heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
-    if cp_size > 1:
-        if seq_len % cp_size:
-            raise UserError(f"config 'data.seq_len' {seq_len} must be a multiple of "
-                            f"gangs.cp_size {cp_size}: each rank holds an equal slice")
-        if heads % (tp_size * cp_size):
-            raise UserError(
-                f"config 'gangs.cp_size' {cp_size}: the model's {heads} attention heads "
-                f"(split over gangs.tp_size {tp_size} first) are not divisible by it; "
-                "each cp rank attends for an equal share of the heads")
-    if pp_size > 1 and getattr(hf_config, "tie_word_embeddings", False):
-        raise UserError(
-            f"config 'gangs.pp_size' {pp_size}: the model ties its output layer to its "
-            "input embedding (tie_word_embeddings in config.json), which would live on two "
-            "stages; train it with gangs.pp_size 1")
+__all__ = ["HFLayout", "load_layout"]
 
 
 @dataclass

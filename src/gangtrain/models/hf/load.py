@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -35,14 +36,12 @@ from torch.distributed.tensor import DTensor
 from gangs import Gangs
 from gangtrain.layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
 from gangtrain.models.hf.conversion import ConvertedFiles
-from gangtrain.models.hf.experts import apply_expert_parallel
 from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.safetensors_files import WeightFiles
-from gangtrain.models.hf.tensor_parallel import apply_tp_plan
+from gangtrain.models.hf.spec import spec_for
 from gangtrain.parallel import plan
 from gangtrain.parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
-from units.router_aux_loss import share_router_statistics
 
 __all__ = ["build_on_meta", "load_pretrained", "tensor_aliases"]
 
@@ -94,9 +93,10 @@ def load_pretrained(
     `model.safetensors`, or shards with `model.safetensors.index.json`), ready for the
     `Trainer` (see the module docstring for the steps).
 
-    gangs: tensor parallel over `gangs.tp` by the model's own plan when `gangs.tp.size > 1`
-        (e.g. LLaMA, Qwen, Mistral declare one; GPT-2 does not and is refused, as are the
-        MoE families' packed expert styles); a MoE model's experts split over `gangs.ep`
+    gangs: tensor parallel over `gangs.tp` by the family's plan when `gangs.tp.size > 1`
+        (its spec's, `models.hf.spec_for`: the model's own declared plan, e.g. LLaMA, Qwen,
+        Mistral; a family file's, e.g. StableLM's; GPT-2 has neither and is refused, as are
+        the MoE families' packed expert styles); a MoE model's experts split over `gangs.ep`
         when `gangs.ep.size > 1` (`models.hf.experts`).
     data_parallel: "fsdp" (FSDP2, or HSDP when the gangs have a `dp_shard_size`), "ddp"
         (under TP: FSDP2 without resharding after forward, as DDP cannot wrap DTensors),
@@ -141,6 +141,8 @@ def load_pretrained(
 
 
 def _with_adapters(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    if settings.target_modules is None:  # the family's own targets
+        settings = replace(settings, target_modules=spec_for(model).lora_targets)
     try:
         return apply_lora(model, settings)
     except ValueError as error:  # a target the model does not have, or not a linear layer
@@ -178,16 +180,9 @@ class _Pretrained:
 
 
 def _tensor_parallel(model: nn.Module, gangs: Gangs) -> None:
-    """The experts split over `gangs.ep` (`models.hf.experts`), and the model's own TP plan
-    over `gangs.tp`, when there is more than one rank to split over; the router's aux loss
-    statistics summed over the ranks that hold other tokens (`units.router_aux_loss`)."""
-    apply_expert_parallel(model, gangs.ep)
-    share_router_statistics(model, (gangs.dp, gangs.cp))
-    if gangs.tp.size == 1:
-        return
-    if gangs.mesh is None:
-        raise UserError("tensor parallelism needs the gangs' device mesh (setup_gangs)")
-    apply_tp_plan(model, gangs.mesh["tp"])
+    """The family's TP step (its spec's: the experts over `gangs.ep`, its TP plan over
+    `gangs.tp`)."""
+    spec_for(model).tensor_parallel(model, gangs)
 
 
 def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:

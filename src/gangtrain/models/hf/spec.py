@@ -15,21 +15,44 @@ Context parallelism: the model's attention modules run as they are, with transfo
 attention kernel replaced through its attention interface (`models.hf.attention`), which
 keeps each layer's window, soft-capping and scaling.
 
-A family needs its own entry only when its layout is not declared this way (no
-`base_model_pp_plan`): `pipeline_stage` then refuses by name.
+Tensor parallelism follows the model's own declared plan (`config.base_model_tp_plan`, the
+head's `_tp_plan`; `models.hf.tensor_parallel`), the experts of MoE families split over EP
+(`models.hf.experts`). Layout refusals: the rules every family shares
+(`parallel.layout_rules`), with the values of the model's config.json.
+
+A family needs a file of its own only where transformers does not declare what is needed (no
+`base_model_tp_plan`, no `base_model_pp_plan`, projections LoRA should adapt under other
+names, a forward that must be told its local head count): one module under
+`gangtrain.models.hf.families` with an `HFSpec` subclass and `SPECS = {model_type: class}`,
+found by `spec_for` (nothing else to edit). Without one, `pipeline_stage` and
+`tensor_parallel` refuse by name.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable, Sequence
+from functools import cache
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gangs import Gangs
+from gangs.errors import UserError
 from gangtrain.layers.wrappers import WHOLE_MODEL
 from gangtrain.models.hf.attention import register_hf_attention
+from gangtrain.models.hf.experts import apply_expert_parallel
+from gangtrain.models.hf.tensor_parallel import apply_tp_plan, tp_plan_of
+from gangtrain.parallel.layout_rules import (
+    check_context_split,
+    check_pipeline_schedule,
+    refuse_tied_under_pipeline,
+)
 from gangtrain.parallel.pipeline_stages import refuse_tied
+from gangtrain.parallel.spec import LayoutSizes
+from units.router_aux_loss import share_router_statistics
 
 __all__ = ["FAMILY_SPECS", "HF_LORA_TARGETS", "HFSpec", "PipelineLayout", "spec_for"]
 
@@ -41,8 +64,9 @@ class PipelineLayout:
     """The names, in the base model, of what a pipeline cuts (`config.base_model_pp_plan`):
     `embedding` (first stage), `layers` (the decoder layers), `norm` (last stage)."""
 
-    def __init__(self, model: nn.Module, family: str) -> None:
-        plan = dict(getattr(model.config, "base_model_pp_plan", None) or {})
+    def __init__(self, model: nn.Module, family: str,
+                 plan: dict[str, Any] | None = None) -> None:
+        plan = dict(plan or getattr(model.config, "base_model_pp_plan", None) or {})
         base = _base(model)
         layers = [name for name in plan if isinstance(getattr(base, name, None), nn.ModuleList)]
         if not plan or len(layers) != 1:
@@ -58,19 +82,31 @@ class PipelineLayout:
 
 
 class HFSpec:
-    """The spec of a transformers causal LM (see the module docstring)."""
+    """The spec of a transformers causal LM (see the module docstring). A family's own file
+    overrides `tp_plan`, `pp_plan`, `lora_targets` or `tensor_parallel` where transformers
+    declares nothing."""
 
-    lora_targets = HF_LORA_TARGETS
+    lora_targets: tuple[str, ...] = HF_LORA_TARGETS
 
     def __init__(self, model_type: str) -> None:
         self.name = f"hf:{model_type}"
 
+    # -- what transformers declares, unless the family's file says otherwise ---------------
+    def tp_plan(self, model: nn.Module) -> dict[str, str]:
+        """`{module pattern: style name}` (`models.hf.tensor_parallel.STYLES`)."""
+        return tp_plan_of(model)
+
+    def pp_plan(self, model: nn.Module) -> dict[str, Any] | None:
+        """The base model's pipeline layout, as `config.base_model_pp_plan` writes it."""
+        return getattr(model.config, "base_model_pp_plan", None)
+
+    # -- the ModelSpec ------------------------------------------------------------------------
     def decoder_layers(self, model: nn.Module) -> Sequence[nn.Module]:
-        return getattr(_base(model), PipelineLayout(model, self.name).layers)
+        return getattr(_base(model), self._layout(model).layers)
 
     def pipeline_stage(self, model: nn.Module, layers: range, first: bool,
                        last: bool) -> nn.Module:
-        layout = PipelineLayout(model, self.name)
+        layout = self._layout(model)
         refuse_tied(getattr(_base(model), layout.embedding), model.get_output_embeddings())
         if getattr(model.config, "output_router_logits", False):
             # The last stage's forward sees only its own routers, and the loss its logits.
@@ -84,17 +120,60 @@ class HFSpec:
     def attend_over(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
         register_hf_attention(model, group)
 
+    def tensor_parallel(self, model: nn.Module, gangs: Gangs) -> None:
+        """The experts split over `gangs.ep` (`models.hf.experts`), and the TP plan over
+        `gangs.tp`, when there is more than one rank to split over; the router's aux loss
+        statistics summed over the ranks that hold other tokens (`units.router_aux_loss`)."""
+        apply_expert_parallel(model, gangs.ep)
+        share_router_statistics(model, (gangs.dp, gangs.cp))
+        if gangs.tp.size == 1:
+            return
+        if gangs.mesh is None:
+            raise UserError("tensor parallelism needs the gangs' device mesh (setup_gangs)")
+        apply_tp_plan(model, gangs.mesh["tp"], self.tp_plan(model))
+
+    def check_layout(self, config: Any, sizes: LayoutSizes) -> None:
+        """`config`: the model's `PretrainedConfig` (its config.json)."""
+        check_pipeline_schedule(sizes)
+        check_context_split(sizes, int(getattr(config, "num_attention_heads", 0) or 0))
+        refuse_tied_under_pipeline(sizes, bool(getattr(config, "tie_word_embeddings", False)),
+                                   model_file="tie_word_embeddings in config.json")
+
+    def model_files(self) -> Any:
+        from gangtrain.models.hf.trainer_files import HFModelFiles
+
+        return HFModelFiles()
+
+    def _layout(self, model: nn.Module) -> PipelineLayout:
+        return PipelineLayout(model, self.name, self.pp_plan(model))
+
 
 FAMILY_SPECS: dict[str, Callable[[str], HFSpec]] = {}
-"""A family's own spec by `model_type`, only where the generic one does not fit (a subclass
-of `HFSpec` in the family's own file under `models/`, registered here)."""
+"""A family's own spec by `model_type`, registered in code (a program's own family); the files
+under `gangtrain.models.hf.families` are found without an entry here."""
 
 
-def spec_for(model: nn.Module) -> HFSpec:
-    """The spec of transformers model `model`: its family's own (`FAMILY_SPECS`) or the
+@cache
+def family_files() -> dict[str, Callable[[str], HFSpec]]:
+    """`{model_type: spec class}` of every module of `gangtrain.models.hf.families` (its
+    `SPECS`), imported on first use."""
+    from gangtrain.models.hf import families
+
+    found: dict[str, Callable[[str], HFSpec]] = {}
+    for info in pkgutil.iter_modules(families.__path__):
+        module = importlib.import_module(f"{families.__name__}.{info.name}")
+        found.update(getattr(module, "SPECS", {}))
+    return found
+
+
+def spec_for(model: Any) -> HFSpec:
+    """The spec of transformers model `model` (or of its `PretrainedConfig`, before a model
+    is built): its family's own (`FAMILY_SPECS`, `gangtrain.models.hf.families`) or the
     generic one, read from its config and class."""
-    model_type = str(getattr(model.config, "model_type", type(model).__name__))
-    return FAMILY_SPECS.get(model_type, HFSpec)(model_type)
+    config = getattr(model, "config", model)
+    model_type = str(getattr(config, "model_type", None) or type(model).__name__)
+    make = FAMILY_SPECS.get(model_type) or family_files().get(model_type, HFSpec)
+    return make(model_type)
 
 
 def _base(model: nn.Module) -> Any:

@@ -102,10 +102,12 @@ def tp_plan_of(model: nn.Module) -> dict[str, str]:
     return dict(plan)
 
 
-def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Split `model` in place over `tp_mesh` (1-D, the TP ranks) by its own plan and
-    return it. Call it before FSDP2 and before the weights are loaded (on meta is fine)."""
-    plan = tp_plan_of(model)
+def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh,
+                  plan: dict[str, str] | None = None) -> nn.Module:
+    """Split `model` in place over `tp_mesh` (1-D, the TP ranks) by `plan` (default: its own,
+    `tp_plan_of`; a family's spec may give one) and return it. Call it before FSDP2 and
+    before the weights are loaded (on meta is fine)."""
+    plan = tp_plan_of(model) if plan is None else dict(plan)
     _check_heads_divide(model, tp_mesh.size())
     unsupported = {pattern: style for pattern, style in plan.items() if style not in STYLES}
     if unsupported:
