@@ -235,6 +235,9 @@ ARGUMENTS_DOC = """
         replica_group: this job's seat among torchft replica groups
             (`trainer.fault_tolerance.ReplicaGroup`, YAML `gangs.fault_tolerance`): steps
             commit over the live groups; a restarted group recovers live from a peer.
+        fault_tolerance: the same from its settings (`FaultToleranceSettings`, YAML
+            `gangs.fault_tolerance`): the Trainer joins the groups (a local lighthouse when
+            no address is given) and leaves them when its run ends. Not with `replica_group`.
         model_files: the model family's files (`trainer.checkpoint.model_files.ModelFiles`):
             written beside each checkpoint's weights, checked before loading, and the best
             checkpoint's export at the end. Default: the family registered for the model
