@@ -165,10 +165,11 @@ class Trainer(Generic[BatchT]):
         self.metrics = MetricBag(self.device)
         self.steps = StepLog(s.max_consecutive_non_finite, self.gangs.dp, type(unit).__name__)
         self.rng = RngState(s.seed, self.gangs, self.state)
-        # Intra-op CPU threads: set now, or ("auto") chosen by timing the first steps.
+        # Intra-op CPU threads: set now, "auto" by a rule on the model's size and the cores.
         self.threads = IntraOpThreads(
             s.num_threads, self.device, self.gangs.root, compiled=s.compile_model,
-            num_workers=getattr(data_reader, "num_workers", 0) or 0)
+            num_workers=getattr(data_reader, "num_workers", 0) or 0,
+            num_parameters=sum(p.numel() for p in unit.model.parameters()))
         self.scaler, self.forward_backward, self.optimizer_step, self._has_expert_params = (
             build.build_step(unit, optimizer, lr_scheduler, self.gangs, self.metrics, s))
         build.wire_optimizer_events(self.optimizer_step, self.callbacks, self)
@@ -227,6 +228,8 @@ class Trainer(Generic[BatchT]):
             try:
                 if self.resume and self.state.step_nr == 0:  # a fresh trainer, not a re-run
                     resuming.resume(self)
+                if self.state.step_nr == 0:  # auto's thread count, recorded and published
+                    self.publishing.record_threads(publish=True)
                 self.callbacks.on_train_start(self)
                 self._profiler = build.build_profiler(self.settings, self.output_dir, self.gangs,
                                                       start_step=self.state.step_nr)
@@ -280,10 +283,7 @@ class Trainer(Generic[BatchT]):
             self.state.step_nr = step_nr = self.state.step_nr + 1
             if self._step_start_event:
                 self.callbacks.on_step_start(self, batches)
-            if self.threads.choosing:  # num_threads="auto": this step is timed
-                self._choose_threads(batches)
-            else:
-                self._train_step(batches)
+            self._train_step(batches)
             self.recorder.advance(step_nr)
             if self._profiler is not None:
                 self._profiler.step()
@@ -308,12 +308,6 @@ class Trainer(Generic[BatchT]):
         return self._agree_stop(due, stop)
 
     # -- one step ------------------------------------------------------------------------
-    def _choose_threads(self, batches: list[BatchT]) -> None:
-        """The step, timed while `num_threads="auto"` chooses the thread count."""
-        if self.threads.time_step(self._train_step, batches, self.state.step_nr,
-                                  self.gangs.root):  # just chosen
-            self.publishing.record_threads(publish=True)
-
     def _train_step(self, batches: list[BatchT]) -> None:
         """Forward and backward over the drawn micro-batches (`forward_backward`: each in
         turn, DDP/HSDP reducing over DP on the last), then normalise, unscale, clip and step
