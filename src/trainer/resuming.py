@@ -45,7 +45,7 @@ def resume(trainer: Any) -> None:
         # A plain callable keeps its state to itself: rebuild it from what it was given.
         for history_step, score in trainer.state.scheduled_scores():
             trainer.early_stopper(history_step, score)
-    trainer.checkpoints.remember_scores(dict(trainer.state.score_history))
+    trainer.checkpoints.remember_scores(trainer.state.candidate_scores())
     trainer.publishing.record_threads()  # a choice the run made before, kept
     trainer.state.last_saved_step = step_nr
     path = step_dir or trainer.checkpoints.step_dir(step_nr)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from trainer.checkpoint.model_saves import ModelSaves
+from trainer.checkpoint.retention import best_of
 from trainer.run_checks import check_finite_state
 from trainer.run_dir import RunDir
 
@@ -63,15 +65,65 @@ class Saving:
             if trainer.model_saves.last_step != step_nr:
                 self.save_model()
         if trainer.checkpoints is None:
+            if not stopped_by_signal:
+                self._keep_the_model_without_checkpoints()
+                self._compare_with_the_start(None)
             return
         if step_nr > (trainer.state.last_saved_step or 0):
             self.save(blocking=True)
         trainer.checkpoints.wait()
-        if trainer.gangs.root.rank == 0 and trainer.checkpoints.best_step is not None:
+        best_step = trainer.checkpoints.best_step
+        if trainer.gangs.root.rank == 0 and best_step is not None:
             trainer.model_files.export_best(trainer.checkpoints.dir,
                                             RunDir(trainer.output_dir).hf)
+        if not stopped_by_signal:
+            self._compare_with_the_start(best_step)
         if trainer.settings.load_best_model_at_end and not stopped_by_signal:
             self.load_best_model()
+
+    def _keep_the_model_without_checkpoints(self) -> None:
+        """Checkpointing off: the finished run's last model is still saved, as a model-only
+        save (`OUTPUT_DIR/models/step_N/`: model.safetensors, or a HF model's directory),
+        with a line saying so; none when no step was trained."""
+        trainer = self.trainer
+        step_nr = trainer.state.step_nr
+        if step_nr == 0:
+            log.warning("checkpointing is off and no step was trained: this run saved no model")
+            return
+        saves = trainer.model_saves
+        if saves is None:  # the model-only saves' writer, for this one save
+            saves = ModelSaves(RunDir(trainer.output_dir).models, trainer.gangs,
+                               model_files=trainer.model_files)
+            trainer.steps.check()  # never a model a non-finite loss poisoned
+            saves.save(step_nr, trainer.unit.model)
+        log.warning("checkpointing is off (no checkpoint, so no best one): the last model "
+                    "(step %d) is saved in %s", step_nr, saves.step_dir(step_nr))
+
+    def _compare_with_the_start(self, best_step: int | None) -> None:
+        """The starting model's score (`validate_at_start`) is no candidate for best (no
+        checkpoint holds it; docs/semantics.md): say when training did not beat it, and
+        which checkpoint is best instead."""
+        trainer = self.trainer
+        start = trainer.state.start_score()
+        if start is None:
+            return
+        scores = trainer.state.candidate_scores()
+        best = best_of(scores, trainer.lower_better)
+        beaten = best is not None and (scores[best] < start if trainer.lower_better
+                                       else scores[best] > start)
+        if beaten:
+            return
+        metric = trainer.settings.score_metric
+        if best_step is not None:
+            instead = (f"the best checkpoint is step_{best_step} ({metric} "
+                       f"{scores.get(best_step, float('nan')):.4f})")
+        elif best is not None:
+            instead = f"the best trained step is {best} ({metric} {scores[best]:.4f})"
+        else:
+            instead = "no trained step was validated"
+        log.warning("training did not beat the starting model: %s %.4f at step 0, which is "
+                    "no candidate for best (no checkpoint holds it); %s", metric, start,
+                    instead)
 
     def load_best_model(self) -> None:
         """`load_best_model_at_end`: the best checkpoint's weights into the model (every

@@ -59,7 +59,7 @@ class Validation:
                         "" if trainer.early_stopper is None or not scheduled
                         else f"; the early stopper {trainer.early_stopper!r} judges it")
         trainer.state.record_score(step_nr, score, scheduled)
-        if trainer.checkpoints is not None:
+        if trainer.checkpoints is not None and step_nr > 0:  # the start is no candidate
             trainer.checkpoints.record_score(step_nr, score)
         if trainer.early_stopper is None or not scheduled:
             return False
