@@ -11,8 +11,10 @@ once none of the registered processes has been alive for `IDLE_EXIT_S` (groups t
 failed and were not restarted). So a restarted group 0 that finishes first cannot take the
 lighthouse away from a group still asking for its last quorum.
 
-On a cluster, start `torchft_lighthouse --min_replicas M` on one host and give every group
-`lighthouse: http://HOST:29510`; that process is the user's to end.
+A quorum waits for a group that is alive but late (`join_timeout_ms`), so whether a group
+takes part in a step never depends on timing, only on whether it is alive. On a cluster,
+start `torchft_lighthouse --min_replicas M` (its default join_timeout_ms waits 60 s) on one host and give
+every group `lighthouse: http://HOST:29510`; that process is the user's to end.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from trainer.errors import UserError
 from trainer.fault_tolerance.replica_group import ReplicaGroup, import_torchft
 from trainer.fault_tolerance.settings import FaultToleranceSettings
 
-__all__ = ["IDLE_EXIT_S", "LOCAL_PORT", "LocalLighthouse", "replica_group_of"]
+__all__ = ["IDLE_EXIT_S", "LOCAL_PORT", "LocalLighthouse", "join_timeout_ms", "replica_group_of"]
 
 LOCAL_PORT = 29510  # torchft_lighthouse's default
 IDLE_EXIT_S = 60.0
@@ -42,10 +44,10 @@ _SERVE = """
 import os, sys, time
 from pathlib import Path
 from torchft.coordination import LighthouseServer
-port, min_replicas, groups, folder, idle_s = sys.argv[1:6]
+port, min_replicas, groups, folder, idle_s, join_ms = sys.argv[1:7]
 folder = Path(folder)
 server = LighthouseServer(bind=f"[::]:{port}", min_replicas=int(min_replicas),
-                          join_timeout_ms=1000, heartbeat_timeout_ms=2000)
+                          join_timeout_ms=int(join_ms), heartbeat_timeout_ms=2000)
 def alive(path):
     try:
         os.kill(int(path.read_text()), 0)
@@ -61,6 +63,14 @@ while len(list(folder.glob("done_*"))) < int(groups):
     time.sleep(0.25)
 server.shutdown()
 """
+
+
+def join_timeout_ms(settings: FaultToleranceSettings) -> int:
+    """How long a quorum waits for a group that is alive (heartbeating) but late, a long
+    validation or save say: half the groups' own wait for a quorum. Waiting, not leaving it
+    out, keeps a run without a failure the same run whatever the timing; a dead group stops
+    heartbeating and is left out after 2 s (`heartbeat_timeout_ms`)."""
+    return int(settings.quorum_timeout_s * 1000 / 2)
 
 
 def replica_group_of(settings: FaultToleranceSettings | None,
@@ -93,7 +103,8 @@ class LocalLighthouse:
             self.FOLDER.mkdir(parents=True, exist_ok=True)
             subprocess.Popen(
                 [sys.executable, "-c", _SERVE, str(LOCAL_PORT), str(settings.min_replicas),
-                 str(settings.replica_groups), str(self.FOLDER), str(IDLE_EXIT_S)],
+                 str(settings.replica_groups), str(self.FOLDER), str(IDLE_EXIT_S),
+                 str(join_timeout_ms(settings))],
                 start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_listening(LOCAL_PORT, settings.quorum_timeout_s)
         if owner:
