@@ -24,10 +24,10 @@ from safetensors.torch import load_file
 from recipes.sft.tiny import make_tiny_chat_model, write_chat_data
 
 pytest.importorskip("torchft", reason="torchft is not installed (pip install 'gangtrain[ft]')")
-pytestmark = pytest.mark.slow  # about 2-3 minutes of 2 CPU cores
+pytestmark = pytest.mark.slow  # 6-9 minutes of 2 shared CPU cores: 13 recipe processes
 
 HERE = Path(__file__).resolve().parent
-STEPS, KILL_AT, HOLD_AT = 24, 8, 12
+STEPS, KILL_AT, HOLD_AT = 16, 6, 9
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +61,14 @@ def start(args: list[str], log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def finish(procs: dict[str, subprocess.Popen], out: Path) -> None:
+def finish(procs: dict[str, subprocess.Popen], out: Path, failure: bool = False) -> None:
+    """Each exits 0; without a `failure`, with no traceback either (with one, torchft logs
+    the dead peer's broken all-reduce with its traceback, and the step is drawn again)."""
     for name, proc in procs.items():
         proc.wait(timeout=600)
         log = (out / f"{name}.log").read_text()
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{log[-6000:]}"
-        assert "Traceback" not in log, f"{name}:\n{log[-6000:]}"
+        assert failure or "Traceback" not in log, f"{name}:\n{log[-6000:]}"
 
 
 def groups(out: Path, tiny, **probes: dict) -> dict[str, subprocess.Popen]:
@@ -133,7 +135,7 @@ def test_group_0_killed_and_restarted_the_others_train_on_and_all_end_the_same(c
     (out / "g0.log").rename(out / "g0_first.log")
     procs["g0"] = start(command(out, tiny, 0, {"replica_id": 0, "kill_at": KILL_AT}),
                         out / "g0.log")
-    finish(procs, out)
+    finish(procs, out, failure=True)
     final = {i: weights(out, f"g{i}") for i in range(3)}
     for name, value in final[0].items():
         assert torch.equal(final[1][name], value) and torch.equal(final[2][name], value), name
