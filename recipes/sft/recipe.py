@@ -212,9 +212,6 @@ def _check_settings(config: SFTConfig, hf_config: Any) -> None:
             raise UserError(f"config 'model.{setting}' is not supported with gangs.pp_size "
                             "or gangs.cp_size > 1 (the stages and the context-parallel "
                             "attention run their own kernels): unset it")
-    if config.data.packing and config.data.padding != "longest":
-        raise UserError(f"config 'data.padding' ({config.data.padding}) is only used with "
-                        "data.packing=false: set data.packing=false, or leave it out")
     if config.model.dtype is not None and config.lora.r is not None:
         raise UserError("config 'model.dtype' is for full fine-tuning: with LoRA the frozen "
                         "base's dtype is lora.base_dtype")
