@@ -64,7 +64,7 @@ class ReplicaGroup:
                  lighthouse: Any = None) -> None:
         """Join the lighthouse as replica group `settings.replica_id`; `gangs` are this
         group's own (one job: torchrun's world, or one process). `lighthouse`: the local
-        lighthouse this group owns (its `stop()` is called by `close`)."""
+        lighthouse's marks of this group (`LocalLighthouse`; `close` marks it finished)."""
         torchft = import_torchft()
         if settings.lighthouse is None:
             raise UserError("gangs.fault_tolerance.lighthouse: no address given (the recipe "
