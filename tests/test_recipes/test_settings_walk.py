@@ -5,7 +5,9 @@ For each recipe (lm, sft, finetune, preference, classify) a short run through it
 training, validation, checkpoints, the export) records which settings of the config it read
 (`settings_walk.reads_of`). A setting it did not read must be one used only under another
 setting (`CONDITIONAL`): given a value of its own without that setting, the recipe's command
-line refuses it, exit 2, naming it. A new setting that nothing reads fails here."""
+line refuses it, exit 2, naming it. A new setting that nothing reads fails here. A new recipe
+(recipes.grpo) joins by an entry in CONDITIONAL ({} when it reads everything) and one in
+`recipe`."""
 
 from __future__ import annotations
 
