@@ -1,6 +1,7 @@
 """Steps lost to one failure: torchft replica groups against a full restart from a checkpoint.
 
     .venv/bin/python -m benchmarks.fault_tolerance [--steps 24] [--kill-at 9] [--every 5]
+    .venv/bin/python -m benchmarks.fault_tolerance --recipe sft [--steps 16] [--kill-at 6]
 
 Three replica groups of one process each (CPU, Gloo) train a small regression through the
 Trainer, meeting over a torchft lighthouse. Group 2 is SIGKILLed at the start of step
@@ -13,6 +14,12 @@ without torchft loses to the same failure: one DDP job over 3 processes checkpoi
 the newest checkpoint (as torchrun's agent does): the steps trained twice on every rank
 (`kill_at - 1 - last checkpoint`) and its wall time. Timings on a shared machine are noisy;
 the step counts are exact.
+
+`--recipe sft`: the same failure in a real recipe: three `python -m recipes.sft` groups of
+one process (a tiny chat model made here), group 0 (the local lighthouse's owner) and then
+group 1 SIGKILLed at step `--kill-at` and started again with the same command
+(`benchmarks.ft_recipe`): the steps each healthy group did again, the exit codes, whether
+every group ends with the same weights, and the wall time against the run without a failure.
 
 The run's parts (a tiny regression, its sample-id-carrying reader, the processes of the
 groups and the lighthouse, forked from this one) are also what tests/test_fault drives.
@@ -353,7 +360,13 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=9)
     parser.add_argument("--every", type=int, default=5, help="checkpoint interval today")
     parser.add_argument("--group-size", type=int, default=1, help="ranks a group (DDP)")
+    parser.add_argument("--recipe", choices=["sft"], default=None,
+                        help="the groups run this recipe's command instead")
     args = parser.parse_args()
+    if args.recipe is not None:
+        recipe_main(args.steps if args.steps != 24 else 16,
+                    args.kill_at if args.kill_at != 9 else 6)
+        return
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         clean = run(Path(a), args.steps, group_size=args.group_size)
         failed = run(Path(b), args.steps, kill_at=args.kill_at, group_size=args.group_size)
@@ -383,6 +396,32 @@ def main() -> None:
           f"{plain_seconds:.1f} s without the failure (ratio "
           f"{restart_seconds / plain_seconds:.2f}; processes forked, so the restart costs no "
           "imports: a real one adds torchrun's and the imports' start)")
+
+
+def recipe_main(steps: int, kill_at: int) -> None:
+    """`--recipe sft` (see the module docstring)."""
+    from safetensors.torch import load_file
+
+    from benchmarks.ft_recipe import make_tiny_sft, run_groups, steps_done_again
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp)
+        tiny = make_tiny_sft(base)
+        clean_s = run_groups(base / "clean", *tiny, steps)
+        print(f"fault_tolerance --recipe sft: 3 groups x 1 process, {steps} steps; "
+              f"without a failure {clean_s:.1f} s")
+        for victim in (0, 1):
+            out = base / f"kill{victim}"
+            seconds = run_groups(out, *tiny, steps, kill=victim, kill_at=kill_at,
+                                 hold_at=kill_at + 3)
+            final = [load_file(out / f"g{i}" / "hf" / "model.safetensors") for i in range(3)]
+            same = all(f[k].equal(final[0][k]) for f in final for k in final[0])
+            again = {i: steps_done_again(out, i) for i in range(3) if i != victim}
+            print(f"  group {victim} SIGKILLed at step {kill_at}, restarted: steps done again "
+                  f"on the healthy groups {again}; every process exited 0; same weights on "
+                  f"every group: {same}; wall {seconds:.1f} s (ratio {seconds / clean_s:.2f}; "
+                  "the healthy groups wait at step "
+                  f"{kill_at + 3} for the restart, which re-imports and reloads)")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,8 @@
 
 ``--compare-threads`` (CPU) runs each preset three times in this process, one after the other:
 the default path (the trainer's ``num_threads: auto``), ``num_threads: 1`` and ``num_threads``
-= all of this process's cores, each with at least as many untimed warm-up steps as auto
-takes to choose, and prints each one's steady step time, its whole run (auto's choosing
-included) and its ratio to the faster fixed count of the same repeat (``--repeats``: medians
+= all of this process's cores, each after at least 3 untimed warm-up steps, and prints each
+one's steady step time, its whole run and its ratio to the faster fixed count of the same repeat (``--repeats``: medians
 of that many runs of each, taken in rotating order).
 
 The model, optimizer (AdamW as the recipe builds it, fused by default) and trainer settings
@@ -45,7 +44,7 @@ from gangtrain.app.cli import load_config
 from gangtrain.models.gpt.model import GPT, GPTConfig, flops_per_token, num_parameters
 from recipes.lm.config import PRESETS, LMConfig
 from trainer.errors import UserError
-from trainer.lifecycle.threads import MAX_ROUNDS, WARMUP_STEPS, available_cores
+from trainer.lifecycle.threads import available_cores
 from trainer.observe.system_metrics import peak_flops as device_peak_flops
 from units.causal_lm import CausalLMUnit
 
@@ -194,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             if run_once(args, preset, config, device, args.threads or "auto") is None:
                 return 1
             continue
-        # At least auto's choosing steps untimed in every run: the ratios are of the steady step.
-        args.warmup = max(args.warmup, WARMUP_STEPS + MAX_ROUNDS * 2)
+        args.warmup = max(args.warmup, 3)  # the ratios are of the steady step
         paths = [("default", "auto"), ("1 thread", 1), ("all cores", available_cores())]
         runs: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in paths}
         for repeat in range(args.repeats):  # each repeat in another order: drift spreads out

@@ -9,6 +9,7 @@ from pydantic import Field, PositiveInt
 from gangtrain.app.config.early_stopper import EarlyStopperConfig
 from gangtrain.app.config.sections import Section
 from gangtrain.app.config.trainer_config import AdamWConfig, TrainerConfig
+from trainer.fault_tolerance.settings import FaultToleranceSettings
 
 
 class ModelSection(Section):
@@ -44,6 +45,8 @@ class OptimizerSection(AdamWConfig):
 
 class GangsSection(Section):
     timeout_s: PositiveInt = 600
+    fault_tolerance: FaultToleranceSettings | None = None
+    """torchft replica groups (trainer.fault_tolerance); null: off."""
 
 
 class ClassifyConfig(Section):

@@ -28,7 +28,6 @@ from recipes.lm.data import (
     load_bytes,
     split_files,
 )
-from trainer.fault_tolerance import replica_group_of
 from trainer.lr_schedules import warmup_cosine
 from trainer.observe.console_log import configure_logging
 from trainer.run_dir import RunDir
@@ -117,17 +116,14 @@ def main(config: LMConfig, output_dir: Path, resume: bool) -> int:
                  CausalLMUnit(s.model, bytes_per_token=1,
                               moe_aux_loss_weight=m.moe_aux_loss_weight,
                               flops_per_target=s.flops_per_token))
-    replicas = replica_group_of(config.gangs.fault_tolerance, s.gangs)  # torchft, if set
     trainer = config.trainer.build(
         unit,
         s.reader, optimizer, output_dir=output_dir,
         gangs=s.gangs, lr_scheduler=scheduler,
         valid_units=s.valid_units, valid_data_readers=s.valid_readers, resume=resume,
-        run_config=config.model_dump(mode="json"), replica_group=replicas,
+        run_config=config.model_dump(mode="json"),  # gangs.fault_tolerance: the shell's
     )
     result = trainer.run()
-    if replicas is not None:
-        replicas.close()
     if s.console:
         _summary(s.console, result, output_dir, s.gzip_bpb)
     s.gangs.close()

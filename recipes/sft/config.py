@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from gangtrain.app.config.optimizers import OptimizerConfig
 from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
@@ -89,6 +89,13 @@ class DataSection(_Section):
     num_workers: PositiveInt | None = None
     """Processes that tokenise (datasets' num_proc); null: one per core, at most 8 and one
     per 2,000 records (`data.sft.tokenizing_processes`)."""
+
+    @model_validator(mode="after")
+    def _padding_needs_no_packing(self) -> DataSection:
+        if self.packing and self.padding != "longest":  # it would be ignored
+            raise ValueError(f"data.padding ({self.padding}) is only used with "
+                             "data.packing=false: set data.packing=false, or leave it out")
+        return self
 
 
 class OptimizerSection(OptimizerConfig):

@@ -60,9 +60,9 @@ class Publishing:
         return False
 
     def record_threads(self, publish: bool = False) -> None:
-        """Auto's thread choice into the config kept beside each later checkpoint, and when
-        just made, into metrics/threads.jsonl (not the train records: timings differ from
-        run to run, and a resumed run's records equal an uninterrupted one's)."""
+        """Auto's thread count into the config kept beside each checkpoint, and at the start
+        of a run, into metrics/threads.jsonl (not the train records: a resumed run's
+        records equal an uninterrupted one's)."""
         record = self.threads.record()
         if record is None:
             return

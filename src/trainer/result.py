@@ -18,19 +18,22 @@ class TrainResult:
     stop_reason: str
     """max_num_steps | max_num_data_epochs | end_of_data | early_stop | signal"""
     best_score: float | None = None
+    """The best score of a trained step (the starting model's, step 0, is no candidate)."""
     best_step: int | None = None
     last_checkpoint: Path | None = None
     best_checkpoint: Path | None = None
     score_history: list[tuple[int, float]] = field(default_factory=list)
     num_skipped_steps: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
+    start_score: float | None = None
+    """The starting model's score (`validate_at_start`), for comparison only."""
 
     @classmethod
     def of_run(cls, reason: str, state: TrainState, num_skipped_steps: int,
                last_metrics: dict[str, float], checkpoints: CheckpointManager | None,
                lower_better: bool) -> TrainResult:
         """The result of a run that stopped for `reason` in `state`."""
-        scores: dict[int, Any] = dict(state.score_history)
+        scores: dict[int, Any] = state.candidate_scores()
         best_step = best_of(scores, lower_better)
 
         def path(step_nr: int | None) -> Path | None:
@@ -48,4 +51,5 @@ class TrainResult:
             score_history=list(state.score_history),
             num_skipped_steps=num_skipped_steps,
             last_metrics=last_metrics,
+            start_score=state.start_score(),
         )

@@ -63,7 +63,7 @@ def resume(*, resume_from: str | None, checkpoints: CheckpointManager | None,
         # A plain callable keeps its state to itself: rebuild it from what it was given.
         for history_step, score in state.scheduled_scores():
             early_stopper(history_step, score)
-    checkpoints.remember_scores(dict(state.score_history))
+    checkpoints.remember_scores(state.candidate_scores())
     record_threads()  # a choice the run made before, kept
     state.last_saved_step = step_nr
     path = step_dir or checkpoints.step_dir(step_nr)

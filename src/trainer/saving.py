@@ -17,10 +17,11 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from gangs import Gang
+from gangs import Gangs
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.model_files import ModelFiles
 from trainer.checkpoint.model_saves import ModelSaves
+from trainer.checkpoint.retention import best_of
 from trainer.observe.recorders.buffered import BufferedRecorder
 from trainer.run_checks import check_finite_state
 from trainer.run_dir import RunDir
@@ -32,15 +33,18 @@ log = logging.getLogger("gangtrain")
 
 class Saving:
     """`states`: every component a checkpoint holds, by name, when called (`Trainer.states`);
-    `load_best_model_at_end`: the setting of that name."""
+    `load_best_model_at_end`, `score_metric`: the settings of those names; `lower_better`: the
+    score's direction."""
 
     def __init__(self, *, model: nn.Module, optimizer: Optimizer, state: TrainState,
-                 steps: StepLog, states: Callable[[], dict[str, Any]], root: Gang,
+                 steps: StepLog, states: Callable[[], dict[str, Any]], gangs: Gangs,
                  recorder: BufferedRecorder, checkpoints: CheckpointManager | None,
                  model_saves: ModelSaves | None, model_files: ModelFiles, output_dir: Path,
-                 load_best_model_at_end: bool) -> None:
+                 load_best_model_at_end: bool, lower_better: bool,
+                 score_metric: str | None) -> None:
         self.model, self.optimizer, self.state, self.steps = model, optimizer, state, steps
-        self.states, self.root, self.recorder = states, root, recorder
+        self.states, self.gangs, self.root, self.recorder = states, gangs, gangs.root, recorder
+        self.lower_better, self.score_metric = lower_better, score_metric
         self.checkpoints, self.model_saves, self.model_files = (checkpoints, model_saves,
                                                                 model_files)
         self.output_dir, self.load_best_model_at_end = output_dir, load_best_model_at_end
@@ -81,14 +85,62 @@ class Saving:
             if self.model_saves.last_step != step_nr:
                 self.save_model()
         if self.checkpoints is None:
+            if not stopped_by_signal:
+                self._keep_the_model_without_checkpoints()
+                self._compare_with_the_start(None)
             return
         if step_nr > (self.state.last_saved_step or 0):
             self.save(blocking=True)
         self.checkpoints.wait()
-        if self.root.rank == 0 and self.checkpoints.best_step is not None:
+        best_step = self.checkpoints.best_step
+        if self.root.rank == 0 and best_step is not None:
             self.model_files.export_best(self.checkpoints.dir, RunDir(self.output_dir).hf)
+        if not stopped_by_signal:
+            self._compare_with_the_start(best_step)
         if self.load_best_model_at_end and not stopped_by_signal:
             self.load_best_model()
+
+    def _keep_the_model_without_checkpoints(self) -> None:
+        """Checkpointing off: the finished run's last model is still saved, as a model-only
+        save (`OUTPUT_DIR/models/step_N/`: model.safetensors, or a HF model's directory),
+        with a line saying so; none when no step was trained."""
+        step_nr = self.state.step_nr
+        if step_nr == 0:
+            log.warning("checkpointing is off and no step was trained: this run saved no model")
+            return
+        saves = self.model_saves
+        if saves is None:  # the model-only saves' writer, for this one save
+            saves = ModelSaves(RunDir(self.output_dir).models, self.gangs,
+                               model_files=self.model_files)
+            self.steps.check()  # never a model a non-finite loss poisoned
+            saves.save(step_nr, self.model)
+        log.warning("checkpointing is off (no checkpoint, so no best one): the last model "
+                    "(step %d) is saved in %s", step_nr, saves.step_dir(step_nr))
+
+    def _compare_with_the_start(self, best_step: int | None) -> None:
+        """The starting model's score (`validate_at_start`) is no candidate for best (no
+        checkpoint holds it; docs/semantics.md): say when training did not beat it, and
+        which checkpoint is best instead."""
+        start = self.state.start_score()
+        if start is None:
+            return
+        scores = self.state.candidate_scores()
+        best = best_of(scores, self.lower_better)
+        beaten = best is not None and (scores[best] < start if self.lower_better
+                                       else scores[best] > start)
+        if beaten:
+            return
+        metric = self.score_metric
+        if best_step is not None:
+            instead = (f"the best checkpoint is step_{best_step} ({metric} "
+                       f"{scores.get(best_step, float('nan')):.4f})")
+        elif best is not None:
+            instead = f"the best trained step is {best} ({metric} {scores[best]:.4f})"
+        else:
+            instead = "no trained step was validated"
+        log.warning("training did not beat the starting model: %s %.4f at step 0, which is "
+                    "no candidate for best (no checkpoint holds it); %s", metric, start,
+                    instead)
 
     def load_best_model(self) -> None:
         """`load_best_model_at_end`: the best checkpoint's weights into the model (every

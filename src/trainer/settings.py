@@ -93,9 +93,10 @@ class TrainerSettings(BaseModel):
     compile_model: bool = Field(False, description=(
         "torch.compile the unit's model (the module inside DDP, never the wrapper)."))
     num_threads: Threads = Field("auto", description=(
-        "Intra-op CPU threads. 'auto': the first steps are timed on 1 thread and on this "
-        "process's share of the cores, alternating, and the faster is kept (logged, "
-        "published once, kept in later checkpoints). An int sets it. OMP_NUM_THREADS or a "
+        "Intra-op CPU threads. 'auto': decided before the first step, never by timing: 1 "
+        "thread for a model under 50M parameters, else this process's share of the cores "
+        "(logged, published once, kept in the checkpoints: a resumed run keeps it). An int "
+        "sets it. OMP_NUM_THREADS or a "
         "torch.set_num_threads call of the user always wins. No effect on CUDA; see "
         "trainer.lifecycle.threads."))
     seed: int | None = Field(2, description=(
@@ -235,6 +236,9 @@ ARGUMENTS_DOC = """
         replica_group: this job's seat among torchft replica groups
             (`trainer.fault_tolerance.ReplicaGroup`, YAML `gangs.fault_tolerance`): steps
             commit over the live groups; a restarted group recovers live from a peer.
+        fault_tolerance: the same from its settings (`FaultToleranceSettings`, YAML
+            `gangs.fault_tolerance`): the Trainer joins the groups (a local lighthouse when
+            no address is given) and leaves them when its run ends. Not with `replica_group`.
         model_files: the model family's files (`trainer.checkpoint.model_files.ModelFiles`):
             written beside each checkpoint's weights, checked before loading, and the best
             checkpoint's export at the end. Default: the family registered for the model

@@ -33,7 +33,7 @@ from trainer import build, resuming
 from trainer.checkpoint.model_files import ModelFiles, model_files_for
 from trainer.default_gangs import default_gangs
 from trainer.early_stoppers import EarlyStopper
-from trainer.fault_tolerance import ReplicaGroup
+from trainer.fault_tolerance import FaultToleranceSettings, ReplicaGroup, replica_group_of
 from trainer.lifecycle.output_dir import prepare_output_dir
 from trainer.lifecycle.rank_failure import raise_if_a_peer_failed
 from trainer.lifecycle.run_lock import RunLock, hold_run_lock
@@ -64,6 +64,7 @@ from trainer.step.step_log import StepLog
 from trainer.validation import Validation
 from trainer.validator import Validator
 from units import EvalUnit, MetricBag, TrainUnit
+from units.router_aux_loss import also_share_router_statistics
 from units.unit import BatchT
 
 log = logging.getLogger("gangtrain")
@@ -93,6 +94,7 @@ class Trainer(Generic[BatchT]):
         overwrite: bool = False,
         run_config: Mapping[str, Any] | None = None,
         replica_group: ReplicaGroup | None = None,
+        fault_tolerance: FaultToleranceSettings | None = None,
         model_files: ModelFiles | None = None,
         # The settings: each is a `TrainerSettings` field, with its default (for editors and
         # type checkers; tests/test_structure.py checks that they match).
@@ -137,6 +139,8 @@ class Trainer(Generic[BatchT]):
         self.settings = s = validate_settings({**given, **unknown})
         if s.resume_from is not None and not resume:
             raise ValueError("resume_from needs resume=True (it names where to resume from)")
+        if replica_group is not None and fault_tolerance is not None:
+            raise ValueError("give replica_group or fault_tolerance, not both")
         self.unit, self.optimizer, self.lr_scheduler = unit, optimizer, lr_scheduler
         self.output_dir, self.resume = Path(output_dir), resume
         self.gangs = default_gangs(gangs, unit.model, "Trainer")
@@ -161,10 +165,11 @@ class Trainer(Generic[BatchT]):
         self.metrics = MetricBag(self.device)
         self.steps = StepLog(s.max_consecutive_non_finite, self.gangs.dp, type(unit).__name__)
         self.rng = RngState(s.seed, self.gangs, self.state)
-        # Intra-op CPU threads: set now, or ("auto") chosen by timing the first steps.
+        # Intra-op CPU threads: set now, "auto" by a rule on the model's size and the cores.
         self.threads = IntraOpThreads(
             s.num_threads, self.device, self.gangs.root, compiled=s.compile_model,
-            num_workers=getattr(data_reader, "num_workers", 0) or 0)
+            num_workers=getattr(data_reader, "num_workers", 0) or 0,
+            num_parameters=sum(p.numel() for p in unit.model.parameters()))
         self.scaler, self.forward_backward, self.optimizer_step, self._has_expert_params = (
             build.build_step(unit, optimizer, lr_scheduler, self.gangs, self.metrics, s))
         build.wire_optimizer_events(self.optimizer_step, self.callbacks, self)
@@ -196,17 +201,22 @@ class Trainer(Generic[BatchT]):
             on_end=partial(self.callbacks.on_validation_end, self))
         self.saving = Saving(
             model=unit.model, optimizer=optimizer, state=self.state, steps=self.steps,
-            states=self.states, root=self.gangs.root, recorder=self.recorder,
+            states=self.states, gangs=self.gangs, recorder=self.recorder,
             checkpoints=self.checkpoints, model_saves=self.model_saves,
             model_files=self.model_files, output_dir=self.output_dir,
-            load_best_model_at_end=s.load_best_model_at_end)
+            load_best_model_at_end=s.load_best_model_at_end, lower_better=self.lower_better,
+            score_metric=s.score_metric)
         self.jobs = build.sync_jobs(s, self.publishing, self.validation, self.saving)
         self.epoch_open: int | None = None  # the epoch whose on_epoch_start has run
         self._step_start_event = self.callbacks.has("on_step_start")
         # torchft replica groups (`trainer.fault_tolerance`): a quorum each step, commit on it.
-        self.replicas = replica_group
-        if replica_group is not None:
-            replica_group.attach(unit.model, optimizer, self.states, data_reader)
+        # Joined last, once every check passed; left when the run ends (`_leave_groups`).
+        self._own_replicas = fault_tolerance is not None
+        self.replicas = replica_group or replica_group_of(fault_tolerance, self.gangs)
+        if self.replicas is not None:
+            self.replicas.attach(unit.model, optimizer, self.states, data_reader)
+            # A MoE's aux loss is the global micro-batch's: summed over the live groups too.
+            also_share_router_statistics(unit.model, self.replicas.live_groups)
 
     @property
     def step_nr(self) -> int:
@@ -230,6 +240,7 @@ class Trainer(Generic[BatchT]):
         self.rng.seed_all()
         anomaly = build.prepare_model(self.unit.model, self.settings)  # compiled, train mode
         hold_run_lock(self.run_lock, self.gangs.root)  # again, for a re-run
+        finished = False
         with StopSignal() as stop, anomaly:
             try:
                 if self.resume and self.state.step_nr == 0:  # a fresh trainer, not a re-run
@@ -241,10 +252,13 @@ class Trainer(Generic[BatchT]):
                         recorder=self.recorder, root=self.gangs.root,
                         run_config=self.run_config,
                         record_threads=self.publishing.record_threads)
+                if self.state.step_nr == 0:  # auto's thread count, recorded and published
+                    self.publishing.record_threads(publish=True)
                 self.callbacks.on_train_start(self)
                 self._profiler = build.build_profiler(self.settings, self.output_dir, self.gangs,
                                                       start_step=self.state.step_nr)
                 reason = self._loop(stop)
+                finished = True
             except Exception as error:  # a peer's earlier failure is the cause, if any
                 raise_if_a_peer_failed(self.output_dir, self.gangs.root, self.state.step_nr,
                                        error)
@@ -257,6 +271,8 @@ class Trainer(Generic[BatchT]):
                 if self.checkpoints is not None:
                     self.checkpoints.close()
                 self.run_lock.release()  # last: close() may still commit a save
+                if self._own_replicas and self.replicas is not None:
+                    self.replicas.close(finished=finished)  # no more quorums asked
         result = TrainResult.of_run(reason, self.state, self.steps.total_skipped,
                                     self.publishing.last_published, self.checkpoints,
                                     self.lower_better)
@@ -291,10 +307,7 @@ class Trainer(Generic[BatchT]):
             self.state.step_nr = step_nr = self.state.step_nr + 1
             if self._step_start_event:
                 self.callbacks.on_step_start(self, batches)
-            if self.threads.choosing:  # num_threads="auto": this step is timed
-                self._choose_threads(batches)
-            else:
-                self._train_step(batches)
+            self._train_step(batches)
             self.recorder.advance(step_nr)
             if self._profiler is not None:
                 self._profiler.step()
@@ -319,12 +332,6 @@ class Trainer(Generic[BatchT]):
         return self._agree_stop(due, stop)
 
     # -- one step ------------------------------------------------------------------------
-    def _choose_threads(self, batches: list[BatchT]) -> None:
-        """The step, timed while `num_threads="auto"` chooses the thread count."""
-        if self.threads.time_step(self._train_step, batches, self.state.step_nr,
-                                  self.gangs.root):  # just chosen
-            self.publishing.record_threads(publish=True)
-
     def _train_step(self, batches: list[BatchT]) -> None:
         """Forward and backward over the drawn micro-batches (`forward_backward`: each in
         turn, DDP/HSDP reducing over DP on the last), then normalise, unscale, clip and step

@@ -77,7 +77,7 @@ class Validation:
                         "" if self.early_stopper is None or not scheduled
                         else f"; the early stopper {self.early_stopper!r} judges it")
         self.state.record_score(step_nr, score, scheduled)
-        if self.checkpoints is not None:
+        if self.checkpoints is not None and step_nr > 0:  # the start is no candidate
             self.checkpoints.record_score(step_nr, score)
         if self.early_stopper is None or not scheduled:
             return False

@@ -48,6 +48,7 @@ from gangtrain.layers.moe import MoEFeedForward, load_balancing_loss
 from gangtrain.layers.wrappers import unwrapped, wrapped_chain
 
 __all__ = ["ROUTER_STATISTICS_GANGS", "ExpertLayersAuxLoss", "RouterAuxLoss",
+           "also_share_router_statistics",
            "router_statistics_gangs", "share_router_statistics", "summed_over_gangs"]
 
 ROUTER_STATISTICS_GANGS = "router_statistics_gangs"
@@ -58,6 +59,23 @@ def share_router_statistics(model: nn.Module, gangs: Sequence[Gang]) -> None:
     """Sum the router statistics of `model`'s aux loss over `gangs` (the ranks that hold other
     tokens of the same micro-batch: data and context parallel; see the module docstring)."""
     setattr(model, ROUTER_STATISTICS_GANGS, tuple(g for g in gangs if g.size > 1))
+
+
+def also_share_router_statistics(model: nn.Module, gang: Any) -> None:
+    """Also sum `model`'s router statistics over `gang` (anything with `all_reduce(tensor,
+    op)`: the torchft replica groups' live set, whose tokens are other parts of the same
+    global micro-batch); a model that names no gangs yet gets this one alone."""
+    holder = next((seen for seen in wrapped_chain(model)
+                   if hasattr(seen, ROUTER_STATISTICS_GANGS)), model)
+    setattr(holder, ROUTER_STATISTICS_GANGS,
+            (*getattr(holder, ROUTER_STATISTICS_GANGS, ()), gang))
+
+
+def _named_gangs(model: nn.Module, checked: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The gangs named for `model` now (a replica group's may join after the unit was
+    built); `checked` (those found at construction) when none is named."""
+    return next((getattr(seen, ROUTER_STATISTICS_GANGS) for seen in wrapped_chain(model)
+                 if hasattr(seen, ROUTER_STATISTICS_GANGS)), checked)
 
 
 def router_statistics_gangs(model: nn.Module, what: str, fix: str) -> tuple[Gang, ...]:
@@ -91,7 +109,7 @@ class RouterAuxLoss:
     def __init__(self, model: nn.Module, weight: float, num_experts: int, top_k: int,
                  gangs: Sequence[Gang]) -> None:
         self.weight, self.num_experts, self.top_k = weight, num_experts, top_k
-        self.gangs = tuple(gangs)
+        self._model, self._gangs = model, tuple(gangs)
         self._last: tuple[tuple[Tensor, ...], Tensor | None, Any] | None = None
         self._checked = False
         model.register_forward_hook(self._keep, with_kwargs=True)
@@ -116,6 +134,10 @@ class RouterAuxLoss:
             model, f"{kind}: its config asks for the router aux loss (output_router_logits)",
             "load it with gangtrain.models.hf.load_pretrained, or name them")
         return cls(model, float(weight), int(num_experts), int(top_k), gangs)
+
+    @property
+    def gangs(self) -> tuple[Any, ...]:
+        return _named_gangs(self._model, self._gangs)
 
     def _keep(self, _: nn.Module, __: Any, kwargs: dict[str, Any], output: Any) -> None:
         self._last = (getattr(output, "router_logits", None), kwargs.get("attention_mask"),
@@ -177,8 +199,8 @@ class ExpertLayersAuxLoss:
     probabilities)`: the ranks' shares sum to one process's loss and gradient."""
 
     def __init__(self, model: nn.Module, layers: Sequence[MoEFeedForward], weight: float) -> None:
-        self.layers, self.weight = tuple(layers), weight
-        self.gangs = router_statistics_gangs(
+        self.layers, self.weight, self._model = tuple(layers), weight, model
+        self._gangs = router_statistics_gangs(
             model, f"{type(unwrapped(model)).__name__}: its MoE layers' load-balancing loss "
             "(moe_aux_loss_weight > 0)", "build it with recipes.lm.recipe.build_model, or name them")
 
@@ -197,3 +219,7 @@ class ExpertLayersAuxLoss:
         aux = sum(load_balancing_loss(c, s.prob_sums, n, layer.top_k)
                   for c, s, n, layer in zip(counts, stats, tokens, self.layers))
         return self.weight * aux * targets
+
+    @property
+    def gangs(self) -> tuple[Any, ...]:
+        return _named_gangs(self._model, self._gangs)

@@ -1,10 +1,11 @@
-"""`num_threads`: "auto" keeps the faster of 1 thread and all cores, measured on the run's own
-steps; the user's OMP_NUM_THREADS or torch.set_num_threads always wins; the choice is
-logged, published once, kept in the checkpoints' config and by a resumed run.
+"""`num_threads`: "auto" decides before the first step by the model's size (1 thread below
+`AUTO_ALL_CORES_PARAMETERS`, else every core of the process's share), never by timing; the
+user's OMP_NUM_THREADS or torch.set_num_threads always wins; the count is logged, published
+once, kept in the checkpoints' config and by a resumed run.
 
 Each case runs `threads_probe.py` in a fresh process (the thread count is the process's);
-its step sleeps for real on one thread count, so a choice that ignored the timings, or
-overrode the user, shows as the wrong count."""
+its step sleeps for real on one thread count, so a choice that followed timings shows as the
+wrong count."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def results_of(proc: subprocess.Popen[str]) -> tuple[dict[str, dict], str]:
     for line in stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line.removeprefix("RESULT "))
-            results[result["out"]] = result  # a resumed run replaces its first run's
+            if result["out"] in results:  # a resumed run: its first run's kept as NAME_first
+                results[result["out"] + "_first"] = results[result["out"]]
+            results[result["out"]] = result
     return results, stderr
 
 
@@ -63,42 +66,33 @@ def auto(probes):
     return probes["auto"]
 
 
-def test_auto_keeps_the_faster_count_logs_publishes_and_records_it(auto):
+def test_auto_decides_by_the_models_size_not_by_timing_logs_publishes_and_records_it(auto):
     results, stderr = auto
-    fast = {"slow_on_2": 1, "slow_on_1": 2}
     lines = [line for line in stderr.splitlines() if "intra-op CPU threads" in line]
-    for name, count in fast.items():
-        result = results[name]
+    for name, count in {"small": 1, "large": available_cores()}.items():
+        result = results[name] if name == "small" else results["large_first"]
         assert result["trainer_setting"] == "auto"  # the setting, as given
         config = result["run_config"]
-        assert config["num_threads"] == count, result
-        slow = config["median_step_ms"][str(3 - count)]
-        assert slow >= 50 and slow > config["median_step_ms"][str(count)], result
-        assert 3 <= config["chosen_at_step"] <= 7  # a warm-up step, then 1-3 rounds
-        # Published once, at the step it was chosen (metrics/threads.jsonl).
-        assert [(p["step"], p["num_threads"]) for p in result["published"]] == [
-            (config["chosen_at_step"], count)], result
-    # Logged once per run, naming both timings.
-    assert any(line.endswith(f"chosen at step {results['slow_on_2']['run_config']['chosen_at_step']})")
-               and "ms on 1" in line and "ms on 2" in line and "threads: 1 (auto" in line
-               for line in lines), lines
-    assert sum("(auto: median step" in line for line in lines) == 2, lines
-    # The config kept beside checkpoints from the choice on (step 5: chosen at step 3-5).
-    slow_on_2 = results["slow_on_2"]
-    assert slow_on_2["configs"]["step_10"] == slow_on_2["run_config"]
+        assert config == {"num_threads": count, "parameters": 41,
+                          "cores": available_cores()}, result
+        # Published once, at the start (metrics/threads.jsonl).
+        assert [(p["step"], p["num_threads"]) for p in result["published"]] == [(0, count)]
+        assert all(c == config for c in result["configs"].values()), result["configs"]
+    # The small model's step slept on 1 thread: a timing rule would have left it.
+    assert "intra-op CPU threads: 1 (auto: 41 parameters, below 50,000,000" in stderr, lines
 
 
-def test_a_resumed_run_goes_on_with_the_runs_choice(auto):
+def test_a_resumed_run_goes_on_with_the_runs_count(auto):
     results, stderr = auto
-    resumed = results["slow_on_1"]  # resumed from step 10 with 2 threads now the slow ones
-    assert resumed["threads_after"] == 2
-    assert "threads: 2 (auto, as the run chose at step" in stderr
-    assert resumed["configs"]["step_15"]["num_threads"] == 2
+    resumed = results["large"]  # resumed from step 10 where the rule now gives 1
+    assert resumed["threads_after"] == available_cores() > 1
+    assert "(auto, as the run chose; the rule gives 1 here)" in stderr
+    assert resumed["configs"]["step_15"]["num_threads"] == available_cores()
 
 
 def test_evaluate_runs_on_the_count_the_run_chose(auto):
     results, stderr = auto
-    assert results["slow_on_2"]["run_config"]["num_threads"] == 1
+    assert results["small"]["run_config"]["num_threads"] == 1
     assert results["evaluate"]["threads_after"] == 1  # the process was on 2 before it
     assert "threads: 1 (auto, as the run chose)" in stderr
 
@@ -189,13 +183,13 @@ def test_the_trainer_leaves_a_core_to_each_loader_worker(monkeypatch, tmp_path):
     before = torch.get_num_threads()
     try:
         loader = DataLoader(torch.zeros(4, 2), batch_size=2, num_workers=1)
+        # The rule's "every core" for a large model: 2 cores, one left to the worker.
+        monkeypatch.setattr(threads, "AUTO_ALL_CORES_PARAMETERS", 1)
         trainer = Trainer(Unit(), loader, torch.optim.SGD(Unit.model.parameters(), lr=0.1),
-                          output_dir=tmp_path, max_num_steps=1)
-        # 2 cores, one for the worker: one candidate, set at once, nothing to time.
-        assert trainer.threads.candidates == (1,) and not trainer.threads.choosing
-        assert torch.get_num_threads() == 1
+                          output_dir=tmp_path / "one", max_num_steps=1)
+        assert trainer.threads.chosen == 1 and torch.get_num_threads() == 1
         two = Trainer(Unit(), [torch.zeros(2, 2)], torch.optim.SGD(Unit.model.parameters(),
                       lr=0.1), output_dir=tmp_path / "two", max_num_steps=1)
-        assert two.threads.candidates == (1, 2) and two.threads.choosing
+        assert two.threads.chosen == 2 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -1,12 +1,14 @@
 """A program for tests/test_trainer/test_threads.py: trainers with `num_threads` in a fresh
-process, whose step is made slow for real on one thread count.
+process, whose step is made slow for real on one thread count (a timing rule would follow it;
+auto's size rule must not).
 
     python threads_probe.py MODE OUT
 
-Modes: `auto` (two auto runs, the first slow on 2 threads, the second slow on 1; a resumed
-run; `evaluate` of the first run's checkpoint; then the user's `torch.set_num_threads(2)`
-after the import, slow on 2), `env` (run with OMP_NUM_THREADS=2 set by the caller, slow on
-2), `before` (`torch.set_num_threads(1)` before gangtrain is imported, slow on 1). Prints one
+Modes: `auto` (a small model, slow on 1 thread: still 1; a "large" one (the rule's threshold
+lowered below its size): every core, then resumed with the threshold back, so the rule would
+give 1: the run's count kept; `evaluate` of the first run's checkpoint; then the user's
+`torch.set_num_threads(2)` after the import), `env` (run with OMP_NUM_THREADS=2 set by the
+caller), `before` (`torch.set_num_threads(1)` before gangtrain is imported). Prints one
 `RESULT {json}` line per run.
 """
 
@@ -28,6 +30,7 @@ from torch import nn  # noqa: E402
 
 from gangtrain.app.evaluate import evaluate  # noqa: E402
 from trainer import Trainer  # noqa: E402
+from trainer.lifecycle import threads  # noqa: E402
 from trainer.lifecycle.threads import set_threads  # noqa: E402
 from trainer.observe.recorders import read_jsonl  # noqa: E402
 from units import EvalUnit, MetricBag  # noqa: E402
@@ -92,14 +95,17 @@ def train(out: Path, slow_count: int, steps: int = 10, resume: bool = False) -> 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     if mode == "auto":
-        train(out / "slow_on_2", slow_count=2)
-        train(out / "slow_on_1", slow_count=1)
-        # Resumed: the run's choice (2) is kept, not timed again, though 2 is slow now.
-        train(out / "slow_on_1", slow_count=2, steps=15, resume=True)
+        train(out / "small", slow_count=1)  # slow on 1: the rule keeps 1 all the same
+        threshold = threads.AUTO_ALL_CORES_PARAMETERS
+        threads.AUTO_ALL_CORES_PARAMETERS = 10  # the 41 parameters count as large
+        train(out / "large", slow_count=2)
+        # Resumed where the rule gives 1 (another machine, say): the run's count is kept.
+        threads.AUTO_ALL_CORES_PARAMETERS = threshold
+        train(out / "large", slow_count=1, steps=15, resume=True)
         # evaluate takes the count the run chose (1), whatever the process has now.
         set_threads(2)
         evaluate([Loss(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)))],
-                 [batches(2)], output_dir=out / "slow_on_2", checkpoint="last")
+                 [batches(2)], output_dir=out / "small", checkpoint="last")
         print("RESULT " + json.dumps({"out": "evaluate", "threads_after": torch.get_num_threads()}))
         # The user's, after the import, even the count torch had at the start.
         torch.set_num_threads(2)

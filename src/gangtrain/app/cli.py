@@ -49,6 +49,7 @@ from gangs import Gangs, setup_gangs, setup_root_gang
 from gangtrain.app.config.errors import format_validation_error
 from gangtrain.app.config.loading import PRESET_DOC_KEY, load_config, parse_override
 from gangtrain.app.evaluate import check_eval_choice, parse_checkpoint_choice
+from gangtrain.app.replica_groups import join_replica_groups
 
 # load_config, parse_override and format_validation_error are re-exported: recipes, tests and
 # benchmarks import them from here.
@@ -194,6 +195,7 @@ def _train(config: BaseModel, args: argparse.Namespace, output_dir: Path, rank0:
     try:
         if args.resume and not args.overwrite:
             check_resume_config(output_dir, config.model_dump(mode="json"), resume_guard)
+        join_replica_groups(config)  # gangs.fault_tolerance, every recipe's (refusals first)
         if check_inputs is not None and rank0:  # the other ranks wait for rank 0 in main
             check_inputs(config)
     except UserError as err:

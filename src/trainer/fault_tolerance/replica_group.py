@@ -7,7 +7,11 @@ The groups are the DP-replicate axis, made fault tolerant: each group is a job o
 1. `start_step`: a quorum of the live groups (a group that died is left out; one that is
    behind, a restarted one, first receives the model, the optimizer and every stateful
    component of the Trainer from a healthy peer, live); this group's share of the global
-   batch follows the groups in the quorum (`GlobalBatchReader.set_share`);
+   batch follows the groups in the quorum (`GlobalBatchReader.set_share`): its rank among
+   them, by replica_id, never the order in which they asked. Before the first step of a
+   run the groups wait (up to `quorum_timeout_s`) until all `replica_groups` are in the
+   quorum, so a run without a failure is trained by every group from its first step, and
+   is the same run whichever group started first;
 2. `step`: the gradients and the target count summed over the groups of the quorum, so
    the gradient is that of the mean loss over every target the participating groups drew
    (the exact normalisation, over the groups that took part, not a fixed world size); the
@@ -25,6 +29,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -59,7 +64,7 @@ class ReplicaGroup:
                  lighthouse: Any = None) -> None:
         """Join the lighthouse as replica group `settings.replica_id`; `gangs` are this
         group's own (one job: torchrun's world, or one process). `lighthouse`: the local
-        lighthouse this group owns (its `stop()` is called by `close`)."""
+        lighthouse's marks of this group (`LocalLighthouse`; `close` marks it finished)."""
         torchft = import_torchft()
         if settings.lighthouse is None:
             raise UserError("gangs.fault_tolerance.lighthouse: no address given (the recipe "
@@ -90,6 +95,7 @@ class ReplicaGroup:
         self._states: Callable[[], dict[str, Any]] | None = None
         self._reader: Any = None
         self._before_step: dict[str, Any] | None = None  # the components before this step
+        self._started = False  # the first quorum of this process is behind
         self.committed = True  # whether the last step committed
         self.uncommitted_steps = 0  # steps undone in this process (a failure's cost)
         self.healed = 0  # live recoveries of this process from a peer
@@ -133,6 +139,9 @@ class ReplicaGroup:
         if self._before_step is not None and not self.committed:
             self._load_components(self._before_step)
         self.manager.start_quorum()
+        if not self._started:
+            self._started = True
+            self._wait_for_every_group()
         participants = self.manager.num_participants()
         rank = self.manager.participating_rank()
         if rank is None:  # not in this quorum: nothing to share out (torchft zeroes its part)
@@ -142,6 +151,23 @@ class ReplicaGroup:
         assert self._states is not None, "attach() first"
         self._before_step = {name: copy.deepcopy(c.state_dict())
                              for name, c in self._states().items()}
+
+    def _wait_for_every_group(self) -> None:
+        """At a run's start (no step committed by any group): quorums again until every
+        group is in one, so that the first step, like every later one without a failure,
+        is shared by all of them. A group that never comes is waited for `quorum_timeout_s`
+        (then the run starts without it; it joins, live, when it comes)."""
+        deadline = time.monotonic() + self.settings.quorum_timeout_s
+        wanted = self.settings.replica_groups
+        while self.manager.current_step() == 0 and self.manager.num_participants() < wanted:
+            if time.monotonic() > deadline:
+                log.warning("replica group %d starts with %d of %d groups (the others did "
+                            "not join in %.0f s)", self.settings.replica_id,
+                            self.manager.num_participants(), wanted,
+                            self.settings.quorum_timeout_s)
+                return
+            time.sleep(0.05)
+            self.manager.start_quorum()
 
     def step(self, optimizer_step: OptimizerStep, loss: Tensor, count: Tensor | int,
              normalised: bool, step_nr: int, measure_norm: bool) -> StepOutcome:
@@ -182,6 +208,12 @@ class ReplicaGroup:
         device = params[0].device if params else torch.device("cpu")
         return flat[-1].to(device)
 
+    @property
+    def live_groups(self) -> LiveGroups:
+        """The groups of this step's quorum, as a gang for the small sums a forward needs
+        (the MoE router statistics of the global micro-batch)."""
+        return LiveGroups(self.manager)
+
     def _load_components(self, states: dict[str, Any]) -> None:
         assert self._states is not None
         for name, component in self._states().items():
@@ -193,9 +225,30 @@ class ReplicaGroup:
         """The steps committed by the groups (torchft's count)."""
         return self.manager.current_step()
 
-    def close(self) -> None:
-        """Leave the groups; end the local lighthouse this group started, if any (the
-        groups end together: their last quorum is behind them)."""
+    def close(self, finished: bool = True) -> None:
+        """Leave the groups. `finished`: this group's training ended (it asks no more
+        quorums; the local lighthouse ends once every group has); a group that failed
+        says nothing, so the lighthouse waits for its restart."""
         self.manager.shutdown(wait=False)
-        if self.lighthouse is not None:
-            self.lighthouse.stop()
+        if finished and self.lighthouse is not None:
+            self.lighthouse.finished()
+
+
+class LiveGroups:
+    """The live replica groups as a gang that sums (`all_reduce(tensor, SUM)`, in place):
+    the same rank of every group of this step's quorum, in float64 on the host (rounded
+    once, on the way back). A failure shows at the step's commit, as for the gradients."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    @property
+    def size(self) -> int:
+        return max(1, self.manager.num_participants())
+
+    def all_reduce(self, tensor: Tensor, op: Any) -> None:
+        if getattr(op, "name", op) not in ("SUM", "sum"):
+            raise ValueError(f"the live replica groups only sum, not {op}")
+        host = tensor.detach().to("cpu", torch.float64)
+        self.manager.allreduce(host, reduce_op=ReduceOp.SUM).wait()
+        tensor.copy_(host)

@@ -20,15 +20,17 @@ class FaultToleranceSettings(BaseModel):
     replica_id: NonNegativeInt = 0
     """This group's number, 0 .. replica_groups-1 (one job each)."""
     lighthouse: str | None = None
-    """The lighthouse's address (http://HOST:PORT). null: the recipe starts one for a
-    local run in replica group 0's process and writes its address to
-    OUTPUT_DIR/../lighthouse (local runs only)."""
+    """The lighthouse's address (http://HOST:PORT). null: a local run (every group on this
+    machine): replica group 0 starts one on port 29510, a process of its own that ends
+    itself once every group finished (trainer.fault_tolerance.lighthouse)."""
     min_replicas: PositiveInt = 1
     """A step commits only when at least this many groups took part."""
     timeout_s: float = Field(default=30.0, gt=0)
     """Collectives, commit votes and live recovery between groups wait at most this long."""
     quorum_timeout_s: float = Field(default=60.0, gt=0)
-    """How long a group waits for a quorum of live groups at the start of a step."""
+    """How long a group waits for a quorum of live groups at the start of a step; the local
+    lighthouse waits half of it for a group that is alive but late, and a run's first step
+    waits this long for every group to join."""
 
     @model_validator(mode="after")
     def _fits(self) -> FaultToleranceSettings:

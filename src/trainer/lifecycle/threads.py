@@ -1,11 +1,14 @@
-"""Intra-op CPU threads that fit the machine: `num_threads="auto"` times the first training
-steps on 1 thread and on all of this process's cores, alternating, and keeps the faster, as
-`torch.backends.cudnn.benchmark` does for kernels.
+"""Intra-op CPU threads that fit the machine: `num_threads="auto"` decides before the first
+step, by a rule on the model's size and this process's cores, never by timing, and keeps the
+count for the whole run (a resumed run included): the same command gives the same model on a
+quiet or a loaded machine, and an interrupted, resumed run equals a straight one.
 
-Why measure: waking a second OpenMP thread for each op can cost far more than the op. On a
-2-vCPU VM (KVM) torch's default of 2 threads made the `tiny` LM step 505 ms against 23 ms on
-one thread, and the `cpu` preset's 3.4x slower; on a many-core machine a large step wants every
-core. No fixed default fits both.
+Why not 1 always: waking a second OpenMP thread for each op can cost far more than a small op
+(on a 2-vCPU VM torch's default of 2 threads made the `tiny` LM step 505 ms against 23 ms on
+one thread), while a large model's matrix products want every core. Why not timing: a count
+chosen by timing the first steps (as this module once did) depends on the machine's load, and
+another count changes float results in the last bits (reductions split differently), so two
+runs of one command, or a run and its resumed self, trained different models.
 
 The count, in this order:
 - not the CPU (CUDA): left as it is.
@@ -17,55 +20,38 @@ The count, in this order:
   and the variable is unset; that "1" cannot be told from a user's and counts as torchrun's
   (set `num_threads: 1` to insist on one).
 - an int: that count.
-- "auto": the candidates 1 and this process's share of the cores: the CPUs it may run on
-  (`os.sched_getaffinity`) divided among torchrun's local ranks (`LOCAL_WORLD_SIZE`), less one
-  for each data-loader worker process (`num_workers` of the reader: they run on the same
-  cores). One candidate: set, nothing timed. A compiled model keeps the count: compiled CPU
+- "auto": 1 thread for a model of fewer than `AUTO_ALL_CORES_PARAMETERS` parameters, else
+  this process's share of the cores: the CPUs it may run on (`os.sched_getaffinity`) divided
+  among torchrun's local ranks (`LOCAL_WORLD_SIZE`), less one for each data-loader worker
+  process (`num_workers` of the reader: they run on the same cores). Rank 0 decides for every
+  rank (one broadcast at construction). A compiled model keeps torch's count: compiled CPU
   kernels fix theirs when they are compiled.
 
-Choosing: the first step (allocator, lazy set-up) is not timed; then each step runs on the
-next candidate in turn, timed on the host clock (CPU ops are synchronous: no device sync), for
-up to `MAX_ROUNDS` rounds, fewer when one candidate's slowest step beats every other's fastest
-by `CLEAR_MARGINS`. The median step decides. Rank 0 decides for every rank (one broadcast a
-round, at the same step on every rank), so ranks agree. Afterwards the loop runs exactly as
-before: no clock, no call. The trainer logs the choice with both timings, publishes it once
-(`metrics/threads.jsonl`) and keeps it in the config beside later checkpoints (`threads:`);
-it goes into the checkpoints' rank state too, so a resumed run keeps it instead of choosing
-again (and `evaluate` uses the count recorded beside its checkpoint). A run that ends before
-it chose gets its starting count back. Timings vary from run to run, so two runs may choose
-differently, and another thread count may change float results in the last bits: set an int
-for bitwise repeatable runs.
+The trainer logs the count and the rule's inputs, publishes it once (`metrics/threads.jsonl`)
+and keeps it in the config beside the checkpoints (`threads:`) and in their rank state: a
+resumed run goes on with the recorded count even on another machine, and `evaluate` uses the
+count recorded beside its checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from gangs import Gang
 
-__all__ = ["MAX_ROUNDS", "IntraOpThreads", "available_cores", "threads_for_evaluation",
-           "users_choice"]
+__all__ = ["AUTO_ALL_CORES_PARAMETERS", "IntraOpThreads", "available_cores",
+           "threads_for_evaluation", "users_choice"]
 
 log = logging.getLogger("gangtrain")
-T = TypeVar("T")
 
-MAX_ROUNDS = 3
-"""Timed steps per candidate, at most."""
-CLEAR_MARGINS = {1: 3.0, 2: 1.5}
-"""After this many rounds, a candidate whose slowest step is this much faster than every other
-candidate's fastest wins at once (on the 2-vCPU VM the tiny LM's steps on 2 threads took 25-50x
-those on 1: each extra round there costs a second or two)."""
-WARMUP_STEPS = 1
-"""Untimed steps before the first timed one."""
+AUTO_ALL_CORES_PARAMETERS = 50_000_000
+"""From this many model parameters on, "auto" takes every core of the process's share; below,
+one thread (small ops lose more to waking threads than they gain)."""
 
 # The count torch had when gangtrain was imported (before anything of ours set one), and the
 # count gangtrain set last: any other count is the user's own `torch.set_num_threads`.
@@ -139,22 +125,16 @@ def available_cores(num_workers: int = 0) -> int:
 
 
 class IntraOpThreads:
-    """A run's intra-op thread count (see the module docstring): fixed at construction, or,
-    for "auto", chosen while `choosing` by `time_step` around the first steps."""
+    """A run's intra-op thread count (see the module docstring), set at construction and
+    kept: from a checkpoint's record when the run resumes."""
 
     def __init__(self, setting: int | str, device: torch.device, gang: Gang, *,
                  num_workers: int = 0, compiled: bool = False,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 num_parameters: int = 0) -> None:
         self.setting = setting
-        self.clock = clock
         self.start_count = torch.get_num_threads()
-        self.candidates: tuple[int, ...] = ()
-        self.samples: dict[int, list[float]] = {}
-        self.chosen: int | None = None  # by auto (timed, or kept from a checkpoint)
-        self.chosen_at: int | None = None
-        self.medians: dict[int, float] = {}  # median step ms by count, once chosen
-        self.choosing = False
-        self._steps_seen = 0
+        self.chosen: int | None = None  # by auto (by the rule, or kept from a checkpoint)
+        self.rule: dict[str, int] = {}  # the rule's inputs, recorded with the count
         user = users_choice()
         if device.type != "cpu":
             self.reason = f"left as it is on {device.type}"
@@ -166,97 +146,55 @@ class IntraOpThreads:
         elif compiled:
             self.reason = "auto keeps torch's count for a compiled model"
         else:
-            self.candidates = tuple(sorted({1, available_cores(num_workers)}))
-            if len(self.candidates) == 1:
-                set_threads(1)
-                self.reason = "auto: one core for this process"
-            else:
-                self.choosing = True
-                self.reason = "auto: choosing"
-        if device.type == "cpu" and gang.size > 1:  # every rank times the steps rank 0 times
-            plan = [(self.choosing, self.candidates)]
-            gang.broadcast_objects(plan, source_rank=0)
-            self.choosing, self.candidates = plan[0]
-        self.samples = {count: [] for count in self.candidates}
-        if device.type == "cpu" and not self.choosing:
+            cores = available_cores(num_workers)
+            decision = [(1 if num_parameters < AUTO_ALL_CORES_PARAMETERS else cores,
+                         {"parameters": int(num_parameters), "cores": cores})]
+            if gang.size > 1:  # rank 0's rule for every rank
+                gang.broadcast_objects(decision, source_rank=0)
+            count, self.rule = decision[0]
+            self._adopt(count)
+            self.reason = (f"auto: {num_parameters:,} parameters, "
+                           f"{'at least' if count > 1 else 'below'} "
+                           f"{AUTO_ALL_CORES_PARAMETERS:,}; {cores} core(s) for this process")
+        if device.type == "cpu":
             log.info("intra-op CPU threads: %d (%s)", torch.get_num_threads(), self.reason)
 
-    def time_step(self, step: Callable[[T], None], batches: T, step_nr: int,
-                  gang: Gang) -> bool:
-        """Run `step(batches)` as a step of the choice: warm-up, or timed on the next
-        candidate. True when the choice was made at this step."""
-        index = self._steps_seen - WARMUP_STEPS
-        self._steps_seen += 1
-        if index < 0:
-            step(batches)
-            return False
-        count = self.candidates[index % len(self.candidates)]
-        set_threads(count)
-        started = self.clock()
-        step(batches)
-        self.samples[count].append(self.clock() - started)
-        if (index + 1) % len(self.candidates) != 0:
-            return False
-        decision = [self._decide() if gang.rank == 0 else None]
-        if gang.size > 1:
-            gang.broadcast_objects(decision, source_rank=0)
-        if decision[0] is None:
-            return False
-        count, medians = decision[0]
-        self._adopt(count, step_nr, medians)
-        log.info("intra-op CPU threads: %d (auto: median step %s; chosen at step %d)", count,
-                 ", ".join(f"{ms:.1f} ms on {n}" for n, ms in medians.items()), step_nr)
-        return True
+    @property
+    def choosing(self) -> bool:
+        """Never: the count is decided before the first step (kept for callers)."""
+        return False
 
-    def _decide(self) -> tuple[int, dict[int, float]] | None:
-        """Rank 0's choice after a round: (count, median ms by count), or None for another
-        round."""
-        rounds = len(self.samples[self.candidates[0]])
-        medians = {n: statistics.median(s) for n, s in self.samples.items()}
-        fastest = min(self.candidates, key=lambda n: medians[n])
-        margin = CLEAR_MARGINS.get(rounds, math.inf)
-        clear = all(max(self.samples[fastest]) * margin < min(s)
-                    for n, s in self.samples.items() if n != fastest)
-        if rounds < MAX_ROUNDS and not clear:
-            return None
-        return fastest, {n: round(m * 1e3, 3) for n, m in medians.items()}
-
-    def _adopt(self, count: int, step_nr: int | None, medians: dict[int, float]) -> None:
+    def _adopt(self, count: int) -> None:
         set_threads(count)
-        self.chosen, self.chosen_at, self.medians = count, step_nr, medians
-        self.choosing = False
-        self.reason = "auto"
+        self.chosen = count
 
     def published(self) -> dict[str, float]:
-        """The choice as metrics: the count and the median step on each candidate."""
+        """The choice as metrics: the count and the rule's inputs."""
         return {"num_threads": float(self.chosen or 0)} | {
-            f"step_ms_on_{n}_threads": ms for n, ms in self.medians.items()}
+            f"auto_{name}": float(value) for name, value in self.rule.items()}
 
     def record(self) -> dict[str, Any] | None:
-        """The choice for the run's config (`threads:` of each later checkpoint's
-        config.yaml), or None when auto chose nothing."""
+        """The choice for the run's config (`threads:` of each checkpoint's config.yaml),
+        or None when auto chose nothing."""
         if self.chosen is None:
             return None
-        return {"num_threads": self.chosen, "chosen_at_step": self.chosen_at,
-                "median_step_ms": dict(self.medians)}
+        return {"num_threads": self.chosen, **self.rule}
 
     def close(self) -> None:
-        """The run ended: a choice not made leaves the count the run started with."""
-        if self.choosing:
-            self.choosing = False
-            set_threads(self.start_count)
+        """Nothing to undo: the count stays what the run trained with."""
 
     # A checkpoint keeps the choice: a resumed run goes on with it.
     def state_dict(self) -> dict[str, Any]:
-        return {"chosen": self.chosen, "chosen_at": self.chosen_at,
-                "median_step_ms": dict(self.medians)}
+        return {"chosen": self.chosen, "rule": dict(self.rule)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         count = state.get("chosen")
-        if self.choosing and count in self.candidates:
-            self._adopt(count, state.get("chosen_at"), dict(state.get("median_step_ms", {})))
-            log.info("intra-op CPU threads: %d (auto, as the run chose at step %s)", count,
-                     self.chosen_at)
+        if self.chosen is not None and isinstance(count, int) and count >= 1:
+            if count != self.chosen:
+                log.info("intra-op CPU threads: %d (auto, as the run chose; the rule gives "
+                         "%d here)", count, self.chosen)
+            self.rule = dict(state.get("rule", self.rule))
+            self._adopt(count)
 
 
 def threads_for_evaluation(setting: int | str, device: torch.device, recorded: Any) -> None:

@@ -39,6 +39,16 @@ class TrainState:
         return [(step, score) for step, score in self.score_history
                 if step not in self.unscheduled_steps]
 
+    def candidate_scores(self) -> dict[int, float]:
+        """The scores that rank for best: every validated step but the starting model's
+        (step 0, `validate_at_start`), which no checkpoint of the run holds
+        (docs/semantics.md, "The starting model's score")."""
+        return {step: score for step, score in self.score_history if step > 0}
+
+    def start_score(self) -> float | None:
+        """The starting model's score (`validate_at_start`), if it was validated."""
+        return next((score for step, score in self.score_history if step == 0), None)
+
     def score_at(self, step_nr: int) -> float | None:
         """The score recorded at `step_nr`, if that step was validated."""
         if self.score_history and self.score_history[-1][0] == step_nr:

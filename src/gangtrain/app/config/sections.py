@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from gangtrain.layers.lora import LoraSettings
 from gangtrain.parallel.plan import check_hsdp
@@ -63,6 +63,17 @@ class GangsSection(Section):
     lighthouse, min_replicas}; each group a job of its own that trains on when another
     fails. null: off."""
 
+    @model_validator(mode="after")
+    def _pipeline_settings_need_a_pipeline(self) -> GangsSection:
+        """A pipeline's settings without a pipeline would be ignored: refused by name."""
+        if self.pp_size == 1:
+            for name, value, default in (("pp_schedule", self.pp_schedule, "1f1b"),
+                                         ("pp_boundaries", self.pp_boundaries, None)):
+                if value != default:
+                    raise ValueError(f"gangs.{name} ({value!r}) is only used with "
+                                     "gangs.pp_size > 1: set gangs.pp_size, or leave it out")
+        return self
+
     def check(self, data_parallel: str | None) -> None:
         """A `UserError` naming the setting when these sizes do not combine with the
         trainer's `data_parallel` or with each other (before any process group exists)."""
@@ -97,6 +108,17 @@ class LoraSection(Section):
     moments stay float32."""
 
     RESUME_GUARD: ClassVar[tuple[str, ...]] = ("lora.r", "lora.alpha", "lora.target_modules")
+
+    @model_validator(mode="after")
+    def _adapter_settings_need_adapters(self) -> LoraSection:
+        """An adapter's setting without adapters (r null) would be ignored: refused by name."""
+        if self.r is None:
+            for name, field in type(self).model_fields.items():
+                if name != "r" and getattr(self, name) != field.get_default(
+                        call_default_factory=True):
+                    raise ValueError(f"lora.{name} is set but lora.r is null (no adapters): "
+                                     "set lora.r to train adapters, or leave it out")
+        return self
     """The settings a resumed run may not change (the adapters' shapes and meaning)."""
 
     def settings(self) -> LoraSettings | None:

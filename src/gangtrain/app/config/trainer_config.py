@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from torch import nn
 from torch.optim import Optimizer
 
@@ -15,6 +15,7 @@ from gangtrain.app.config.callbacks import CallbackConfig, build_callbacks
 from gangtrain.app.config.early_stopper import ConfiguredStopper, EarlyStopperConfig
 from gangtrain.parallel import param_groups
 from trainer.errors import UserError
+from trainer.fault_tolerance.settings import FaultToleranceSettings
 from trainer.settings import TrainerSettings
 from trainer.trainer import Trainer
 from units import TrainUnit
@@ -51,6 +52,12 @@ class TrainerConfig(TrainerSettings):
         "[{name: 'pkg.mod:Class', every: 100}]; see gangtrain.app.config.callbacks."))
     data_parallel: Literal["ddp", "fsdp"] = Field("ddp", description=(
         "How the recipe wraps the model over the DP gang: DDP or FSDP2."))
+    _fault_tolerance: FaultToleranceSettings | None = PrivateAttr(None)
+
+    def join_replica_groups(self, settings: FaultToleranceSettings | None) -> None:
+        """The Trainers this config builds join these torchft replica groups (the recipe
+        shell hands every recipe's `gangs.fault_tolerance` here: `gangtrain.app.cli`)."""
+        self._fault_tolerance = settings
 
     def build(self, unit: TrainUnit[Any], data_reader: Iterable[Any], optimizer: Optimizer,
               **arguments: Any) -> Trainer[Any]:
@@ -63,6 +70,8 @@ class TrainerConfig(TrainerSettings):
         # Built when the Trainer has decided the score's direction (a factory may take it).
         early_stopper = (ConfiguredStopper(self.early_stopper)
                          if self.early_stopper is not None else None)
+        if self._fault_tolerance is not None and "replica_group" not in arguments:
+            arguments.setdefault("fault_tolerance", self._fault_tolerance)
         try:
             return Trainer(unit, data_reader, optimizer, **arguments,
                            early_stopper=early_stopper,
