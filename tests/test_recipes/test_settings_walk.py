@@ -1,6 +1,6 @@
 """Every setting a recipe's config accepts is read by a real run, or refused by name.
 
-For each recipe (lm, sft, finetune, preference, classify) a short run through its own path
+For each recipe (lm, sft, finetune, preference, classify, grpo) a short run through its own path
 (the shell's `gangs.fault_tolerance` hand-over, the recipe's input checks, its `main`:
 training, validation, checkpoints, the export) records which settings of the config it read
 (`settings_walk.reads_of`). A setting it did not read must be one used only under another
@@ -33,6 +33,10 @@ CONDITIONAL = {
     "finetune": {"lora.alpha": ("16", "lora.r"), "lora.dropout": ("0.1", "lora.r"),
                  "lora.target_modules": ("[q_proj]", "lora.r"),
                  "lora.base_dtype": ("bf16", "lora.r")},
+    "grpo": {"gangs.pp_schedule": ("gpipe", "gangs.pp_size"),
+             "gangs.pp_boundaries": ("[1]", "gangs.pp_size"),
+             "lora.alpha": ("16", "lora.r"), "lora.dropout": ("0.1", "lora.r"),
+             "lora.target_modules": ("[q_proj]", "lora.r"), "lora.base_dtype": ("bf16", "lora.r")},
     "preference": {"gangs.pp_schedule": ("gpipe", "gangs.pp_size"),
                    "gangs.pp_boundaries": ("[1]", "gangs.pp_size"),
                    "lora.alpha": ("16", "lora.r"), "lora.dropout": ("0.1", "lora.r"),
@@ -70,6 +74,17 @@ def recipe(name: str, tmp_path):
         files = ",".join(map(str, write_tiny_corpus(tmp_path / "corpus")))
         return FinetuneConfig, PRESETS, main, check_inputs, cli, [
             f"model.path={model}", f"data.files=[{files}]"]
+    if name == "grpo":
+        from recipes.grpo.config import PRESETS, GRPOConfig
+        from recipes.grpo.recipe import check_inputs, cli, main
+        from recipes.grpo.tiny import make_tiny_chat_model, write_prompts
+        model = make_tiny_chat_model(tmp_path / "model")
+        train = write_prompts(tmp_path / "train.jsonl", 16)
+        valid = write_prompts(tmp_path / "valid.jsonl", 4, seed=1)
+        return GRPOConfig, PRESETS, main, check_inputs, cli, [
+            f"model.path={model}", f"data.files=[{train}]", f"data.valid_files=[{valid}]",
+            'rewards=["recipes.grpo.tiny:low_tokens"]', "loss.beta=0.04",
+            "generation.max_new_tokens=4"]
     from recipes.preference.config import PRESETS, PreferenceConfig
     from recipes.preference.recipe import cli, main
     from recipes.preference.tiny import make_tiny_chat_model, write_pair_data
@@ -91,7 +106,9 @@ def test_every_setting_is_read_or_refused_by_name(name, tmp_path, capsys):
         assert main(config, tmp_path / "out", False) == 0
 
     unread = set(leaves(config)) - reads_of(config, run)
-    assert unread == set(CONDITIONAL[name]), f"{name}: read by nothing: {sorted(unread)}"
+    # A conditional setting may be read on every path (e.g. by a layout check) and still be
+    # refused on its own; every other setting must be read.
+    assert unread <= set(CONDITIONAL[name]), f"{name}: read by nothing: {sorted(unread)}"
     for key, (value, needs) in CONDITIONAL[name].items():
         capsys.readouterr()
         argv = [str(tmp_path / f"refused_{key}"), "--preset", "tiny",
