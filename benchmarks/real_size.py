@@ -116,8 +116,14 @@ def plain_disk(path: Path, size: int, chunk: int = 64 << 20) -> tuple[float, flo
     return write_s, read_s
 
 
-def tokens_per_s(result: dict, tokens_a_step: int) -> float:
-    timed = result["step_s"][1:]  # the first step warms up
+def step_times(result: dict, device: str) -> list[float]:
+    """The timed steps' seconds (the first warms up): CPU seconds on a CPU (one thread: a
+    loaded machine's waits for a core do not count), wall seconds on a GPU."""
+    return result["step_s" if device == "cpu" else "step_wall_s"][1:]
+
+
+def tokens_per_s(result: dict, tokens_a_step: int, device: str) -> float:
+    timed = step_times(result, device)
     return tokens_a_step * len(timed) / sum(timed)
 
 
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     rate = run("matmul", args, work)["flops_per_s"]
     print(f"matmul rate (the model's shapes, one thread, {args.dtype}): {rate / 1e9:.1f} "
-          "GFLOP/s", flush=True)
+          f"GFLOP/{'CPU ' if args.device == 'cpu' else ''}s", flush=True)
     targets = args.seq_len - 1  # one row a step, every token but the last a target
     table: dict[str, list[float]] = {}
     for round_nr in range(args.rounds):
@@ -156,19 +162,20 @@ def main(argv: list[str] | None = None) -> None:
             for framework in frameworks:
                 r = results[framework, kind] = run(f"{framework}:{kind}", args, work)
                 print(f"round {round_nr + 1} {framework:4s} {kind:4s}: steps "
-                      f"{', '.join(f'{s:.2f}' for s in r['step_s'])} s; losses "
+                      f"{', '.join(f'{s:.2f}' for s in r['step_s'])} CPU s ("
+                      f"{', '.join(f'{s:.2f}' for s in r['step_wall_s'])} wall s); losses "
                       f"{', '.join(f'{x:.7f}' for x in r['losses'][:3])}; peak RSS "
                       f"{r['train_peak_gib']:.2f} GiB at the last step, "
                       f"{r['peak_gib']:.2f} GiB in all; first step ends at "
                       f"{r['first_step_end_s']:.1f} s", flush=True)
             if kind == "sft":
                 r = results["ours", "sft"]
-                mfu = 6 * n * args.seq_len / statistics.median(r["step_s"][1:]) / rate
+                mfu = 6 * n * args.seq_len / statistics.median(step_times(r, args.device)) / rate
                 table.setdefault("full SFT, our MFU (6N, of the matmul rate)", []).append(mfu)
                 if ("trl", "sft") in results:
                     t = results["trl", "sft"]
                     table.setdefault("full SFT, TRL's MFU", []).append(
-                        6 * n * args.seq_len / statistics.median(t["step_s"][1:]) / rate)
+                        6 * n * args.seq_len / statistics.median(step_times(t, args.device)) / rate)
                 if "checkpoint_bytes" in r:
                     checkpoint(args, work, r, n, table)
         for kind in kinds:
@@ -178,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
             unit = "pairs" if kind == "dpo" else "trained tokens"
             per_step = args.pairs if kind == "dpo" else targets
             table.setdefault(f"{kind}: {unit}/s, ours / TRL", []).append(
-                tokens_per_s(ours, per_step) / tokens_per_s(theirs, per_step))
+                tokens_per_s(ours, per_step, args.device)
+                / tokens_per_s(theirs, per_step, args.device))
             table.setdefault(f"{kind}: peak RSS, ours / TRL", []).append(
                 ours["train_peak_gib"] / theirs["train_peak_gib"])
             table.setdefault(f"{kind}: step-1 loss, ours - TRL", []).append(
@@ -201,8 +209,10 @@ def checkpoint(args: argparse.Namespace, work: Path, r: dict, n: int,
     table.setdefault("checkpoint bytes / (12 x parameters)", []).append(size / (12 * n))
     table.setdefault("save / plain write + fsync", []).append(r["save_s"] / write_s)
     table.setdefault("resume's load / plain read", []).append(resumed["load_s"] / read_s)
-    table.setdefault("resume: training starts later than fresh, s", []).append(
+    table.setdefault("resume: training starts later than fresh, wall s", []).append(
         resumed["train_start_s"] - r["train_start_s"])
+    table.setdefault("resume: training starts later than fresh, CPU s", []).append(
+        resumed["train_start_cpu_s"] - r["train_start_cpu_s"])
     shutil.rmtree(Path(r["checkpoint_dir"]).parent.parent / "hf", ignore_errors=True)
 
 

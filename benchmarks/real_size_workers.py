@@ -1,8 +1,9 @@
 """The processes of `benchmarks.real_size`, one run each: making the model and data, the
 matmul rate, our recipes (`recipes.sft`, `recipes.preference`) and TRL's trainers on them.
 
-Every run prints one ``RESULT {json}`` line: the wall time of each step (`step_s`), the
-losses, the peak RSS (VmHWM) at the end of the last step (`train_peak_gib`: what training
+Every run prints one ``RESULT {json}`` line: the CPU time of each step (`step_s`; one
+thread, so a loaded machine's waits for a core do not count) and its wall time
+(`step_wall_s`), the losses, the peak RSS (VmHWM) at the end of the last step (`train_peak_gib`: what training
 held) and at the end of the process (`peak_gib`), the trainable and total parameters. Our
 runs add the checkpoint's save and load times and bytes.
 """
@@ -31,7 +32,7 @@ def vm_hwm_gib() -> float:
     return float("nan")
 
 
-CLOCK: dict[str, Any] = {"steps": [], "losses": []}
+CLOCK: dict[str, Any] = {"steps": [], "cpu": []}
 """What `StepClock` saw in this process (the recipe builds it by import path)."""
 
 
@@ -41,13 +42,16 @@ class StepClock:
 
     def on_train_start(self, trainer: Any) -> None:
         CLOCK["train_start"] = time.perf_counter()
+        CLOCK["train_start_cpu"] = time.process_time()
 
     def on_step_end(self, trainer: Any) -> None:
         CLOCK["steps"].append(time.perf_counter())
+        CLOCK["cpu"].append(time.process_time())
         CLOCK["train_peak_gib"] = vm_hwm_gib()
 
     def on_checkpoint_saved(self, trainer: Any, step_nr: int, path: Any) -> None:
         CLOCK["saved"] = time.perf_counter()
+        CLOCK["saved_cpu"] = time.process_time()
         CLOCK["saved_dir"] = str(path)
 
 
@@ -105,7 +109,9 @@ def make_inputs(work: Path, shape: dict[str, int], seq_len: int, dtype: str) -> 
 
 def matmul_rate(shape: dict[str, int], tokens: int, dtype: str, device: str) -> dict:
     """FLOP/s of the model's own matmuls (forward shapes of a layer and the head, weighted by
-    their FLOPs), best of 3, on this device in the run's dtype."""
+    their FLOPs), best of 3, on this device in the run's dtype; per CPU second on a CPU (one
+    thread), per wall second on a GPU."""
+    clock = time.perf_counter if device == "cuda" else time.process_time
     import torch
     import torch.nn.functional as F
 
@@ -122,10 +128,10 @@ def matmul_rate(shape: dict[str, int], tokens: int, dtype: str, device: str) -> 
         best = float("inf")
         for _ in range(3):
             sync(device)
-            start = time.perf_counter()
+            start = clock()
             F.linear(x, w)
             sync(device)
-            best = min(best, time.perf_counter() - start)
+            best = min(best, clock() - start)
         total_flops += 2 * tokens * n_in * n_out * count
         total_s += best * count
     return {"flops_per_s": total_flops / total_s}
@@ -182,21 +188,27 @@ def ours(kind: str, work: Path, args: Any) -> dict:
     if code != 0:
         raise SystemExit(f"our {kind} recipe exited {code}")
     train = [json.loads(line) for line in open(out / "metrics" / "train.jsonl")]
-    steps_at = CLOCK["steps"]
-    result = {"step_s": [b - a for a, b in zip([CLOCK["train_start"], *steps_at], steps_at,
-                                                 strict=False)],
+    steps_at, cpu_at = CLOCK["steps"], CLOCK["cpu"]
+    result = {"step_s": intervals(CLOCK["train_start_cpu"], cpu_at),
+              "step_wall_s": intervals(CLOCK["train_start"], steps_at),
               "losses": [r["loss"] for r in train], "train_peak_gib": CLOCK["train_peak_gib"],
               "first_step_end_s": steps_at[0] - START,
-              "train_start_s": CLOCK["train_start"] - START}
+              "train_start_s": CLOCK["train_start"] - START,
+              "train_start_cpu_s": CLOCK["train_start_cpu"]}
     if "saved" in CLOCK and kind == "sft":
         step_dir = Path(CLOCK["saved_dir"])
         result["save_s"] = CLOCK["saved"] - steps_at[-1]
+        result["save_cpu_s"] = CLOCK["saved_cpu"] - cpu_at[-1]
         result["checkpoint_bytes"] = sum(f.stat().st_size for f in step_dir.rglob("*")
                                          if f.is_file())
         result["checkpoint_dir"] = str(step_dir)
     if load_timer:
         result["load_s"] = load_timer[0]
     return result
+
+
+def intervals(start: float, ends: list[float]) -> list[float]:
+    return [b - a for a, b in zip([start, *ends], ends, strict=False)]
 
 
 def _time_checkpoint_load() -> list[float]:
@@ -225,18 +237,19 @@ def trl(kind: str, work: Path, args: Any) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     times: list[float] = []
+    cpu: list[float] = []
     peaks: list[float] = []
     start_box: list[float] = []
 
     class StepTimes(TrainerCallback):
         def on_train_begin(self, *a: Any, **k: Any) -> None:
-            start_box.append(time.perf_counter())
+            start_box[:] = [time.perf_counter(), time.process_time()]
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
             times.append(time.perf_counter())
+            cpu.append(time.process_time())
             peaks.append(vm_hwm_gib())
 
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32)
     data_file = "sft.jsonl" if kind in ("sft", "lora") else "dpo.jsonl"
@@ -273,8 +286,7 @@ def trl(kind: str, work: Path, args: Any) -> dict:
     torch.set_num_threads(1)
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-    del dtype
-    return {"step_s": [b - a for a, b in zip([start_box[0], *times], times, strict=False)],
+    return {"step_s": intervals(start_box[1], cpu), "step_wall_s": intervals(start_box[0], times),
             "losses": losses, "train_peak_gib": peaks[-1],
             "first_step_end_s": times[0] - START,
             "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}

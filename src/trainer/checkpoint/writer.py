@@ -46,6 +46,8 @@ class PendingSave:
     tmp_dir: Path
     score: float | None
     future: Future[None]
+    tied: dict[str, str]
+    """The model's tied aliases (`state.tied_aliases`), for the manifest."""
 
 
 def write_shard(
