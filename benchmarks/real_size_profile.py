@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--loss-chunk-size", type=int, default=None)
     parser.add_argument("--no-ops", action="store_true")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="a checkpoints directory: profile loading its newest step instead")
     args = parser.parse_args()
 
     import torch
@@ -52,8 +54,11 @@ def main() -> None:
     use_document_attention(model)
     print(f"load: {time.process_time() - start:.2f} CPU s; RSS {rss_gib()[0]:.2f} GiB, "
           f"peak {rss_gib()[1]:.2f}")
-    unit = CausalLMUnit(model, loss_chunk_size=args.loss_chunk_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    if args.resume is not None:
+        profile_resume(args.resume, model, optimizer, gangs)
+        return
+    unit = CausalLMUnit(model, loss_chunk_size=args.loss_chunk_size)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 300, (1, args.seq_len), generator=generator)
     batch = {"input_ids": ids, "target_ids": torch.roll(ids, -1, 1).masked_fill(
@@ -87,6 +92,26 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=False) as prof:
             step(report=False)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def profile_resume(checkpoints: Path, model, optimizer, gangs) -> None:  # noqa: ANN001
+    """The newest checkpoint of `checkpoints` loaded into the model and optimizer, under
+    cProfile (CPU clock): where a resume's time goes."""
+    import cProfile
+    import pstats
+
+    from trainer.checkpoint.manager import CheckpointManager
+
+    manager = CheckpointManager(checkpoints, gangs)
+    profiler = cProfile.Profile(timer=time.process_time)
+    wall = time.perf_counter()
+    profiler.enable()
+    step = manager.find_latest()
+    manager.load(step, model, optimizer)
+    profiler.disable()
+    print(f"load of step {step}: {time.perf_counter() - wall:.2f} wall s; RSS "
+          f"{rss_gib()[0]:.2f} GiB, peak {rss_gib()[1]:.2f}")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":
