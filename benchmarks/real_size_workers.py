@@ -32,7 +32,7 @@ def vm_hwm_gib() -> float:
     return float("nan")
 
 
-CLOCK: dict[str, Any] = {"steps": [], "cpu": []}
+CLOCK: dict[str, Any] = {"steps": [], "cpu": [], "peaks": []}
 """What `StepClock` saw in this process (the recipe builds it by import path)."""
 
 
@@ -43,11 +43,13 @@ class StepClock:
     def on_train_start(self, trainer: Any) -> None:
         CLOCK["train_start"] = time.perf_counter()
         CLOCK["train_start_cpu"] = time.process_time()
+        CLOCK["start_peak_gib"] = vm_hwm_gib()
 
     def on_step_end(self, trainer: Any) -> None:
         CLOCK["steps"].append(time.perf_counter())
         CLOCK["cpu"].append(time.process_time())
         CLOCK["train_peak_gib"] = vm_hwm_gib()
+        CLOCK["peaks"].append(CLOCK["train_peak_gib"])
 
     def on_checkpoint_saved(self, trainer: Any, step_nr: int, path: Any) -> None:
         CLOCK["saved"] = time.perf_counter()
@@ -192,6 +194,7 @@ def ours(kind: str, work: Path, args: Any) -> dict:
     result = {"step_s": intervals(CLOCK["train_start_cpu"], cpu_at),
               "step_wall_s": intervals(CLOCK["train_start"], steps_at),
               "losses": [r["loss"] for r in train], "train_peak_gib": CLOCK["train_peak_gib"],
+              "step_peaks_gib": CLOCK["peaks"], "start_peak_gib": CLOCK["start_peak_gib"],
               "first_step_end_s": steps_at[0] - START,
               "train_start_s": CLOCK["train_start"] - START,
               "train_start_cpu_s": CLOCK["train_start_cpu"]}
@@ -287,7 +290,7 @@ def trl(kind: str, work: Path, args: Any) -> dict:
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     return {"step_s": intervals(start_box[1], cpu), "step_wall_s": intervals(start_box[0], times),
-            "losses": losses, "train_peak_gib": peaks[-1],
+            "losses": losses, "train_peak_gib": peaks[-1], "step_peaks_gib": peaks,
             "first_step_end_s": times[0] - START,
             "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
 
