@@ -6,8 +6,10 @@ activations and gradients (a few MiB to 32 MiB each on CPU) come from the heap, 
 pieces it keeps. At Qwen2.5-0.5B's size on one CPU thread the heap kept 1 GiB the step no
 longer held: the peak resident memory was 9.38 GiB, and 8.34 GiB with every block of 1 MiB
 or more mapped on its own (returned when freed), at the same step time (27.3 against 27.6
-CPU s; docs/measured.md). `MALLOC_MMAP_THRESHOLD_` in the environment (glibc's own
-setting) is left as the user set it.
+CPU s; docs/measured.md). A small model's step would instead pay a page fault per page of
+every such block each step, against matmuls that take little time: the Trainer sets it only
+for a model whose parameters hold `LARGE_MODEL_BYTES` or more. `MALLOC_MMAP_THRESHOLD_` in
+the environment (glibc's own setting) is left as the user set it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import ctypes.util
 import os
 import sys
 
-__all__ = ["MMAP_THRESHOLD", "return_freed_memory"]
+__all__ = ["LARGE_MODEL_BYTES", "MMAP_THRESHOLD", "return_freed_memory"]
+
+LARGE_MODEL_BYTES = 1 << 30
+"""From this size of the parameters (e.g. 268M in fp32) the Trainer sets the threshold."""
 
 MMAP_THRESHOLD = 1 << 20
 """Blocks of this many bytes or more are mapped on their own (glibc's `M_MMAP_THRESHOLD`)."""
