@@ -16,6 +16,7 @@ from torch import nn
 
 from gangs import Gangs
 from gangtrain.app.cli import recipe_gangs, run_recipe
+from gangtrain.app.parameter_counts import parameter_line
 from gangtrain.app.pretrained import check_layout, evaluate_and_close, report_run
 from gangtrain.app.pretrained import load_layout_of as load_pretrained_layout
 from gangtrain.data import (
@@ -109,8 +110,7 @@ def _setup(config: FinetuneConfig, train: bool) -> _Setup:
     num_params = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if console:
-        adapters = f" ({trained:,} trained: LoRA adapters)" if trained < num_params else ""
-        console.print(f"model: {config.model.path}, {num_params:,} parameters{adapters}")
+        console.print(f"model: {config.model.path}, {parameter_line(model)}")
     return _Setup(gangs, console, layout, [layout.valid_unit()], [valid_reader], reader,
                   _flops_per_token(hf_config, num_params, trained, d.seq_len))
 

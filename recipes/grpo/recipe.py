@@ -26,6 +26,7 @@ from gangs import Gangs
 from gangtrain.app.cli import recipe_gangs, run_recipe
 from gangtrain.app.config.import_path import import_object
 from gangtrain.app.evaluate import evaluate
+from gangtrain.app.parameter_counts import parameter_line
 from gangtrain.data.prompts import PromptSet, read_prompts
 from gangtrain.models.hf import load_pretrained
 from gangtrain.models.hf.hf_config import check_model_dir, check_tokenizer_fits
@@ -184,8 +185,7 @@ def _setup(config: GRPOConfig, train: bool) -> _Setup:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
         else tokenizer.eos_token_id
     if console:
-        console.print(f"model: {config.model.path}, "
-                      f"{sum(p.numel() for p in model.parameters()):,} parameters; loss "
+        console.print(f"model: {config.model.path}, {parameter_line(model)}; loss "
                       f"{config.loss.kind}, beta {config.loss.beta}; reference: "
                       + ("none" if reference is None else "the base, adapters disabled"
                          if reference.is_policy_base else "a frozen copy"))

@@ -23,6 +23,7 @@ from torch import nn
 
 from gangs import Gangs, rank0_first
 from gangtrain.app.cli import recipe_gangs, run_recipe
+from gangtrain.app.parameter_counts import parameter_line
 from gangtrain.app.pretrained import (
     check_layout,
     evaluate_and_close,
@@ -156,8 +157,7 @@ def _setup(config: PreferenceConfig, train: bool) -> _Setup:
     check_tokenizer_fits(tokenizer, hf_config, config.model.path)
     model, reference = load_models(config, gangs)
     if console:
-        console.print(f"model: {config.model.path}, "
-                      f"{sum(p.numel() for p in model.parameters()):,} parameters; loss "
+        console.print(f"model: {config.model.path}, {parameter_line(model)}; loss "
                       f"{config.loss.kind}, beta {config.loss.beta}; reference: "
                       + ("none" if config.loss.kind in ("simpo", "orpo") else
                          "the base, adapters disabled" if reference is None else "a frozen copy"))

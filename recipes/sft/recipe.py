@@ -19,6 +19,7 @@ from torch import nn
 
 from gangs import Gangs, rank0_first
 from gangtrain.app.cli import recipe_gangs, run_recipe
+from gangtrain.app.parameter_counts import parameter_line
 from gangtrain.app.pretrained import (
     check_layout,
     evaluate_and_close,
@@ -230,8 +231,7 @@ def _setup(config: SFTConfig, train: bool) -> _Setup:
     check_tokenizer_fits(tokenizer, hf_config, config.model.path)
     layout = load_model(config, gangs)
     if console:
-        console.print(f"model: {config.model.path}, "
-                      f"{sum(p.numel() for p in layout.model.parameters()):,} parameters"
+        console.print(f"model: {config.model.path}, {parameter_line(layout.model)}"
                       f"{' (this rank: its pipeline stages)' if gangs.pp.size > 1 else ''}")
     return _Setup(gangs, console, layout, tokenizer, data,
                   layout.valid_unit(token_accuracy=True))

@@ -34,6 +34,7 @@ from trainer.checkpoint.model_files import ModelFiles, model_files_for
 from trainer.default_gangs import default_gangs
 from trainer.early_stoppers import EarlyStopper
 from trainer.fault_tolerance import FaultToleranceSettings, ReplicaGroup, replica_group_of
+from trainer.lifecycle.host_memory import LARGE_MODEL_BYTES, return_freed_memory
 from trainer.lifecycle.output_dir import prepare_output_dir
 from trainer.lifecycle.rank_failure import raise_if_a_peer_failed
 from trainer.lifecycle.run_lock import RunLock, hold_run_lock
@@ -238,6 +239,9 @@ class Trainer(Generic[BatchT]):
     def run(self) -> TrainResult:
         """Train until a limit, the end of data, an early stop or a stop signal."""
         self.rng.seed_all()
+        if sum(p.numel() * p.element_size() for p in self.unit.model.parameters()) \
+                >= LARGE_MODEL_BYTES:  # a step's peak host memory is what it holds
+            return_freed_memory()
         anomaly = build.prepare_model(self.unit.model, self.settings)  # compiled, train mode
         hold_run_lock(self.run_lock, self.gangs.root)  # again, for a re-run
         finished = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -207,6 +207,24 @@ def chunked_lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int, chunk_size: 
     return loss, trained.sum()
 
 
+AUTO_MIN_VOCAB = 32768
+"""The vocabulary from which "auto" chunks the loss: there the [tokens, vocab] logits, their
+log-softmax and their gradient are most of the step's transient memory (1 GB for a row of
+512 tokens at Qwen's 151,936), and the chunked loss computes the same three matmuls without
+them (docs/measured.md: the real-size step)."""
+AUTO_CHUNK = 1024
+
+
+def auto_loss_chunk_size(model: nn.Module) -> int | None:
+    """`AUTO_CHUNK` when the model's head can take the chunked loss and its vocabulary has
+    at least `AUTO_MIN_VOCAB` rows; else None (the plain path)."""
+    try:
+        head = chunked_loss_head(model)
+    except ValueError:
+        return None
+    return AUTO_CHUNK if head.out_features >= AUTO_MIN_VOCAB else None
+
+
 def chunked_loss_head(model: nn.Module) -> nn.Linear:
     """The model's linear head, for `chunked_lm_loss`; refused by name where the chunked
     loss cannot be exact."""
@@ -252,16 +270,21 @@ class CausalLMUnit(TrainUnit[LMBatch]):
     are the full head's. Other models take the plain path. `loss_chunk_size` (tokens): the
     head and the cross-entropy run that many trained positions at a time
     (`chunked_lm_loss`), so memory stops growing with vocabulary x tokens; refused by name
-    where it cannot be exact.
+    where it cannot be exact. "auto" (default): chunks of `AUTO_CHUNK` where the
+    vocabulary has at least `AUTO_MIN_VOCAB` rows and the head allows it
+    (`auto_loss_chunk_size`), else the plain path; None: always the plain path.
     """
 
     def __init__(
         self, model: nn.Module, pad_idx: int = IGNORE_INDEX, bytes_per_token: float | None = None,
         moe_aux_loss_weight: float = 0.0, flops_per_target: float | None = None,
-        trained_positions_only: bool = True, loss_chunk_size: int | None = None,
+        trained_positions_only: bool = True,
+        loss_chunk_size: int | Literal["auto"] | None = "auto",
     ) -> None:
         self._model = model
-        if loss_chunk_size is not None:
+        if loss_chunk_size == "auto":
+            loss_chunk_size = auto_loss_chunk_size(model) if trained_positions_only else None
+        elif loss_chunk_size is not None:
             if loss_chunk_size < 1:
                 raise ValueError(f"loss_chunk_size must be positive, got {loss_chunk_size}")
             chunked_loss_head(model)  # refuse before anything runs

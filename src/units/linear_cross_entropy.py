@@ -1,10 +1,14 @@
 """A linear head and its summed cross-entropy, chunk by chunk: peak memory holds one chunk's
 logits ([chunk, vocab]) instead of all of them ([tokens, vocab]), in forward and backward.
 
-Forward keeps each row's log-sum-exp (one float a token); backward computes each chunk's
-logits again and turns them into the gradients of the hidden states, the weight and the
-bias. The result is the same sum as `F.cross_entropy(hidden @ weight.T + bias, targets,
-reduction="sum")` up to float rounding (the sum is taken chunk by chunk).
+When a gradient is wanted, forward also turns each chunk's logits into the gradients of the
+hidden states, the weight and the bias at once (softmax minus the one-hot target, then two
+matmuls; as Liger's fused linear cross-entropy), and backward only scales them by the
+incoming gradient: the head costs the plain path's three matmuls, with no [tokens, vocab]
+logits, log-softmax or logits' gradient held, and no second pass over the logits. Without a
+gradient (no_grad, or nothing requires one) forward computes the loss alone. The result is
+the same sum as `F.cross_entropy(hidden @ weight.T + bias, targets, reduction="sum")` up to
+float rounding (the sum is taken chunk by chunk).
 
 `captured_head(head)` runs a model with its head skipped and hands back the head's input,
 so the chunked loss replaces the head's matmul without re-implementing the model.
@@ -30,7 +34,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_size,
-                                            ignore_index)
+                                            ignore_index, torch.is_grad_enabled())
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -43,44 +47,51 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                chunk_size: int, ignore_index: int) -> Tensor:
+                chunk_size: int, ignore_index: int, grad_enabled: bool) -> Tensor:
+        wanted = [grad_enabled and needed for needed in ctx.needs_input_grad[:3]]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        lse = []
+        grad_hidden = torch.empty_like(hidden) if wanted[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wanted[1] else None
+        grad_bias = (torch.zeros_like(bias, dtype=torch.float32)
+                     if bias is not None and wanted[2] else None)
         for start in range(0, hidden.shape[0], chunk_size):
-            logits = _chunk_logits(hidden[start:start + chunk_size], weight, bias)
+            chunk = hidden[start:start + chunk_size]
+            logits = _chunk_logits(chunk, weight, bias)
             chunk_lse = logits.logsumexp(-1)
             target = targets[start:start + chunk_size]
             kept = target != ignore_index
-            picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
+            rows = torch.arange(logits.shape[0], device=logits.device)
+            picked = logits[rows, target.clamp(min=0)]
             total += ((chunk_lse - picked) * kept).sum()
-            lse.append(chunk_lse)
-        lse_all = torch.cat(lse) if lse else hidden.new_zeros(0, dtype=torch.float32)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
-        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+            if not any(wanted):
+                continue
+            # d(lse - logit[target]) / d logits = softmax - one_hot(target), 0 where ignored
+            grad = logits.sub_(chunk_lse[:, None]).exp_()
+            grad[rows, target.clamp(min=0)] -= 1.0
+            grad *= kept.to(grad.dtype).unsqueeze(1)
+            if grad_hidden is not None:
+                grad_hidden[start:start + chunk_size] = (grad.to(weight.dtype) @ weight
+                                                         ).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t(), chunk.float())
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            end = start + ctx.chunk_size
-            chunk = hidden[start:end]
-            # d(lse - logit[target]) / d logits = softmax - one_hot(target), 0 where ignored
-            grad = (_chunk_logits(chunk, weight, bias) - lse[start:end, None]).exp_()
-            target = targets[start:end]
-            kept = target != ctx.ignore_index
-            rows = torch.arange(grad.shape[0], device=grad.device)
-            grad[rows, target.clamp(min=0)] -= 1.0
-            grad *= (kept.float() * grad_total).unsqueeze(1)
-            grad_hidden[start:end] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_weight += grad.t() @ chunk.float()
-            if grad_bias is not None:
-                grad_bias += grad.sum(0)
-        return (grad_hidden, grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
+        grad_hidden, grad_weight, grad_bias = ctx.grads
+        ctx.grads = None  # the weight's gradient handed on, not copied (one reference)
+        weight_dtype, bias_dtype = ctx.dtypes
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_total).to(weight_dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.mul_(grad_total).to(bias_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 class CapturedHead:

@@ -27,14 +27,28 @@ def _save(path):
     return path / "step_7"
 
 
-def test_a_save_leaves_torch_saves_crc_switch_alone(tmp_path, monkeypatch):
-    """The switch is process-wide: turned off, a torch.save on another thread meanwhile would
-    write zero CRCs into its file."""
+def test_zip_crc_is_off_only_while_the_main_thread_writes(tmp_path, monkeypatch):
+    """torch.save's zip CRC-32 (redundant beside our crc32c, and most of a large save's
+    time) is off while a save on the main thread writes, then back on; an async save, on
+    the writer thread while the main thread may torch.save, leaves the process-wide switch
+    alone. A file torch.save writes with it off still loads."""
+    switched = []
+    set_crc = torch.serialization.set_crc32_options
+    monkeypatch.setattr(torch.serialization, "set_crc32_options",
+                        lambda on: switched.append(on) or set_crc(on))
+    _save(tmp_path / "sync")
+    assert switched == [False, True] and torch.serialization.get_crc32_options()
+
     def refuse(_):
-        raise AssertionError("a save turned torch.save's zip CRC off or on")
+        raise AssertionError("an async save turned torch.save's zip CRC off or on")
 
     monkeypatch.setattr(torch.serialization, "set_crc32_options", refuse)
-    _save(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(30, 5)
+    mgr = CheckpointManager(tmp_path / "async", setup_gangs(FakeGang()), async_save=True)
+    mgr.save(1, model, torch.optim.AdamW(model.parameters()), {})
+    mgr.close()
+    assert verify(tmp_path / "async" / "step_1") is None
 
 
 def test_checksums_written_while_saving_match_the_files(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ under a resumed run, are one clear line."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,12 @@ def straight(tiny, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lora_straight") / "out"
     proc = run_module("recipes.finetune", *lora_args(out, *tiny))
     assert proc.returncode == 0, describe(proc)
-    assert "(3,328 trained: LoRA adapters)" in proc.stdout, proc.stdout
+    # The console names what trains and what is frozen, which add up to the total.
+    counts = re.search(r"([\d,]+) parameters, 3,328 trained \(LoRA adapters; ([\d,]+) frozen\)",
+                       proc.stdout)
+    assert counts, proc.stdout
+    total, frozen = (int(c.replace(",", "")) for c in counts.groups())
+    assert total == frozen + 3328
     assert f"its LoRA adapters in peft's format: {out / 'adapter'}" in proc.stdout
     return out
 

@@ -37,7 +37,7 @@ from gangtrain.models.hf.model_files import hf_model_of
 from trainer.checkpoint.directory import CheckpointDir
 from trainer.checkpoint.loading import entries_held_elsewhere, load_dcp, require_verified
 from trainer.checkpoint.run_config import read_step_config
-from trainer.checkpoint.state import model_optim_state, set_model_optim_state
+from trainer.checkpoint.state import model_optim_state, set_model_optim_state, tied_aliases
 from trainer.default_gangs import default_gangs
 from trainer.errors import UserError
 from trainer.lifecycle.threads import threads_for_evaluation
@@ -214,4 +214,6 @@ def _load_model(step_dir: Path, model: nn.Module, gangs: Gangs) -> None:
     no_dist = isinstance(gangs.root, FakeGang) or gangs.root.size == 1
     load_dcp(step_dir, state, process_group=None if no_dist else gangs.root.as_process_group(),
              no_dist=no_dist, then=lambda: set_model_optim_state(model, None, state),
-             held_elsewhere=entries_held_elsewhere(state["model"], gangs.pp))
+             # a checkpoint from before tied weights were stored once holds the aliases
+             held_elsewhere=entries_held_elsewhere(state["model"], gangs.pp)
+             | frozenset(tied_aliases(model)))

@@ -24,19 +24,26 @@ import torch
 from torch import nn
 
 from trainer.checkpoint.loading import best_step_dir, load_dcp, require_verified, resolve_step_dir
-from trainer.checkpoint.manifest import MODEL_OPTIM, SafeFileSystemReader, model_template
+from trainer.checkpoint.manifest import (
+    MODEL_OPTIM,
+    SafeFileSystemReader,
+    model_template,
+    read_manifest,
+)
+from trainer.checkpoint.state import tied_aliases, with_aliases
 from trainer.checkpoint.streaming import ModelTensors, write_safetensors
 from trainer.run_dir import BEST_MODEL
 
 
 def read_model_state(step_dir: Path) -> dict[str, Any]:
-    """The full, consolidated model state dict of a verified step directory."""
+    """The full, consolidated model state dict of a verified step directory (a tied weight
+    under each of its names, one tensor)."""
     step_dir = Path(step_dir)
     require_verified(step_dir)
     reader = SafeFileSystemReader(step_dir / MODEL_OPTIM)
     state = {"model": model_template(reader.read_metadata())}
     load_dcp(step_dir, state, reader=reader, whole_model=False)
-    return state["model"]
+    return with_aliases(state["model"], (read_manifest(step_dir) or {}).get("tied", {}))
 
 
 def export_model(checkpoint_dir_or_step_dir: Path, output_file: Path) -> Path:
@@ -56,8 +63,10 @@ def load_model(step_dir: Path, module: nn.Module) -> nn.Module:
     """Load the model weights of a step directory into an unwrapped `module`, in place."""
     step_dir = Path(step_dir)
     require_verified(step_dir)
-    state = module.state_dict()
-    load_dcp(step_dir, {"model": state}, then=lambda: module.load_state_dict(state))
+    aliases = tied_aliases(module)
+    state = {k: v for k, v in module.state_dict().items() if k not in aliases}
+    load_dcp(step_dir, {"model": state}, held_elsewhere=frozenset(aliases),
+             then=lambda: module.load_state_dict(with_aliases(state, aliases)))
     return module
 
 

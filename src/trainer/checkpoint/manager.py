@@ -62,7 +62,12 @@ from trainer.checkpoint.model_files import ModelFiles, model_files_for
 from trainer.checkpoint.retention import steps_to_keep
 from trainer.checkpoint.run_config import config_text, sha256_of
 from trainer.checkpoint.staging import HostStaging
-from trainer.checkpoint.state import check_plain, model_optim_state, set_model_optim_state
+from trainer.checkpoint.state import (
+    check_plain,
+    model_optim_state,
+    set_model_optim_state,
+    tied_aliases,
+)
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.errors import UserError
 from trainer.run_dir import CONFIG_FILE
@@ -195,7 +200,7 @@ class CheckpointManager:
                 future.set_result(None)
             except (Exception, CheckpointException) as ex:  # agreed upon in wait()
                 future.set_exception(ex)
-        self._in_flight = PendingSave(step_nr, tmp_dir, score, future)
+        self._in_flight = PendingSave(step_nr, tmp_dir, score, future, tied_aliases(model))
         if future.done():
             self.wait()
 
@@ -260,7 +265,7 @@ class CheckpointManager:
         write_manifest(tmp, new_manifest(
             job.step_nr, score, files, lower_better=self.lower_better, world_size=self._world,
             gangs={"dp": g.dp.size, "tp": g.tp.size, "ep": g.ep.size},
-            config_digest=self.config_digest))
+            config_digest=self.config_digest, tied=job.tied))
         fsync_dir(tmp / MODEL_OPTIM)
         self._disk.install(tmp, job.step_nr)
         self._apply_retention()
@@ -352,7 +357,9 @@ class CheckpointManager:
         load_dcp(step_dir, state, process_group=self._pg, no_dist=self._no_dist,
                  then=lambda: set_model_optim_state(model, optimizer, state),
                  fits="the model or optimizer",
-                 held_elsewhere=entries_held_elsewhere(state["model"], self.gangs.pp))
+                 # a checkpoint from before tied weights were stored once holds the aliases
+                 held_elsewhere=entries_held_elsewhere(state["model"], self.gangs.pp)
+                 | frozenset(tied_aliases(model)))
         rank_state = self._load_rank_state(step_dir, manifest)
         for name, component in (states or {}).items():
             if name in rank_state:

@@ -96,10 +96,12 @@ def fsync_dir(path: Path) -> None:
 
 def new_manifest(step_nr: int, score: float | None, files: dict[str, Any], *,
                  lower_better: bool, world_size: int, gangs: dict[str, int],
-                 config_digest: str) -> dict[str, Any]:
+                 config_digest: str, tied: dict[str, str] | None = None) -> dict[str, Any]:
     """The manifest of a step being committed: what it is, who wrote it, and the size and
-    checksum of every file (`files`)."""
+    checksum of every file (`files`); `tied`: `{alias: name}` of the model's tied weights,
+    each stored once under its name (the exports write the aliases back)."""
     return {
+        "tied": tied or {},
         "format": FORMAT_VERSION,
         "step": step_nr,
         "score": score,

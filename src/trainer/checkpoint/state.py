@@ -1,5 +1,9 @@
 """What a checkpoint holds: the model and optimizer state in DCP's canonical form, and the
-check that a rank state is plain data that `torch.load(weights_only=True)` will accept."""
+check that a rank state is plain data that `torch.load(weights_only=True)` will accept.
+
+A tied weight (one parameter under several names: an embedding and its LM head) is stored
+once, under its first name; `tied_aliases` names the others, which loading points at the
+same tensor again (the optimizer state was always stored once)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _get_fqns,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -33,16 +38,44 @@ def model_optim_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str
     group 0, would overwrite each other's in the checkpoint."""
     options = _options(model)
     if optimizer is None:
-        return {"model": get_model_state_dict(model, options=options)}
+        return {"model": _once(model, get_model_state_dict(model, options=options))}
     with quiet_state_init(optimizer):
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
-    return {"model": model_state, "optimizer": optim_state}
+    return {"model": _once(model, model_state), "optimizer": optim_state}
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """`{alias: name}`: every canonical name (as `get_state_dict` writes them) of a parameter
+    the model holds under several names, but its first, mapped to that first name. The same
+    on every rank (it reads the module tree, not the tensors)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).extend(sorted(_get_fqns(model, name)))
+    aliases = {}
+    for group in names.values():
+        unique = list(dict.fromkeys(group))
+        aliases.update(dict.fromkeys(unique[1:], unique[0]))
+    return aliases
+
+
+def _once(model: nn.Module, model_state: dict[str, Any]) -> dict[str, Any]:
+    """The model state with each tied weight under its first name only."""
+    for alias in tied_aliases(model):
+        model_state.pop(alias, None)
+    return model_state
+
+
+def with_aliases(model_state: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """`model_state` with each alias of `aliases` whose tensor it holds pointing at it."""
+    return {**model_state, **{alias: model_state[name] for alias, name in aliases.items()
+                              if name in model_state}}
 
 
 def set_model_optim_state(model: nn.Module, optimizer: Optimizer | None,
                           state: dict[str, Any]) -> None:
     """Put `state` (`model_optim_state`'s form, filled by DCP) into `model` and `optimizer`."""
     options = _options(model)
+    state = {**state, "model": with_aliases(state["model"], tied_aliases(model))}
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=options)
     else:

@@ -26,7 +26,12 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from trainer.checkpoint.loading import load_dcp, require_verified
-from trainer.checkpoint.manifest import MODEL_OPTIM, SafeFileSystemReader, saved_model_entries
+from trainer.checkpoint.manifest import (
+    MODEL_OPTIM,
+    SafeFileSystemReader,
+    read_manifest,
+    saved_model_entries,
+)
 from trainer.errors import UserError
 
 __all__ = ["SHARDS_INDEX", "ModelTensors", "TensorInfo", "plan_shards", "shard_file_name",
@@ -69,10 +74,17 @@ class ModelTensors:
             for name, md in saved_model_entries(self._reader.metadata).items()
             if isinstance(md, TensorStorageMetadata)
         }
-        """`{name: TensorInfo}` of every model tensor, in the checkpoint's order."""
+        """`{name: TensorInfo}` of every model tensor, in the checkpoint's order, then the
+        aliases of tied weights (stored once; the manifest's `tied`)."""
+        tied = (read_manifest(self.step_dir) or {}).get("tied", {})
+        self.aliases: dict[str, str] = {alias: name for alias, name in tied.items()
+                                        if name in self.infos and alias not in self.infos}
+        for alias, name in self.aliases.items():
+            self.infos[alias] = TensorInfo(alias, self.infos[name].dtype, self.infos[name].shape)
 
     def load(self, name: str) -> torch.Tensor:
-        """The full value of model tensor `name`, on the host."""
+        """The full value of model tensor `name` (a tied alias: its weight's), on the host."""
+        name = self.aliases.get(name, name)
         info = self.infos[name]
         value = torch.empty(info.shape, dtype=info.dtype)
         load_dcp(self.step_dir, {"model": {name: value}}, reader=self._reader,

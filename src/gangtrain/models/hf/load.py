@@ -39,6 +39,7 @@ from gangtrain.models.hf.conversion import ConvertedFiles
 from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.safetensors_files import WeightFiles
 from gangtrain.models.hf.spec import spec_for
+from gangtrain.models.hf.tied_embedding import sparse_tied_embedding_gradient
 from gangtrain.parallel import plan
 from gangtrain.parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
@@ -135,9 +136,11 @@ def load_pretrained(
                         "which is None")
     pretrained = _Pretrained(Path(path), dtype, seed, attn_implementation)
     transforms = [] if lora is None else [partial(_with_adapters, settings=lora)]
-    return plan.build_model(pretrained.on_meta, gangs, tensor_parallel=_tensor_parallel,
-                            data_parallel=data_parallel, materialize=pretrained.materialize,
-                            transforms=transforms, pipeline=pipeline, **kwargs)
+    model = plan.build_model(pretrained.on_meta, gangs, tensor_parallel=_tensor_parallel,
+                             data_parallel=data_parallel, materialize=pretrained.materialize,
+                             transforms=transforms, pipeline=pipeline, **kwargs)
+    sparse_tied_embedding_gradient(model)  # where tied and neither wrapped nor sharded
+    return model
 
 
 def _with_adapters(model: nn.Module, settings: LoraSettings) -> nn.Module:

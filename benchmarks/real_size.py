@@ -1,0 +1,227 @@
+"""SFT (full and LoRA) and DPO at the size users train, against TRL, in one run.
+
+    .venv/bin/python -m benchmarks.real_size [--steps 4] [--rounds 1] [--pairs 2]
+        [--seq-len 512] [--only sft,lora,dpo] [--no-trl] [--work DIR]
+        [--hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936]
+
+The model is a random-init Llama of Qwen2.5-0.5B's shape by default (hidden 896, 24 layers,
+14 query and 2 key/value heads, MLP 4864, a tied 151,936-row embedding: 494M parameters),
+saved as safetensors with a tiny ChatML tokenizer; nothing is downloaded. Smaller shapes by
+the flags, to try the benchmark itself. fp32 on a CPU (one thread), bf16 autocast on a GPU.
+
+Each measured run is a fresh process, ours and TRL's alternated (sft, then lora, then dpo,
+ours first each time), and the ratios are taken between the runs of one round:
+
+- full SFT and LoRA (r=16, alpha 32, the seven projections): rows of `--seq-len` tokens, one
+  row a step, every record one row of text (all its tokens trained); trained tokens/s over
+  the steps after the first; peak RSS at the end of the last step (VmHWM);
+- DPO, `--pairs` pairs a step, a frozen copy as the reference, beta 0.1: pairs/s, peak RSS;
+- the losses of step 1 on both sides (full SFT: the same tokens through the same weights);
+- MFU of the full-SFT step: 6 x parameters x tokens / step time, over the machine's own
+  matmul rate measured in a process of its own (the model's matmul shapes, one thread, the
+  run's dtype);
+- the checkpoint our SFT run saved at its last step: bytes (12 a parameter is the fp32 model
+  and AdamW's two moments), save time; a resume of it (one step more): its load time and
+  its time from process start to the first step, against the SFT run's; beside them, in
+  this process, a plain write + fsync and a read of as many random (non-repeating) bytes.
+
+AdamW fused, lr 1e-5 constant, betas (0.9, 0.999), no weight decay, clipping at 1.0, seed 0,
+on both sides. The machine is shared: say what else ran when quoting figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN_05B = {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
+            "vocab": 151936}
+KINDS = ("sft", "lora", "dpo")
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.real_size")
+    parser.add_argument("--steps", type=int, default=4, help="steps a run, the first untimed")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--pairs", type=int, default=2, help="DPO pairs a step")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--only", default=",".join(KINDS))
+    parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--worker", default=None)
+    for name, value in QWEN_05B.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    args = parser.parse_args(argv)
+    args.shape = {name: getattr(args, name) for name in QWEN_05B}
+    import torch
+
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    return args
+
+
+def run(role: str, args: argparse.Namespace, work: Path) -> dict:
+    """One fresh process (`real_size_workers.worker`); its RESULT."""
+    command = [sys.executable, "-m", "benchmarks.real_size", "--worker", role, "--work",
+               str(work), "--steps", str(args.steps), "--pairs", str(args.pairs),
+               "--seq-len", str(args.seq_len)]
+    for name, value in args.shape.items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "NO_COLOR": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{role} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-5000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def plain_disk(path: Path, size: int, chunk: int = 64 << 20) -> tuple[float, float]:
+    """(seconds to write `size` random bytes and fsync, seconds to read them back), only the
+    write, fsync and read timed (the bytes are made between writes: non-repeating, so that
+    nothing below us dedups or compresses them)."""
+    rng = np.random.default_rng(0)
+    written, write_s = 0, 0.0
+    with open(path, "wb") as f:
+        while written < size:
+            block = rng.integers(0, 256, min(chunk, size - written), dtype=np.uint8).tobytes()
+            start = time.perf_counter()
+            f.write(block)
+            write_s += time.perf_counter() - start
+            written += len(block)
+        start = time.perf_counter()
+        f.flush()
+        os.fsync(f.fileno())
+        write_s += time.perf_counter() - start
+    buffer = bytearray(chunk)
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buffer):
+            pass
+    read_s = time.perf_counter() - start
+    path.unlink()
+    return write_s, read_s
+
+
+def step_times(result: dict, device: str) -> list[float]:
+    """The timed steps' seconds (the first warms up): CPU seconds on a CPU (one thread: a
+    loaded machine's waits for a core do not count), wall seconds on a GPU."""
+    return result["step_s" if device == "cpu" else "step_wall_s"][1:]
+
+
+def tokens_per_s(result: dict, tokens_a_step: int, device: str) -> float:
+    timed = step_times(result, device)
+    return tokens_a_step * len(timed) / sum(timed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments(argv)
+    if args.worker:
+        from benchmarks.real_size_workers import worker
+
+        worker(args.worker, args.work, args)
+        return
+    kinds = [k for k in args.only.split(",") if k]
+    frameworks = ["ours"] if args.no_trl else ["ours", "trl"]
+    if not args.no_trl:
+        try:
+            import trl
+        except ImportError:
+            print("trl is not installed (pip install trl): ours only")
+            frameworks = ["ours"]
+        else:
+            print(f"trl {trl.__version__}")
+    work = args.work or Path(tempfile.mkdtemp(prefix="real_size_"))
+    work.mkdir(parents=True, exist_ok=True)
+    made = run("make", args, work)
+    n = made["parameters"]
+    print(f"model: Llama {args.shape}, {n:,} parameters, {args.dtype} on {args.device}; rows "
+          f"of {args.seq_len}, {args.steps} steps a run (the first untimed); work dir {work}",
+          flush=True)
+    rate = run("matmul", args, work)["flops_per_s"]
+    print(f"matmul rate (the model's shapes, one thread, {args.dtype}): {rate / 1e9:.1f} "
+          f"GFLOP/{'CPU ' if args.device == 'cpu' else ''}s", flush=True)
+    targets = args.seq_len - 1  # one row a step, every token but the last a target
+    table: dict[str, list[float]] = {}
+    for round_nr in range(args.rounds):
+        results: dict[tuple[str, str], dict] = {}
+        for kind in kinds:
+            for framework in frameworks:
+                r = results[framework, kind] = run(f"{framework}:{kind}", args, work)
+                print(f"round {round_nr + 1} {framework:4s} {kind:4s}: steps "
+                      f"{', '.join(f'{s:.2f}' for s in r['step_s'])} CPU s ("
+                      f"{', '.join(f'{s:.2f}' for s in r['step_wall_s'])} wall s); losses "
+                      f"{', '.join(f'{x:.7f}' for x in r['losses'][:3])}; peak RSS "
+                      f"{r['train_peak_gib']:.2f} GiB at the last step, "
+                      f"{r['peak_gib']:.2f} GiB in all; first step ends at "
+                      f"{r['first_step_end_s']:.1f} s", flush=True)
+            if kind == "sft":
+                r = results["ours", "sft"]
+                mfu = 6 * n * args.seq_len / statistics.median(step_times(r, args.device)) / rate
+                table.setdefault("full SFT, our MFU (6N, of the matmul rate)", []).append(mfu)
+                if ("trl", "sft") in results:
+                    t = results["trl", "sft"]
+                    table.setdefault("full SFT, TRL's MFU", []).append(
+                        6 * n * args.seq_len / statistics.median(step_times(t, args.device)) / rate)
+                if "checkpoint_bytes" in r:
+                    checkpoint(args, work, r, n, table)
+        for kind in kinds:
+            if ("trl", kind) not in results:
+                continue
+            ours, theirs = results["ours", kind], results["trl", kind]
+            unit = "pairs" if kind == "dpo" else "trained tokens"
+            per_step = args.pairs if kind == "dpo" else targets
+            table.setdefault(f"{kind}: {unit}/s, ours / TRL", []).append(
+                tokens_per_s(ours, per_step, args.device)
+                / tokens_per_s(theirs, per_step, args.device))
+            table.setdefault(f"{kind}: peak RSS, ours / TRL", []).append(
+                ours["train_peak_gib"] / theirs["train_peak_gib"])
+            table.setdefault(f"{kind}: step-1 loss, ours - TRL", []).append(
+                ours["losses"][0] - theirs["losses"][0])
+        print_table(table)
+
+
+def checkpoint(args: argparse.Namespace, work: Path, r: dict, n: int,
+               table: dict[str, list[float]]) -> None:
+    """The checkpoint figures: bytes, save and resume against the plain disk's rate."""
+    size = r["checkpoint_bytes"]
+    resumed = run("ours:resume", args, work)
+    write_s, read_s = plain_disk(work / "plain.bin", size)
+    print(f"checkpoint: {size:,} bytes ({size / n:.2f} a parameter); save {r['save_s']:.2f} "
+          f"s, plain write + fsync of as many bytes {write_s:.2f} s; resume's load "
+          f"{resumed.get('load_s', float('nan')):.2f} s, plain read {read_s:.2f} s; first "
+          f"step ends {resumed['first_step_end_s']:.1f} s after process start resumed, "
+          f"{r['first_step_end_s']:.1f} s fresh; resumed losses "
+          f"{', '.join(f'{x:.7f}' for x in resumed['losses'])}", flush=True)
+    table.setdefault("checkpoint bytes / (12 x parameters)", []).append(size / (12 * n))
+    table.setdefault("save / plain write + fsync", []).append(r["save_s"] / write_s)
+    table.setdefault("resume's load / plain read", []).append(resumed["load_s"] / read_s)
+    table.setdefault("resume: training starts later than fresh, wall s", []).append(
+        resumed["train_start_s"] - r["train_start_s"])
+    table.setdefault("resume: training starts later than fresh, CPU s", []).append(
+        resumed["train_start_cpu_s"] - r["train_start_cpu_s"])
+    shutil.rmtree(Path(r["checkpoint_dir"]).parent.parent / "hf", ignore_errors=True)
+
+
+def print_table(table: dict[str, list[float]]) -> None:
+    print("\n| figure | value (per round) |\n|---|---|")
+    for name, values in table.items():
+        print(f"| {name} | {', '.join(f'{v:.3g}' for v in values)} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
