@@ -104,6 +104,7 @@ class ModelSaves:
             written: Any = None
             try:
                 name = shard_file_name(gangs.pp.rank + 1, gangs.pp.size)
+                tmp.mkdir(parents=True, exist_ok=True)  # made by rank 0 (a shared directory)
                 tensors = {key: tensor.detach().cpu() for key, tensor in
                            _unshared(state, keep_aliases=not is_hf).items()}
                 save_file(tensors, tmp / name, metadata=_FORMAT)
