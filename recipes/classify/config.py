@@ -6,10 +6,10 @@ from typing import Any
 
 from pydantic import Field, PositiveInt
 
+from gangs.fault_tolerance import FaultToleranceSettings
 from gangtrain.app.config.early_stopper import EarlyStopperConfig
 from gangtrain.app.config.sections import Section
 from gangtrain.app.config.trainer_config import AdamWConfig, TrainerConfig
-from trainer.fault_tolerance.settings import FaultToleranceSettings
 
 
 class ModelSection(Section):

@@ -224,7 +224,7 @@ def main(config: GRPOConfig, output_dir: Path, resume: bool) -> int:
     rollouts = Rollouts(
         generator=None if inputs.replay is not None else _generator(config, s, gen.temperature),
         replay=inputs.replay,
-        directory=Path(output_dir) / "rollouts" if gen.write_rollouts else None,
+        file_of=RunDir(output_dir).rollout_file if gen.write_rollouts else None,
         decode=_decoder(inputs.tokenizer))
     try:
         unit = GRPOUnit(s.model, loss, inputs.train, inputs.rewards, rollouts,

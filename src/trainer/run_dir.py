@@ -123,6 +123,14 @@ class RunDir:
     def profile(self) -> Path:
         return self.path / "profile"
 
+    @property
+    def rollouts(self) -> Path:
+        return self.path / "rollouts"
+
+    def rollout_file(self, step_nr: int) -> Path:
+        """`rollouts/step_N.jsonl`: an online-RL unit's completions of step N."""
+        return self.rollouts / f"{step_dir_name(step_nr)}.jsonl"
+
     def step_dir(self, step_nr: int) -> Path:
         """`checkpoints/step_N`."""
         return self.checkpoints / step_dir_name(step_nr)
@@ -131,4 +139,4 @@ class RunDir:
         """What a run leaves that another run starting over here would mix with its own
         (deleted by `--overwrite`)."""
         return (self.checkpoints, self.models, self.metrics, self.tensorboard, self.wandb,
-                self.config_history)
+                self.config_history, self.rollouts)

@@ -24,7 +24,7 @@ from trainer.checkpoint.model_saves import ModelSaves
 from trainer.checkpoint.retention import best_of
 from trainer.observe.recorders.buffered import BufferedRecorder
 from trainer.run_checks import check_finite_state
-from trainer.run_dir import RunDir
+from trainer.run_dir import RunDir, step_dir_name
 from trainer.state.train_state import TrainState
 from trainer.step.step_log import StepLog
 
@@ -132,7 +132,7 @@ class Saving:
             return
         metric = self.score_metric
         if best_step is not None:
-            instead = (f"the best checkpoint is step_{best_step} ({metric} "
+            instead = (f"the best checkpoint is {step_dir_name(best_step)} ({metric} "
                        f"{scores.get(best_step, float('nan')):.4f})")
         elif best is not None:
             instead = f"the best trained step is {best} ({metric} {scores[best]:.4f})"

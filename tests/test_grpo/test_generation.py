@@ -17,6 +17,7 @@ from gangtrain.rl.rewards import RewardFunction
 from gangtrain.rl.windows import PromptWindows
 from recipes.grpo.tiny import low_tokens, make_tiny_chat_model, write_prompts
 from trainer import Callback, Trainer
+from trainer.run_dir import RunDir
 from units.online_rl import GRPOLoss, GRPOUnit, Rollouts
 
 TEMPERATURE = 0.9
@@ -48,7 +49,7 @@ def test_generator_logprobs_equal_a_full_forward_after_each_update(tmp_path):
                             temperature=TEMPERATURE)
     unit = GRPOUnit(model, GRPOLoss(max_new_tokens=10), prompts,
                     [RewardFunction("low_tokens", "tiny:low_tokens", low_tokens)],
-                    Rollouts(generator, directory=tmp_path / "rollouts"),
+                    Rollouts(generator, file_of=RunDir(tmp_path).rollout_file),
                     num_generations=4, batch_size=8, window=1, temperature=TEMPERATURE)
     keep = KeepWeights(model)
     Trainer(unit, PromptWindows(16, 2, 1), torch.optim.AdamW(model.parameters(), lr=3e-2),

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from gangs.fault_tolerance import FaultToleranceSettings
 from gangtrain.app.config.trainer_config import TrainerConfig
 from trainer.errors import UserError
-from trainer.fault_tolerance.settings import FaultToleranceSettings
 
 __all__ = ["join_replica_groups", "replica_groups_of"]
 

@@ -40,13 +40,13 @@ from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
+from gangs.fault_tolerance import FaultToleranceSettings, LocalLighthouse
 from trainer.errors import UserError
-from trainer.fault_tolerance.settings import FaultToleranceSettings
 from trainer.step.optimizer_step import OptimizerStep, StepOutcome
 
 log = logging.getLogger("gangtrain")
 
-__all__ = ["ReplicaGroup"]
+__all__ = ["replica_group_of", "ReplicaGroup"]
 
 
 def import_torchft() -> Any:
@@ -252,3 +252,16 @@ class LiveGroups:
         host = tensor.detach().to("cpu", torch.float64)
         self.manager.allreduce(host, reduce_op=ReduceOp.SUM).wait()
         tensor.copy_(host)
+
+
+def replica_group_of(settings: FaultToleranceSettings | None,
+                     gangs: Gangs) -> ReplicaGroup | None:
+    """This job's `ReplicaGroup` (None without the setting); `close()` it at the end."""
+    if settings is None:
+        return None
+    import_torchft()  # the clear message first, when it is missing
+    lighthouse = None
+    if settings.lighthouse is None:
+        lighthouse = LocalLighthouse(settings, owner=gangs.root.rank == 0)
+        settings = settings.model_copy(update={"lighthouse": lighthouse.address})
+    return ReplicaGroup(settings, gangs, lighthouse=lighthouse)

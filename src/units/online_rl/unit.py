@@ -53,11 +53,12 @@ __all__ = ["GRPOUnit", "Rollouts", "token_logps"]
 @dataclass
 class Rollouts:
     """Where completions come from and go: the generator (None with ``replay``), recorded
-    windows to replay ({window: records}), the directory step files are written to."""
+    windows to replay ({window: records}), where step N's records are written
+    (`file_of(N)`; None: not written)."""
 
     generator: Generator | None = None
     replay: dict[int, list[dict[str, Any]]] | None = None
-    directory: Path | None = None
+    file_of: Callable[[int], Path] | None = None
     decode: Callable[[Sequence[int]], str] | None = None
 
 
@@ -188,7 +189,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         for m, s in enumerate(slices):
             s.advantages = local[m * b:(m + 1) * b].float().to(device)
         self._record_completions(completions, seconds, metrics)
-        if self.rollouts.directory is not None:
+        if self.rollouts.file_of is not None:
             self._write(window, where, completions, values, names, advantages, mine)
         return WindowBuffer(window, slices)
 
@@ -331,6 +332,6 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
                 "prompt": prompt.prompt, "completion": decode(ids), "truncated": truncated,
                 "rewards": rewards, "reward": total, "advantage": float(advantages[c]),
                 "logprobs": list(logprobs)})
-        assert self.rollouts.directory is not None
-        write_rollouts(self.rollouts.directory / f"step_{self._step_nr}.jsonl",
+        assert self.rollouts.file_of is not None
+        write_rollouts(self.rollouts.file_of(self._step_nr),
                        self._step_records)

@@ -10,10 +10,10 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from gangs.fault_tolerance import FaultToleranceSettings
 from gangtrain.layers.lora import LoraSettings
 from gangtrain.parallel.plan import check_hsdp
 from trainer.errors import UserError
-from trainer.fault_tolerance.settings import FaultToleranceSettings
 
 __all__ = ["GangsSection", "LRSchedulerSection", "LoraSection", "Section"]
 

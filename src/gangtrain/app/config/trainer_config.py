@@ -11,11 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from torch import nn
 from torch.optim import Optimizer
 
+from gangs.fault_tolerance import FaultToleranceSettings
 from gangtrain.app.config.callbacks import CallbackConfig, build_callbacks
 from gangtrain.app.config.early_stopper import ConfiguredStopper, EarlyStopperConfig
 from gangtrain.parallel import param_groups
 from trainer.errors import UserError
-from trainer.fault_tolerance.settings import FaultToleranceSettings
 from trainer.settings import TrainerSettings
 from trainer.trainer import Trainer
 from units import TrainUnit

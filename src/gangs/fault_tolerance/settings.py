@@ -22,7 +22,7 @@ class FaultToleranceSettings(BaseModel):
     lighthouse: str | None = None
     """The lighthouse's address (http://HOST:PORT). null: a local run (every group on this
     machine): replica group 0 starts one on port 29510, a process of its own that ends
-    itself once every group finished (trainer.fault_tolerance.lighthouse)."""
+    itself once every group finished (gangs.fault_tolerance.lighthouse)."""
     min_replicas: PositiveInt = 1
     """A step commits only when at least this many groups took part."""
     timeout_s: float = Field(default=30.0, gt=0)

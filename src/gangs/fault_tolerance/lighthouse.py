@@ -1,5 +1,4 @@
-"""`replica_group_of`: this job's `ReplicaGroup` from `gangs.fault_tolerance`, with a local
-lighthouse when no address is given.
+"""`LocalLighthouse`: torchft's lighthouse for a local run of replica groups.
 
 For a local run (every group on this machine) replica group 0's first rank starts torchft's
 lighthouse as a process of its own on this host's `LOCAL_PORT`, unless one already listens
@@ -28,12 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from gangs import Gangs
-from trainer.errors import UserError
-from trainer.fault_tolerance.replica_group import ReplicaGroup, import_torchft
-from trainer.fault_tolerance.settings import FaultToleranceSettings
+from gangs.errors import UserError
+from gangs.fault_tolerance.settings import FaultToleranceSettings
 
-__all__ = ["IDLE_EXIT_S", "LOCAL_PORT", "LocalLighthouse", "join_timeout_ms", "replica_group_of"]
+__all__ = ["IDLE_EXIT_S", "LOCAL_PORT", "LocalLighthouse", "join_timeout_ms"]
 
 LOCAL_PORT = 29510  # torchft_lighthouse's default
 IDLE_EXIT_S = 60.0
@@ -71,19 +68,6 @@ def join_timeout_ms(settings: FaultToleranceSettings) -> int:
     out, keeps a run without a failure the same run whatever the timing; a dead group stops
     heartbeating and is left out after 2 s (`heartbeat_timeout_ms`)."""
     return int(settings.quorum_timeout_s * 1000 / 2)
-
-
-def replica_group_of(settings: FaultToleranceSettings | None,
-                     gangs: Gangs) -> ReplicaGroup | None:
-    """This job's `ReplicaGroup` (None without the setting); `close()` it at the end."""
-    if settings is None:
-        return None
-    import_torchft()  # the clear message first, when it is missing
-    lighthouse = None
-    if settings.lighthouse is None:
-        lighthouse = LocalLighthouse(settings, owner=gangs.root.rank == 0)
-        settings = settings.model_copy(update={"lighthouse": lighthouse.address})
-    return ReplicaGroup(settings, gangs, lighthouse=lighthouse)
 
 
 class LocalLighthouse:
