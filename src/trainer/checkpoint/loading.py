@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
@@ -30,11 +31,13 @@ from trainer.checkpoint.manifest import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     check_model_fits,
+    rank_file,
     verify,
 )
 from trainer.errors import UserError
 
-__all__ = ["best_step_dir", "find_step_dir", "load_dcp", "require_verified", "resolve_step_dir"]
+__all__ = ["best_step_dir", "find_step_dir", "load_dcp", "read_rank_state", "require_verified",
+           "resolve_step_dir"]
 
 
 def require_verified(step_dir: Path, step_nr: int | None = None) -> None:
@@ -121,3 +124,17 @@ def find_step_dir(path: Path, *, best: bool = False) -> Path:
         if found is not None:
             return found
     return resolve_step_dir(path)
+
+
+def read_rank_state(step_dir: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Rank `rank`'s `rank_N.pt` of verified step `step_dir` (rank 0's when the checkpoint
+    had fewer ranks), read without unpickling anything but tensors and plain data."""
+    name = rank_file(rank) if rank_file(rank) in manifest["files"] else rank_file(0)
+    path = Path(step_dir) / name
+    try:
+        rank_state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as ex:  # weights_only refuses anything but tensors and plain data
+        raise UserError(f"refusing to load {path}: {describe(ex)}") from ex
+    if not isinstance(rank_state, dict):
+        raise UserError(f"{path} does not hold a rank state dict")
+    return rank_state

@@ -47,13 +47,12 @@ from torch.optim import Optimizer
 from gangs import FakeGang, Gangs, first_error, on_rank0
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.disk_space import DiskFullError, needed_bytes
-from trainer.checkpoint.failures import describe, rank_cause
-from trainer.checkpoint.loading import entries_held_elsewhere, load_dcp
+from trainer.checkpoint.failures import rank_cause
+from trainer.checkpoint.loading import entries_held_elsewhere, load_dcp, read_rank_state
 from trainer.checkpoint.manifest import (
     MODEL_OPTIM,
     fsync_dir,
     new_manifest,
-    rank_file,
     read_manifest,
     verify,
     write_manifest,
@@ -114,11 +113,9 @@ class CheckpointManager:
         self._config_text = config_text(config) if config is not None else None
         self.config_digest = sha256_of(self._config_text) if self._config_text else ""
         self.on_commit = on_commit
-        self.model_files = model_files
-        """The model family's files beside the weights (None: the family registered for the
-        model, else none); see `trainer.checkpoint.model_files`."""
         """Called on every rank as `on_commit(step_nr, step_dir)` once a save is committed
         (renamed to its final name), by whichever call commits it: `save`, `wait`, `close`."""
+        self.model_files = model_files  # None: the family registered for the model
 
         root = gangs.root
         self._rank, self._world = root.rank, root.size
@@ -367,16 +364,7 @@ class CheckpointManager:
         return rank_state
 
     def _load_rank_state(self, step_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        name = rank_file(self._rank)
-        if name not in manifest["files"]:
-            name = rank_file(0)
-        path = step_dir / name
-        try:
-            rank_state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as ex:  # weights_only refuses anything but tensors and plain data
-            raise UserError(f"refusing to load {path}: {describe(ex)}") from ex
-        if not isinstance(rank_state, dict):
-            raise UserError(f"{path} does not hold a rank state dict")
+        rank_state = read_rank_state(step_dir, manifest, self._rank)
         g = self.gangs
         layout = {"dp": g.dp.size, "tp": g.tp.size, "ep": g.ep.size}
         if manifest.get("world_size") != self._world or manifest.get("gangs") != layout:
