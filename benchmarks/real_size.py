@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{', '.join(f'{s:.2f}' for s in r['step_wall_s'])} wall s); losses "
                       f"{', '.join(f'{x:.7f}' for x in r['losses'][:3])}; peak RSS "
                       f"{r['train_peak_gib']:.2f} GiB at the last step, "
-                      f"{r['peak_gib']:.2f} GiB in all; first step ends at "
+                      f"{r['peak_gib']:.2f} GiB in all ({r.get('start_peak_gib', float('nan')):.2f} "
+                      f"before the first step, then {', '.join(f'{g:.2f}' for g in r['step_peaks_gib'])}); first step ends at "
                       f"{r['first_step_end_s']:.1f} s", flush=True)
             if kind == "sft":
                 r = results["ours", "sft"]

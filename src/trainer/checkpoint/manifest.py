@@ -35,6 +35,7 @@ import json
 import os
 import pickle
 import warnings
+from concurrent.futures import Future
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
@@ -46,10 +47,17 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
+from trainer import torch_shortcuts
+
+try:  # what DefaultLoadPlanner.load_bytes itself calls (a private module of DCP)
+    from torch.distributed.checkpoint._traverse import set_element
+except ImportError:  # another torch: the public path below
+    set_element = None
 from trainer.checkpoint.digest import DESCRIPTION, mismatch
 from trainer.checkpoint.digest import file_entry as file_entry  # the entry of one file
+from trainer.checkpoint.tensor_reads import PLAIN_VALUE_REFUSED, read_into_targets, read_plain_value
 from trainer.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -231,8 +239,9 @@ def _check_storage_confined(path: Path, metadata: Metadata) -> None:
     """Every file `.metadata` points DCP to is a file of its own directory: a path that
     leads elsewhere would read bytes the manifest's checksums never covered."""
     directory = path.parent.resolve()
-    for info in (metadata.storage_data or {}).values():
-        relative = getattr(info, "relative_path", None)
+    # One check per file: thousands of tensors share a handful of files.
+    for relative in {getattr(info, "relative_path", None)
+                     for info in (metadata.storage_data or {}).values()}:
         if not isinstance(relative, str) or not relative or \
                 PurePosixPath(relative).name != relative or \
                 (directory / relative).resolve().parent != directory:
@@ -241,7 +250,15 @@ def _check_storage_confined(path: Path, metadata: Metadata) -> None:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """`FileSystemReader` whose `.metadata` is read by the restricted unpickler."""
+    """`FileSystemReader` whose `.metadata` is read by the restricted unpickler, and whose
+    tensors are read straight into their targets where they can be (`tensor_reads`)."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        storage_data = getattr(self, "storage_data", None)
+        if not torch_shortcuts.enabled() or not isinstance(storage_data, dict):
+            return super().read_data(plan, planner)
+        left = read_into_targets(Path(self.path), storage_data, plan.items, planner)
+        return super().read_data(dataclasses.replace(plan, items=left), planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self._get_metadata_path(kwargs.get("rank")))
@@ -256,7 +273,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """`DefaultLoadPlanner` that reads non-tensor values with `weights_only=True`."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)  # refuses anything but plain data
+        obj = read_plain_value(value)  # numbers, strings, tuples: no class, no torch.load
+        if obj is PLAIN_VALUE_REFUSED:
+            obj = torch.load(value, weights_only=True)  # refuses anything but plain data
+        mappings = getattr(self, "mappings", None)
+        if torch_shortcuts.enabled() and set_element is not None and self.flatten_state_dict \
+                and isinstance(mappings, dict) and read_item.dest_index.fqn in mappings:
+            set_element(self.original_state_dict, mappings[read_item.dest_index.fqn], obj)
+            return
         # Hand the parent a re-serialisation of what passed the check, so its own
         # weights_only=False load only ever sees bytes we produced.
         clean = io.BytesIO()

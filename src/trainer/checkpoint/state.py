@@ -106,8 +106,7 @@ def quiet_state_init(optimizer: Optimizer) -> Iterator[None]:
         yield
         return
     trained = [p for p in params if p.requires_grad]
-    for param in trained:
-        param.grad = torch.zeros_like(param)
+    _zero_gradients(trained, optimizer)
     lrs = [group.get("lr") for group in optimizer.param_groups]
     try:
         for group, lr in zip(optimizer.param_groups, lrs):
@@ -123,6 +122,29 @@ def quiet_state_init(optimizer: Optimizer) -> Iterator[None]:
     finally:
         for param in trained:
             param.grad = None
+
+
+def _zero_gradients(params: list[torch.Tensor], optimizer: Optimizer) -> None:
+    """Zero gradients for `quiet_state_init`'s step. torch's Adam and AdamW only read them
+    (unless `differentiable`), so there plain contiguous parameters share one zero buffer of
+    the largest one's size: a 0.5B model's resume fills 0.5 GB of fresh memory instead of
+    2 GB. Any other parameter or optimizer gets a gradient of its own."""
+    def shareable(param: torch.Tensor) -> bool:
+        return type(param.data) is torch.Tensor and param.is_contiguous()
+
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) \
+            and not optimizer.defaults.get("differentiable"):
+        for param in filter(shareable, params):
+            key = (param.dtype, param.device)
+            sizes[key] = max(sizes.get(key, 0), param.numel())
+    zeros = {key: torch.zeros(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
+    for param in params:
+        zero = zeros.get((param.dtype, param.device))
+        if zero is not None and shareable(param):
+            param.grad = zero[:param.numel()].view_as(param)
+        else:
+            param.grad = torch.zeros_like(param)
 
 
 def check_plain(value: Any, where: str) -> None:

@@ -1,0 +1,109 @@
+"""Saves written past the page cache (`direct_io`) and tensors read straight into their
+targets (`tensor_reads`) give exactly what the buffered write and DCP's own reader give:
+the same file bytes, the same model and optimizer state, bit for bit; what the fast read
+does not take (a transposed parameter, a dtype change) goes through DCP's reader."""
+
+import pytest
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from gangs import FakeGang, setup_gangs
+from trainer import torch_shortcuts
+from trainer.checkpoint import CheckpointManager, direct_io, tensor_reads
+from trainer.checkpoint.direct_io import BLOCK, DirectWriteStream
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(50, 8)
+        self.body = torch.nn.Linear(8, 8)
+        # stored transposed: its bytes are not laid out row by row
+        self.transposed = torch.nn.Parameter(torch.randn(6, 8).t())
+        self.low = torch.nn.Parameter(torch.randn(3, 5).to(torch.bfloat16))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return (self.body(x) @ self.transposed).sum() + self.low.float().sum()
+
+
+def _trained(seed: int):
+    model = _Model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i in range(2):
+        model(torch.arange(10) + i).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _state(model, optimizer):
+    out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, state in optimizer.state_dict()["state"].items():
+        out.update({f"optim.{i}.{k}": v.clone() for k, v in state.items()})
+    return out
+
+
+@pytest.mark.parametrize("sizes", [[0], [5], [4096], [BLOCK - 3, 7], [BLOCK, BLOCK + 1, 13]])
+def test_a_direct_write_holds_exactly_the_bytes_written(tmp_path, sizes):
+    chunks = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    stream = DirectWriteStream(tmp_path / "f")
+    for chunk in chunks:
+        assert stream.write(memoryview(chunk)) == len(chunk)
+    assert stream.tell() == sum(sizes)
+    stream.close()
+    assert (tmp_path / "f").read_bytes() == b"".join(chunks)
+
+
+def test_saves_and_loads_equal_the_buffered_write_and_dcps_own_reader(tmp_path, monkeypatch):
+    gangs = setup_gangs(FakeGang())
+    model, optimizer = _trained(0)
+    expected = _state(model, optimizer)
+
+    direct = CheckpointManager(tmp_path / "direct", gangs)
+    direct.save(2, model, optimizer, {})
+    monkeypatch.setattr(direct_io, "enabled", False)
+    buffered = CheckpointManager(tmp_path / "buffered", gangs)
+    buffered.save(2, model, optimizer, {})
+    for f in (tmp_path / "direct/step_2/model_optim").glob("*.distcp"):  # .metadata: ids
+        assert f.read_bytes() == (tmp_path / "buffered/step_2/model_optim" / f.name).read_bytes()
+
+    taken: list[int] = []
+    read = tensor_reads.read_into_targets
+
+    def counting(directory, storage_data, items, planner):
+        items = list(items)
+        left = read(directory, storage_data, items, planner)
+        tensors_left = sum(item.type == LoadItemType.TENSOR for item in left)
+        taken.append(sum(item.type == LoadItemType.TENSOR for item in items) - tensors_left)
+        assert tensors_left == 3  # the transposed parameter and its moments: DCP's reader
+        return left
+
+    monkeypatch.setattr("trainer.checkpoint.manifest.read_into_targets", counting)
+    for public in (False, True):
+        other, other_optimizer = _trained(1)
+        assert not torch.equal(other.body.weight, model.body.weight)
+        if public:
+            with torch_shortcuts.public_only():
+                direct.load(2, other, other_optimizer)
+        else:
+            direct.load(2, other, other_optimizer)
+        got = _state(other, other_optimizer)
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+    assert taken == [17]  # once (shortcuts on): 4 parameters, 8 moments, 5 step counts
+
+
+def test_the_fast_read_refuses_what_it_cannot_lay_out(tmp_path):
+    """A checkpoint of a float32 model loaded into a bfloat16 one: DCP's reader casts."""
+    gangs = setup_gangs(FakeGang())
+    model = torch.nn.Linear(4, 3)
+    manager = CheckpointManager(tmp_path, gangs)
+    manager.save(1, model, None, {})
+    other = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    manager.load(1, other, None)
+    assert torch.equal(other.weight, model.weight.detach().to(torch.bfloat16))
