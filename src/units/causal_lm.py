@@ -191,6 +191,17 @@ def chunked_lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int, chunk_size: 
     held. The model must `keeps_trained_logits` and have a linear head
     (`get_output_embeddings()`, transformers' name, which the LM recipe's GPT answers too)
     whose output it returns unchanged; what does not is refused by name."""
+    hidden, head, targets, trained = head_inputs(model, batch, pad_idx, use_cache_keyword)
+    loss = linear_cross_entropy(hidden, head.weight, head.bias, targets, chunk_size, pad_idx)
+    return loss, trained.sum()
+
+
+def head_inputs(model: nn.Module, batch: LMBatch, pad_idx: int, use_cache_keyword: bool = False
+                ) -> tuple[Tensor, nn.Linear, Tensor, Tensor]:
+    """The model run with its head skipped (`captured_head`): (the head's input at the n
+    trained positions [n, d], the head, their targets [n], the trained mask [b, t'] in the
+    targets' layout), for a loss that computes the head itself in chunks. Refused by name
+    where that would not be exact (`chunked_loss_head`, or logits changed after the head)."""
     head = chunked_loss_head(model)
     keywords = model_keywords(batch, use_cache_keyword)
     targets, shift = lm_targets(batch, pad_idx)
@@ -202,9 +213,7 @@ def chunked_lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int, chunk_size: 
             f"loss_chunk_size: {type(unwrapped(model)).__name__} changes its logits after its "
             "head (e.g. soft-capping or scaling them), which the chunked loss would skip: "
             "leave loss_chunk_size unset for this model")
-    loss = linear_cross_entropy(seen.hidden, head.weight, head.bias, targets[trained],
-                                chunk_size, pad_idx)
-    return loss, trained.sum()
+    return seen.hidden, head, targets[trained], trained
 
 
 AUTO_MIN_VOCAB = 32768
@@ -225,6 +234,13 @@ def auto_loss_chunk_size(model: nn.Module) -> int | None:
     return AUTO_CHUNK if head.out_features >= AUTO_MIN_VOCAB else None
 
 
+_LOGIT_CHANGES = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+                  "lm_head_multiplier": 1.0}
+"""transformers' config keys of models that change their logits after the head (Gemma 2/3
+soft-capping, Cohere's and Granite's scales, Falcon-H1's multiplier), with the value that
+changes nothing; the check after the forward (`head_inputs`) catches any other."""
+
+
 def chunked_loss_head(model: nn.Module) -> nn.Linear:
     """The model's linear head, for `chunked_lm_loss`; refused by name where the chunked
     loss cannot be exact."""
@@ -238,6 +254,13 @@ def chunked_loss_head(model: nn.Module) -> nn.Linear:
     if not isinstance(head, nn.Linear):
         raise ValueError(f"loss_chunk_size: {name} has no linear head "
                          "(`get_output_embeddings()`): leave loss_chunk_size unset")
+    config = getattr(inner, "config", None)
+    changed = [key for key, plain in _LOGIT_CHANGES.items()
+               if getattr(config, key, None) not in (None, plain)]
+    if changed:
+        raise ValueError(f"loss_chunk_size: {name} changes its logits after its head "
+                         f"({changed[0]}={getattr(config, changed[0])}), which a chunked head "
+                         "would skip: leave loss_chunk_size unset for this model")
     if any(isinstance(p, DTensor) for p in head.parameters()):
         raise ValueError(f"loss_chunk_size: {name}'s head is sharded (tensor parallel or "
                          "FSDP), and the chunked loss needs its whole weight on each rank: "
