@@ -49,6 +49,15 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
     return logits.float()
 
 
+def _logsumexp_and_softmax(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(log-sum-exp of each row, the softmax), the softmax written over `logits`: no
+    temporary of their size (`torch.logsumexp` makes two, each as large as the logits)."""
+    shift = logits.amax(-1, keepdim=True)
+    exps = logits.sub_(shift).exp_()
+    sums = exps.sum(-1, keepdim=True)
+    return (sums.log() + shift).squeeze(-1), exps.div_(sums)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
@@ -62,16 +71,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             chunk = hidden[start:start + chunk_size]
             logits = _chunk_logits(chunk, weight, bias)
-            chunk_lse = logits.logsumexp(-1)
             target = targets[start:start + chunk_size]
             kept = target != ignore_index
             rows = torch.arange(logits.shape[0], device=logits.device)
             picked = logits[rows, target.clamp(min=0)]
+            chunk_lse, grad = _logsumexp_and_softmax(logits)
             total += ((chunk_lse - picked) * kept).sum()
             if not any(wanted):
                 continue
             # d(lse - logit[target]) / d logits = softmax - one_hot(target), 0 where ignored
-            grad = logits.sub_(chunk_lse[:, None]).exp_()
             grad[rows, target.clamp(min=0)] -= 1.0
             grad *= kept.to(grad.dtype).unsqueeze(1)
             if grad_hidden is not None:
@@ -117,9 +125,9 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             logits = _chunk_logits(hidden[start:start + chunk_size], weight, bias)
             rows = torch.arange(logits.shape[0], device=logits.device)
-            lse[start:start + chunk_size] = logits.logsumexp(-1)
-            log_probs[start:start + chunk_size] = (logits[rows, targets[start:start + chunk_size]]
-                                                   - lse[start:start + chunk_size])
+            picked = logits[rows, targets[start:start + chunk_size]]
+            lse[start:start + chunk_size] = _logsumexp_and_softmax(logits)[0]
+            log_probs[start:start + chunk_size] = picked - lse[start:start + chunk_size]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.chunk_size = chunk_size
         return log_probs
