@@ -25,7 +25,8 @@ ours first each time), and the ratios are taken between the runs of one round:
   its time from process start to the first step, against the SFT run's; beside them, in
   this process, a plain write + fsync and a read of as many random (non-repeating) bytes
   (into one reused buffer, and into fresh memory of their size: a resume must also bring
-  the optimizer's state into memory the process does not have yet).
+  the optimizer's state into memory the process does not have yet). Every read is from the
+  disk: the checkpoint's and the plain file's pages are dropped from the page cache first.
 
 AdamW fused, lr 1e-5 constant, betas (0.9, 0.999), no weight decay, clipping at 1.0, seed 0,
 on both sides. The machine is shared: say what else ran when quoting figures.
@@ -110,20 +111,31 @@ def plain_disk(path: Path, size: int, chunk: int = 64 << 20) -> tuple[float, flo
         os.fsync(f.fileno())
         write_s += time.perf_counter() - start
     buffer = bytearray(chunk)
+    evict_from_cache(path)
     start = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.readinto(buffer):
             pass
     read_s = time.perf_counter() - start
+    evict_from_cache(path)
     start = time.perf_counter()
     fresh = np.empty(size, dtype=np.uint8)
     with open(path, "rb", buffering=0) as f:
         for offset in range(0, size, chunk):
             f.readinto(memoryview(fresh)[offset:offset + chunk])
     fresh_read_s = time.perf_counter() - start
+    evict_from_cache(path)
     del fresh
     path.unlink()
     return write_s, read_s, fresh_read_s
+
+
+def evict_from_cache(path: Path) -> None:
+    """Drop `path`'s pages from the page cache, so that the next read comes from the disk
+    (both the resume's and the plain reads: a written file is otherwise read from memory)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def step_times(result: dict, device: str) -> list[float]:
@@ -209,6 +221,9 @@ def checkpoint(args: argparse.Namespace, work: Path, r: dict, n: int,
                table: dict[str, list[float]]) -> None:
     """The checkpoint figures: bytes, save and resume against the plain disk's rate."""
     size = r["checkpoint_bytes"]
+    for f in Path(r["checkpoint_dir"]).rglob("*"):
+        if f.is_file():
+            evict_from_cache(f)  # a resume reads what it has not just written
     resumed = run("ours:resume", args, work)
     write_s, read_s, fresh_read_s = plain_disk(work / "plain.bin", size)
     print(f"checkpoint: {size:,} bytes ({size / n:.2f} a parameter); save {r['save_s']:.2f} "

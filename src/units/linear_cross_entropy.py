@@ -70,6 +70,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                      if bias is not None and wanted[2] else None)
         for start in range(0, hidden.shape[0], chunk_size):
             chunk = hidden[start:start + chunk_size]
+            logits = grad = None  # the last chunk's logits freed before the next are made
             logits = _chunk_logits(chunk, weight, bias)
             target = targets[start:start + chunk_size]
             kept = target != ignore_index
@@ -123,6 +124,7 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         log_probs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(log_probs)
         for start in range(0, hidden.shape[0], chunk_size):
+            logits = None  # the last chunk's logits freed before the next are made
             logits = _chunk_logits(hidden[start:start + chunk_size], weight, bias)
             rows = torch.arange(logits.shape[0], device=logits.device)
             picked = logits[rows, targets[start:start + chunk_size]]
@@ -143,6 +145,7 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], size):
             chunk = hidden[start:start + size]
             upstream = grad_log_probs[start:start + size].float()
+            grad = None  # the last chunk's logits freed before the next are made
             # d log p[target] / d logits = one_hot(target) - softmax, times the upstream
             grad = _chunk_logits(chunk, weight, bias).sub_(lse[start:start + size, None]).exp_()
             grad.mul_(-upstream[:, None])
