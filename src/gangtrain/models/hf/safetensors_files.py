@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from gangtrain.io.tensor_bytes import read_into
 from trainer.checkpoint.streaming import SHARDS_INDEX
 from trainer.errors import UserError
 
@@ -177,14 +178,11 @@ def _read_whole(file: Path, handle: Any, name: str, start: int | None) -> torch.
         return handle.get_tensor(name)
     dtype, shape = _DTYPES[view.get_dtype()], tuple(view.get_shape())
     value = torch.empty(shape, dtype=dtype, device="cpu")
-    buffer = memoryview(value.reshape(-1).view(torch.uint8).numpy()).cast("B")
     with open(file, "rb", buffering=0) as f:
-        f.seek(start)
-        while len(buffer):
-            n = f.readinto(buffer)
-            if not n:
-                raise SafetensorError(f"the file ends inside tensor bytes at {start}")
-            buffer = buffer[n:]
+        try:
+            read_into(f, start, value)
+        except EOFError as error:
+            raise SafetensorError(str(error)) from None
     return value
 
 
