@@ -3,6 +3,8 @@ targets (`gangtrain.io.dcp_records`) give exactly what the buffered write and DC
 the same file bytes, the same model and optimizer state, bit for bit; what the fast read
 does not take (a transposed parameter, a dtype change) goes through DCP's reader."""
 
+import errno
+
 import pytest
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType
@@ -56,6 +58,28 @@ def test_a_direct_write_holds_exactly_the_bytes_written(tmp_path, sizes):
         assert stream.write(memoryview(chunk)) == len(chunk)
     assert stream.tell() == sum(sizes)
     stream.close()
+    assert (tmp_path / "f").read_bytes() == b"".join(chunks)
+
+
+@pytest.mark.parametrize("sizes", [[5], [BLOCK + 7, 3]])
+def test_a_file_system_refusing_the_first_direct_write_gets_the_bytes_buffered(
+        tmp_path, monkeypatch, sizes):
+    write_all, refused = direct_writes._write_all, []
+
+    def refusing(fd, view):
+        if not refused:
+            refused.append(len(view))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        write_all(fd, view)
+
+    monkeypatch.setattr(direct_writes, "_write_all", refusing)
+    chunks = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    stream = DirectWriteStream(tmp_path / "f")
+    assert stream.direct
+    for chunk in chunks:
+        stream.write(chunk)
+    stream.close()
+    assert refused and not stream.direct
     assert (tmp_path / "f").read_bytes() == b"".join(chunks)
 
 

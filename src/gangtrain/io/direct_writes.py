@@ -15,6 +15,7 @@ writes through the page cache: the same bytes.
 
 from __future__ import annotations
 
+import errno
 import io
 import mmap
 import os
@@ -35,30 +36,49 @@ class DirectWriteStream(io.RawIOBase):
 
     def __init__(self, path: Any) -> None:
         super().__init__()
-        self._fd, self.direct = _open(os.fspath(path))
-        self._size = 0
+        self._path = os.fspath(path)
+        self.direct = enabled and hasattr(os, "O_DIRECT")
+        try:
+            self._fd = _open(self._path, self.direct)
+        except OSError:  # EINVAL: this file system does not do direct IO
+            self.direct = False
+            self._fd = _open(self._path, False)
         self._buffer = mmap.mmap(-1, BLOCK) if self.direct else None  # page-aligned
-        self._filled = 0
+        self._filled = 0  # bytes in the buffer
+        self._size = 0  # bytes written, buffered ones included
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if self._buffer is None:
-            _write_all(self._fd, view)
-        else:
-            offset = 0
-            while offset < len(view):
-                take = min(BLOCK - self._filled, len(view) - offset)
-                self._buffer[self._filled:self._filled + take] = view[offset:offset + take]
-                self._filled += take
-                offset += take
-                if self._filled == BLOCK:
-                    _write_all(self._fd, memoryview(self._buffer))
-                    self._filled = 0
+        offset = 0
+        while offset < len(view) and self._buffer is not None:
+            take = min(BLOCK - self._filled, len(view) - offset)
+            self._buffer[self._filled:self._filled + take] = view[offset:offset + take]
+            self._filled += take
+            offset += take
+            if self._filled == BLOCK:
+                self._write_buffer(BLOCK)
+        if offset < len(view):  # not direct (any more)
+            _write_all(self._fd, view[offset:])
         self._size += len(view)
         return len(view)
+
+    def _write_buffer(self, length: int) -> None:
+        """Write the buffer's first `length` bytes (its `_filled` ones, padded to the block
+        size) and empty it. A file system that opened the file for direct IO but refuses
+        its first direct write (EINVAL) gets the file through the page cache instead."""
+        try:
+            _write_all(self._fd, memoryview(self._buffer)[:length])
+        except OSError as error:
+            if error.errno != errno.EINVAL or os.lseek(self._fd, 0, os.SEEK_CUR) != 0:
+                raise
+            os.close(self._fd)
+            self._fd, self.direct = _open(self._path, False), False
+            _write_all(self._fd, memoryview(self._buffer)[:self._filled])
+            self._buffer = None  # freed with the last view of it
+        self._filled = 0
 
     def tell(self) -> int:
         return self._size
@@ -71,29 +91,21 @@ class DirectWriteStream(io.RawIOBase):
         if self.closed:
             return
         try:
-            if self._buffer is not None:
-                if self._filled:
-                    padded = -(-self._filled // _ALIGN) * _ALIGN
-                    self._buffer[self._filled:padded] = bytes(padded - self._filled)
-                    _write_all(self._fd, memoryview(self._buffer)[:padded])
-                    os.ftruncate(self._fd, self._size)
-                self._buffer.close()
+            if self._buffer is not None and self._filled:
+                padded = -(-self._filled // _ALIGN) * _ALIGN
+                self._buffer[self._filled:padded] = bytes(padded - self._filled)
+                self._write_buffer(padded)
+                os.ftruncate(self._fd, self._size)
+            self._buffer = None
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
             super().close()
 
 
-def _open(path: str) -> tuple[int, bool]:
-    """(file descriptor, whether it is direct)."""
+def _open(path: str, direct: bool) -> int:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct and enabled:
-        try:
-            return os.open(path, flags | direct, 0o644), True
-        except OSError:  # EINVAL: this file system does not do direct IO
-            pass
-    return os.open(path, flags, 0o644), False
+    return os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
