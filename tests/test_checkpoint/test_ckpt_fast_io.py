@@ -123,12 +123,23 @@ def test_saves_and_loads_equal_the_buffered_write_and_dcps_own_reader(tmp_path, 
     assert taken == [17]  # once (shortcuts on): 4 parameters, 8 moments, 5 step counts
 
 
-def test_the_fast_read_refuses_what_it_cannot_lay_out(tmp_path):
+def test_the_fast_read_refuses_what_it_cannot_lay_out(tmp_path, monkeypatch):
     """A checkpoint of a float32 model loaded into a bfloat16 one: DCP's reader casts."""
     gangs = setup_gangs(FakeGang())
     model = torch.nn.Linear(4, 3)
     manager = CheckpointManager(tmp_path, gangs)
     manager.save(1, model, None, {})
+    left_to_dcp: list[int] = []
+    read = dcp_records.read_into_targets
+
+    def counting(directory, storage_data, items, planner):
+        left = read(directory, storage_data, items, planner)
+        left_to_dcp.append(sum(item.type == LoadItemType.TENSOR for item in left))
+        return left
+
+    monkeypatch.setattr("trainer.checkpoint.manifest.read_into_targets", counting)
     other = torch.nn.Linear(4, 3).to(torch.bfloat16)
     manager.load(1, other, None)
+    assert left_to_dcp == [2]  # weight and bias: both cast by DCP's reader
     assert torch.equal(other.weight, model.weight.detach().to(torch.bfloat16))
+    assert torch.equal(other.bias, model.bias.detach().to(torch.bfloat16))

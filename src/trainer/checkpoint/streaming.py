@@ -5,10 +5,8 @@ DCP checkpoint (names, dtypes, full shapes: from DCP's metadata alone) and `load
 reads one of them at full size through `dcp.load(..., no_dist=True)` (no process group,
 whatever layout wrote it), so an export never holds more than one tensor.
 
-Writing: safetensors' `save_file` needs every tensor of a file in memory at once. A
-safetensors file is an 8-byte little-endian header length, a JSON header giving each
-tensor's dtype, shape and byte range, then the raw bytes; the header depends only on
-names, dtypes and shapes, so `write_safetensors` writes it first and then asks for one
+Writing: safetensors' `save_file` needs every tensor of a file in memory at once. The
+format's header depends only on names, dtypes and shapes (`gangtrain.io.safetensors_layout`), so `write_safetensors` writes it first and then asks for one
 tensor at a time: host memory stays at the largest tensor, whatever the model's size.
 """
 
@@ -25,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from gangtrain.io.safetensors_layout import DTYPE_CODES, encode_header
 from trainer.checkpoint.loading import load_dcp, require_verified
 from trainer.checkpoint.manifest import (
     MODEL_OPTIM,
@@ -39,15 +38,6 @@ __all__ = ["SHARDS_INDEX", "ModelTensors", "TensorInfo", "plan_shards", "shard_f
 
 SHARDS_INDEX = "model.safetensors.index.json"
 """transformers' index of a model's weights split into shards (`shard_file_name`)."""
-
-# torch dtype -> safetensors' dtype code (the format's own names).
-_DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-
 
 class _MetadataOnce(SafeFileSystemReader):
     """DCP reads `.metadata` at every `dcp.load`; one tensor per load would read it once per
@@ -124,19 +114,12 @@ def write_safetensors(
 ) -> None:
     """Write a safetensors file of `tensors`, asking `load(name)` for one tensor at a time
     (each must match its `TensorInfo`); fsynced."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
     for info in tensors:
-        if info.dtype not in _DTYPE_CODES:
+        if info.dtype not in DTYPE_CODES:
             raise UserError(f"{info.name}: dtype {info.dtype} cannot be written to safetensors")
-        header[info.name] = {"dtype": _DTYPE_CODES[info.dtype], "shape": list(info.shape),
-                             "data_offsets": [offset, offset + info.num_bytes]}
-        offset += info.num_bytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data on 8 bytes
+    header = encode_header((info.name, info.dtype, info.shape) for info in tensors)
     with open(path, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
+        f.write(header)
         for info in tensors:
             value = load(info.name)
             if value.dtype != info.dtype or tuple(value.shape) != info.shape:

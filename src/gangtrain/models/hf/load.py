@@ -39,7 +39,7 @@ from gangtrain.models.hf.conversion import ConvertedFiles
 from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.safetensors_files import WeightFiles
 from gangtrain.models.hf.spec import spec_for
-from gangtrain.models.hf.tied_embedding import sparse_tied_embedding_gradient
+from gangtrain.models.hf.tied_embedding import add_tied_embedding_rows_in_place
 from gangtrain.parallel import plan
 from gangtrain.parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
@@ -139,7 +139,7 @@ def load_pretrained(
     model = plan.build_model(pretrained.on_meta, gangs, tensor_parallel=_tensor_parallel,
                              data_parallel=data_parallel, materialize=pretrained.materialize,
                              transforms=transforms, pipeline=pipeline, **kwargs)
-    sparse_tied_embedding_gradient(model)  # where tied and neither wrapped nor sharded
+    add_tied_embedding_rows_in_place(model)  # where tied and neither wrapped nor sharded
     return model
 
 

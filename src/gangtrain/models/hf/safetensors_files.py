@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from gangtrain.io.safetensors_layout import data_starts
 from gangtrain.io.tensor_bytes import read_into
 from trainer.checkpoint.streaming import SHARDS_INDEX
 from trainer.errors import UserError
@@ -113,14 +114,9 @@ class WeightFiles:
         return value
 
     def _data_start(self, file: Path, name: str) -> int | None:
-        """Where `name`'s bytes start in `file`, from the format's header: an 8-byte
-        little-endian length, then JSON giving each tensor's `data_offsets` after it."""
+        """Where `name`'s bytes start in `file`, from the format's header."""
         if file not in self._offsets:
-            with open(file, "rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(length))
-            self._offsets[file] = {key: 8 + length + value["data_offsets"][0]
-                                   for key, value in header.items() if key != "__metadata__"}
+            self._offsets[file] = data_starts(file)
         return self._offsets[file].get(name)
 
     def close(self) -> None:

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["sparse_tied_embedding_gradient"]
+__all__ = ["add_tied_embedding_rows_in_place"]
 
 
-def sparse_tied_embedding_gradient(model: nn.Module) -> bool:
+def add_tied_embedding_rows_in_place(model: nn.Module) -> bool:
     """Add a tied input embedding's gradient rows into its weight's gradient in place (see
     the module docstring); whether it was done."""
     inputs = getattr(model, "get_input_embeddings", None)
