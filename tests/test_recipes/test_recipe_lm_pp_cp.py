@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -29,8 +30,7 @@ def run(out: Path, ranks: int = 1, *extra: str) -> subprocess.CompletedProcess[s
     launcher = [sys.executable, "-m", "recipes.lm"] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={ranks}", "-m", "recipes.lm"]
-    return subprocess.run([*launcher, str(out), *ARGS, *extra], capture_output=True,
-                          text=True, timeout=300, env=ENV)
+    return warm_launch.run([*launcher, str(out), *ARGS, *extra], timeout=300, env=ENV)
 
 
 def losses(out: Path) -> dict[str, list[float]]:

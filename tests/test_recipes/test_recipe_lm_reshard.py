@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_launch
 from processes import kill_tree
 
 ARGS = ["--preset", "tiny", "--set", "trainer.progress=false", "--set", "gangs.timeout_s=60",
@@ -27,12 +28,12 @@ def lm(out: Path, ranks: int, *extra: str) -> list[str]:
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    return warm_launch.run(cmd, timeout=300, env=ENV)
 
 
 def run_until_checkpoint(cmd: list[str], out: Path, step: int) -> None:
     """Run `cmd` and kill it once checkpoint `step` is complete."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = warm_launch.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=ENV)
     target = out / "checkpoints" / f"step_{step}" / "manifest.json"
     deadline = time.monotonic() + 240

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 from processes import kill_tree
+from recipe_runs import recipe_env
 
 TESTS = Path(__file__).resolve().parents[1]
 STEPS = 24
@@ -41,15 +43,14 @@ def command(out: Path, ranks: int) -> list[str]:
 
 
 def environment() -> dict[str, str]:
-    """Where `ema_callback` (in tests/) imports from."""
-    env = dict(os.environ)
+    """The recipes' test environment, with `ema_callback` (in tests/) importable."""
+    env = recipe_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     return env
 
 
 def run_to_end(out: Path, ranks: int) -> None:
-    proc = subprocess.run(command(out, ranks), capture_output=True, text=True, timeout=300,
-                          env=environment())
+    proc = warm_launch.run(command(out, ranks), timeout=300, env=environment())
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
