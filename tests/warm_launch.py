@@ -1,5 +1,6 @@
-"""`popen`: start `python -m recipes.NAME ARGS` as a process forked from a warm Python
-(`warm_python.py`, started once per test run), or as a plain subprocess when it cannot be.
+"""`popen`, `run`: start `python -m recipes.NAME ARGS` (or torchrun's launcher) as a process
+forked from a warm Python (`warm_python.py`, started once per test run), or as a plain
+subprocess when it cannot be.
 
 The process is the same command line run as a user runs it (its own pid, session, cwd,
 environment, stdout and stderr, exit code; SIGKILL-able with all it started), minus the
@@ -39,9 +40,10 @@ def _import_time(env: dict[str, str]) -> dict[str, str]:
 
 
 def warm_module(command: Sequence[Any]) -> str | None:
-    """The recipe module of `[sys.executable, "-m", "recipes.NAME", ...]`, else None."""
-    if len(command) >= 3 and command[0] == sys.executable and command[1] == "-m" \
-            and str(command[2]).startswith("recipes."):
+    """The module of `[sys.executable, "-m", MODULE, ...]` when it is a recipe or torchrun
+    (whose workers are fresh interpreters it starts, as always), else None."""
+    if len(command) >= 3 and command[0] == sys.executable and command[1] == "-m" and (
+            str(command[2]).startswith("recipes.") or command[2] == "torch.distributed.run"):
         return str(command[2])
     return None
 

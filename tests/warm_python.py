@@ -22,7 +22,10 @@ import select
 import socket
 import sys
 
+# Not the modules run as __main__ (runpy warns when one is imported already): torchrun's
+# own imports instead of torch.distributed.run.
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.pipelining",
+           "torch.distributed.launcher.api", "torch.distributed.elastic.multiprocessing",
            "transformers", "datasets", "safetensors.torch", "gangtrain.app.cli",
            "recipes.lm.recipe", "recipes.finetune.recipe", "recipes.sft.recipe",
            "recipes.preference.recipe", "recipes.grpo.recipe", "recipes.classify.recipe")

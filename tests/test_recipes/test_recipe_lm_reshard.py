@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,9 +59,18 @@ def straight(tmp_path_factory) -> dict[int, float]:
     return valid_losses(out)
 
 
+@pytest.fixture(scope="module")
+def dp2_tp2(tmp_path_factory) -> Path:
+    """A DP2 x TP2 run (4 ranks) killed once its step-20 checkpoint is complete."""
+    out = tmp_path_factory.mktemp("dp2_tp2")
+    run_until_checkpoint(lm(out, 4, "--set", "gangs.tp_size=2"), out, 20)
+    return out
+
+
 @pytest.mark.parametrize("resume_ranks", [1, 2])
-def test_dp2_tp2_checkpoint_resumes_under_another_layout(tmp_path, straight, resume_ranks):
-    run_until_checkpoint(lm(tmp_path, 4, "--set", "gangs.tp_size=2"), tmp_path, 20)
+def test_dp2_tp2_checkpoint_resumes_under_another_layout(tmp_path, straight, dp2_tp2,
+                                                         resume_ranks):
+    shutil.copytree(dp2_tp2, tmp_path, dirs_exist_ok=True)  # each layout resumes a copy
     # The resume starts from the run's config.yaml: the new layout is said explicitly.
     proc = run(lm(tmp_path, resume_ranks, "--set", "gangs.tp_size=1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
