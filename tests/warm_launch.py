@@ -153,6 +153,18 @@ def popen(command: Sequence[Any], *, stdout: Any = None, stderr: Any = None,
                                     start_new_session=start_new_session)
 
 
+def start_logged(command: Sequence[Any], log: Path, *, cwd: Any = None,
+                 env: dict[str, str] | None = None) -> Any:
+    """`subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, ...)`: a
+    recipe's command line is forked from the warm Python when it can be."""
+    args = [str(a) for a in command]
+    env = dict(os.environ) if env is None else dict(env)
+    Path(log).write_text("")
+    proc = _start(args, cwd, env, str(log), str(log), new_session=False)
+    return proc or subprocess.Popen(args, stdout=Path(log).open("a"), stderr=subprocess.STDOUT,
+                                    cwd=cwd, env=env, text=True)
+
+
 def run(command: Sequence[Any], *, cwd: Any = None, env: dict[str, str] | None = None,
         timeout: float | None = None) -> subprocess.CompletedProcess[str]:
     """`subprocess.run(command, capture_output=True, text=True, ...)`: a recipe's command
