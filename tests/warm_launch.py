@@ -40,10 +40,11 @@ def _import_time(env: dict[str, str]) -> dict[str, str]:
 
 
 def warm_module(command: Sequence[Any]) -> str | None:
-    """The module of `[sys.executable, "-m", MODULE, ...]` when it is a recipe or torchrun
-    (whose workers are fresh interpreters it starts, as always), else None."""
+    """The module of `[sys.executable, "-m", MODULE, ...]` when it is a recipe, a benchmark or
+    torchrun (whose workers are fresh interpreters it starts, as always), else None."""
     if len(command) >= 3 and command[0] == sys.executable and command[1] == "-m" and (
-            str(command[2]).startswith("recipes.") or command[2] == "torch.distributed.run"):
+            str(command[2]).startswith(("recipes.", "benchmarks."))
+            or command[2] == "torch.distributed.run"):
         return str(command[2])
     return None
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 from processes import kill_tree
 from ranks import free_port
 
@@ -28,9 +29,8 @@ def losses(out: Path) -> dict[str, list[float]]:
 
 def test_two_nodes_give_the_losses_of_two_processes(tmp_path):
     one_node = tmp_path / "one_node"
-    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "recipes.lm",
-                           str(one_node), *ARGS], capture_output=True, text=True, timeout=300,
-                          env=ENV)
+    proc = warm_launch.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "recipes.lm",
+                            str(one_node), *ARGS], timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
     shared = tmp_path / "two_nodes"  # the shared file system both nodes write to
