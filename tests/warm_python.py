@@ -14,13 +14,17 @@ torch op, so nothing of it is half-locked in a child.
 
 from __future__ import annotations
 
+import gc
 import importlib
+import io
 import json
 import os
 import runpy
 import select
 import socket
 import sys
+
+import warm_workers  # beside this file: imported before sys.path[0] leaves tests/
 
 # Not the modules run as __main__ (runpy warns when one is imported already): torchrun's
 # own imports instead of torch.distributed.run.
@@ -116,9 +120,15 @@ def become(request: dict) -> None:
     for fd, name, mode in ((0, os.devnull, os.O_RDONLY),
                            (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
-        opened = os.open(name, mode, 0o644)
-        os.dup2(opened, fd)
-        os.close(opened)
+        if name is not None:  # None: the parent's, inherited
+            opened = os.open(name, mode, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+    if request.get("unbuffered"):  # python -u
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True,
+                                      encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      encoding=sys.stderr.encoding, errors=sys.stderr.errors)
     sys.argv = ["-m", *request["args"]]
     importlib.invalidate_caches()  # files written since the server started
 
@@ -132,8 +142,17 @@ if __name__ == "__main__":
     preload()
     sys.stdout.flush()
     sys.stderr.flush()
+    gc.freeze()  # the preloaded objects: never traversed again by a child's collections
     request = serve(sys.argv[1])
     module = request["module"]
     become(request)
+    if module == "torch.distributed.run":  # its recipe workers forked warm too
+        zygote, worker = warm_workers.start_zygote()
+        if worker is None:
+            warm_workers.patch_torchrun(zygote, dict(os.environ))
+        else:  # this process is one of them
+            module = worker["module"]
+            become(worker)
+        del zygote, worker
     del request
     runpy._run_module_as_main(module, alter_argv=True)

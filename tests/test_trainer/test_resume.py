@@ -67,17 +67,22 @@ def straight(tmp_path_factory):
     return get
 
 
+KILLS = {1: 4, 2: 2}
+"""SIGKILLs of a run, by ranks: every other one mid-save (each of torchrun's two fresh
+workers pays its imports again on a restart: two kills there)."""
+
+
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    """`killed(ranks)`: (output, kills that hit a running job) of the same command SIGKILLed 4
-    times (`killed_runs.kill_repeatedly`: after a save, then mid-save, ...) and then let
-    finish."""
+    """`killed(ranks)`: (output, kills that hit a running job) of the same command SIGKILLed
+    `KILLS[ranks]` times (`killed_runs.kill_repeatedly`: a random moment after a save, then
+    mid-save, ...) and then let finish."""
     made: dict[int, tuple[Path, int]] = {}
 
     def get(ranks: int) -> tuple[Path, int]:
         if ranks not in made:
             out = tmp_path_factory.mktemp(f"killed{ranks}")
-            hits = kill_repeatedly(command(out, ranks), out / "checkpoints", 4,
+            hits = kill_repeatedly(command(out, ranks), out / "checkpoints", KILLS[ranks],
                                    random.Random(ranks), final_step=STEPS, env=environment())
             run_to_end(out, ranks)
             made[ranks] = out, hits
@@ -98,7 +103,8 @@ FINAL = f"checkpoints/step_{STEPS}"
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_killed_runs_resume_bit_for_bit(straight, killed, ranks):
     straight, (killed, hits) = straight(ranks), killed(ranks)
-    assert hits >= 3  # the job really was killed mid-run, once or more mid-save
+    # the job really was killed mid-run, once or more mid-save
+    assert hits >= max(2, KILLS[ranks] - 1)
 
     assert_same_state(checkpoint_state(straight / FINAL), checkpoint_state(killed / FINAL))
 
