@@ -155,15 +155,16 @@ def popen(command: Sequence[Any], *, stdout: Any = None, stderr: Any = None,
 
 
 def start_logged(command: Sequence[Any], log: Path, *, cwd: Any = None,
-                 env: dict[str, str] | None = None) -> Any:
+                 env: dict[str, str] | None = None, start_new_session: bool = False) -> Any:
     """`subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, ...)`: a
     recipe's command line is forked from the warm Python when it can be."""
     args = [str(a) for a in command]
     env = dict(os.environ) if env is None else dict(env)
     Path(log).write_text("")
-    proc = _start(args, cwd, env, str(log), str(log), new_session=False)
+    proc = _start(args, cwd, env, str(log), str(log), new_session=start_new_session)
     return proc or subprocess.Popen(args, stdout=Path(log).open("a"), stderr=subprocess.STDOUT,
-                                    cwd=cwd, env=env, text=True)
+                                    cwd=cwd, env=env, text=True,
+                                    start_new_session=start_new_session)
 
 
 def run(command: Sequence[Any], *, cwd: Any = None, env: dict[str, str] | None = None,

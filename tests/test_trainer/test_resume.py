@@ -224,29 +224,36 @@ def test_a_plain_callables_state_is_replayed_on_resume(tmp_path):
 def kill_one_worker_once_saved(out: Path) -> tuple[bool, int | None, str]:
     """Launch 2 workers under `torchrun --max-restarts=3`; SIGKILL one worker (not the agent)
     once a checkpoint exists; let the agent restart them. (killed, exit code or None when it
-    hung, stderr)."""
+    hung, the output)."""
     from processes import descendants
 
     cmd = command(out, 2)
     cmd.insert(cmd.index("--standalone"), "--max-restarts=3")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=environment())
+    log = out.parent / f"{out.name}.log"
+    proc = warm_launch.start_logged(cmd, log, env=environment(), start_new_session=True)
     ckpt, killed = out / "checkpoints", False
     while proc.poll() is None and not killed:
         if ckpt.exists() and any(p.name.startswith("step_") for p in ckpt.iterdir()):
             for pid in descendants(proc.pid):
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if b"recipes.lm" in cmdline and b"torch.distributed.run" not in cmdline:
+                if is_session_leader(pid):  # torchrun starts each worker in its own session
                     os.kill(pid, signal.SIGKILL)
                     killed = True
                     break
         time.sleep(0.002)
     try:
-        _, stderr = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         return killed, None, ""
-    return killed, proc.returncode, stderr
+    return killed, proc.returncode, log.read_text()
+
+
+def is_session_leader(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return int(fields[3]) == pid  # the session id (stat's 6th field)
 
 
 def test_a_worker_killed_under_max_restarts_ends_as_a_run_never_disturbed(straight, tmp_path):
