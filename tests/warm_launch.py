@@ -16,6 +16,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def _connect(env: dict[str, str]) -> socket.socket | None:
             proc = subprocess.Popen([sys.executable, str(TESTS / "warm_python.py"), path],
                                     cwd=REPO, env=started, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT)
-            atexit.register(proc.kill)
+            atexit.register(_stop, proc, folder)
             _server.update(path=path, env=started, proc=proc)
     if _import_time(_server["env"]) != _import_time(env):
         return None
@@ -84,6 +85,12 @@ def _connect(env: dict[str, str]) -> socket.socket | None:
             conn.close()
             time.sleep(0.05)
     return None
+
+
+def _stop(proc: subprocess.Popen, folder: str) -> None:
+    proc.kill()
+    proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 class WarmProcess:
