@@ -4,6 +4,7 @@ running it, not here: timings do not belong in tests)."""
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,18 +14,12 @@ import warm_launch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_benchmark(module: str, *args: str, timeout: float = 300) -> str:
-    """`python -m module args` (one intra-op thread, forked from the warm Python,
-    `warm_launch`): its stdout, once it exited 0."""
-    proc = warm_launch.run([sys.executable, "-m", module, *args], cwd=ROOT,
-                           env=warm_launch.server_env(), timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
-
-
 def test_overhead_benchmark_prints_its_ratios():
-    out = run_benchmark("benchmarks.overhead", "--sizes", "small", "--reps", "1", "--steps", "21",
-                        "--no-memory", timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.overhead", "--sizes", "small", "--reps", "1",
+         "--steps", "21", "--no-memory"],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=120,
+    ).stdout
     ratio = re.search(r"overhead small .* ratio (\d+\.\d+) \(target <= 1.03; 95% interval", out)
     own = re.search(r"the trainer's own cost: .* ratio (\d+\.\d+)", out)
     assert ratio and own, out
@@ -56,6 +51,15 @@ def test_the_interval_is_taken_over_medians_of_blocks_of_consecutive_pairs():
     single = median_interval(pairs)
     assert single is not None and single[1] - single[0] < 0.021
     assert median_interval(block_medians(pairs)) == pytest.approx((1.00, 1.10))
+
+
+def run_benchmark(module: str, *args: str, timeout: float = 300) -> str:
+    """`python -m module args` (one intra-op thread, forked from the warm Python,
+    `warm_launch`): its stdout, once it exited 0."""
+    proc = warm_launch.run([sys.executable, "-m", module, *args], cwd=ROOT,
+                           env=warm_launch.server_env(), timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
 
 
 def test_checkpoint_benchmark_prints_save_and_load_against_the_disk():
