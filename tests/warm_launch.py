@@ -7,7 +7,8 @@ environment, stdout and stderr, exit code; SIGKILL-able with all it started), mi
 5-6 s of imports a fresh interpreter pays on 2 cores. Only a command line whose environment
 is the one the warm Python started with is forked (anything read at import time is then
 the same), up to `RUNTIME_ONLY` variables and PYTHONPATH (the child's `sys.path` is set as
-that PYTHONPATH gives it); any other runs as a subprocess.
+that PYTHONPATH gives it); any other runs as a subprocess. GANGTRAIN_TESTS_COLD=1 runs every
+command line as a subprocess (to rule the warm Python out when a test fails).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def server_env() -> dict[str, str]:
 def _connect(env: dict[str, str]) -> socket.socket | None:
     """A connection to the warm Python (started on first use), or None when `env` differs
     from its own in what is read at import time, or it did not start."""
+    if os.environ.get("GANGTRAIN_TESTS_COLD") == "1":
+        return None
     with _starting:
         if not _server:
             folder = tempfile.mkdtemp(prefix="warm-python-")
