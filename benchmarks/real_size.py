@@ -23,7 +23,10 @@ ours first each time), and the ratios are taken between the runs of one round:
 - the checkpoint our SFT run saved at its last step: bytes (12 a parameter is the fp32 model
   and AdamW's two moments), save time; a resume of it (one step more): its load time and
   its time from process start to the first step, against the SFT run's; beside them, in
-  this process, a plain write + fsync and a read of as many random (non-repeating) bytes.
+  this process, a plain write + fsync and a read of as many random (non-repeating) bytes
+  (into one reused buffer, and into fresh memory of their size: a resume must also bring
+  the optimizer's state into memory the process does not have yet). Every read is from the
+  disk: the checkpoint's and the plain file's pages are dropped from the page cache first.
 
 AdamW fused, lr 1e-5 constant, betas (0.9, 0.999), no weight decay, clipping at 1.0, seed 0,
 on both sides. The machine is shared: say what else ran when quoting figures.
@@ -89,10 +92,11 @@ def run(role: str, args: argparse.Namespace, work: Path) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def plain_disk(path: Path, size: int, chunk: int = 64 << 20) -> tuple[float, float]:
-    """(seconds to write `size` random bytes and fsync, seconds to read them back), only the
-    write, fsync and read timed (the bytes are made between writes: non-repeating, so that
-    nothing below us dedups or compresses them)."""
+def plain_disk(path: Path, size: int, chunk: int = 64 << 20) -> tuple[float, float, float]:
+    """(seconds to write `size` random bytes and fsync, seconds to read them back into one
+    reused buffer, seconds to read them into fresh memory of their size, as a resume must
+    place them), only the write, fsync and reads timed (the bytes are made between writes:
+    non-repeating, so that nothing below us dedups or compresses them)."""
     rng = np.random.default_rng(0)
     written, write_s = 0, 0.0
     with open(path, "wb") as f:
@@ -107,13 +111,31 @@ def plain_disk(path: Path, size: int, chunk: int = 64 << 20) -> tuple[float, flo
         os.fsync(f.fileno())
         write_s += time.perf_counter() - start
     buffer = bytearray(chunk)
+    evict_from_cache(path)
     start = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.readinto(buffer):
             pass
     read_s = time.perf_counter() - start
+    evict_from_cache(path)
+    start = time.perf_counter()
+    fresh = np.empty(size, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        for offset in range(0, size, chunk):
+            f.readinto(memoryview(fresh)[offset:offset + chunk])
+    fresh_read_s = time.perf_counter() - start
+    evict_from_cache(path)
+    del fresh
     path.unlink()
-    return write_s, read_s
+    return write_s, read_s, fresh_read_s
+
+
+def evict_from_cache(path: Path) -> None:
+    """Drop `path`'s pages from the page cache, so that the next read comes from the disk
+    (both the resume's and the plain reads: a written file is otherwise read from memory)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def step_times(result: dict, device: str) -> list[float]:
@@ -199,17 +221,23 @@ def checkpoint(args: argparse.Namespace, work: Path, r: dict, n: int,
                table: dict[str, list[float]]) -> None:
     """The checkpoint figures: bytes, save and resume against the plain disk's rate."""
     size = r["checkpoint_bytes"]
+    for f in Path(r["checkpoint_dir"]).rglob("*"):
+        if f.is_file():
+            evict_from_cache(f)  # a resume reads what it has not just written
     resumed = run("ours:resume", args, work)
-    write_s, read_s = plain_disk(work / "plain.bin", size)
+    write_s, read_s, fresh_read_s = plain_disk(work / "plain.bin", size)
     print(f"checkpoint: {size:,} bytes ({size / n:.2f} a parameter); save {r['save_s']:.2f} "
           f"s, plain write + fsync of as many bytes {write_s:.2f} s; resume's load "
-          f"{resumed.get('load_s', float('nan')):.2f} s, plain read {read_s:.2f} s; first "
+          f"{resumed.get('load_s', float('nan')):.2f} s, plain read {read_s:.2f} s (into "
+          f"fresh memory {fresh_read_s:.2f} s); first "
           f"step ends {resumed['first_step_end_s']:.1f} s after process start resumed, "
           f"{r['first_step_end_s']:.1f} s fresh; resumed losses "
           f"{', '.join(f'{x:.7f}' for x in resumed['losses'])}", flush=True)
     table.setdefault("checkpoint bytes / (12 x parameters)", []).append(size / (12 * n))
     table.setdefault("save / plain write + fsync", []).append(r["save_s"] / write_s)
     table.setdefault("resume's load / plain read", []).append(resumed["load_s"] / read_s)
+    table.setdefault("resume's load / plain read into fresh memory", []).append(
+        resumed["load_s"] / fresh_read_s)
     table.setdefault("resume: training starts later than fresh, wall s", []).append(
         resumed["train_start_s"] - r["train_start_s"])
     table.setdefault("resume: training starts later than fresh, CPU s", []).append(

@@ -15,17 +15,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_overhead_benchmark_prints_its_ratios():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.overhead", "--sizes", "small", "--reps", "1",
-         "--steps", "21", "--no-memory"],
-        cwd=ROOT, check=True, capture_output=True, text=True, timeout=120,
-    ).stdout
-    ratio = re.search(r"overhead small .* ratio (\d+\.\d+) \(target <= 1.03; 95% interval", out)
-    own = re.search(r"the trainer's own cost: .* ratio (\d+\.\d+)", out)
-    assert ratio and own, out
     # A trainer that did something heavy per step (a host sync, a recorder write) would be
-    # several times slower at this size; a broken loop would be instant.
-    assert 0.5 < float(ratio.group(1)) < 3.0 and 0.5 < float(own.group(1)) < 3.0, out
+    # several times slower at this size; a broken loop would be instant. 21 steps of 0.5 ms
+    # on a loaded machine can miss once (measured 9x with 4 processes on 2 cores): a second
+    # run decides.
+    for _attempt in range(2):
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.overhead", "--sizes", "small", "--reps", "1",
+             "--steps", "21", "--no-memory"],
+            cwd=ROOT, check=True, capture_output=True, text=True, timeout=120,
+        ).stdout
+        ratio = re.search(r"overhead small .* ratio (\d+\.\d+) \(target <= 1.03; 95% interval",
+                          out)
+        own = re.search(r"the trainer's own cost: .* ratio (\d+\.\d+)", out)
+        assert ratio and own, out
+        if 0.5 < float(ratio.group(1)) < 3.0 and 0.5 < float(own.group(1)) < 3.0:
+            return
+    raise AssertionError(out)
 
 
 def test_the_median_interval_is_the_textbook_order_statistics():

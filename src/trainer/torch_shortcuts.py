@@ -14,11 +14,9 @@ each is kept because it pays (docs/measured.md):
   a device-decided skip inside the optimizer's kernel: no pass over the gradients and no
   host read a step. The public path scales the gradients with foreach ops and reads a
   device-decided skip on the host.
-* `checkpoint.manifest.SafeFileSystemReader.read_data` (`checkpoint.tensor_reads`): a whole
-  stored tensor read from its file straight into the tensor that receives it, by the
-  reader's `storage_data` records (DCP's `_StorageInfo`): one copy, no fresh memory, instead
-  of `torch.load` into a new tensor and a copy; `SafeLoadPlanner.load_bytes` sets a plain
-  value with DCP's own `_traverse.set_element`, without a second serialisation round trip.
+* `checkpoint.manifest`: stored tensors read straight into their targets by the reader's
+  `storage_data` records (DCP's `_StorageInfo`; `gangtrain.io.dcp_records`), and plain
+  values set by DCP's `_traverse.set_element`, without a second serialisation round trip.
 * `checkpoint.digest`: crc32c by ctypes on the buffer (the C library of `google_crc32c`):
   no copy of each tensor into `bytes`, and the GIL released while hashing.
 

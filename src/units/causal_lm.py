@@ -191,6 +191,17 @@ def chunked_lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int, chunk_size: 
     held. The model must `keeps_trained_logits` and have a linear head
     (`get_output_embeddings()`, transformers' name, which the LM recipe's GPT answers too)
     whose output it returns unchanged; what does not is refused by name."""
+    hidden, head, targets, trained = head_inputs(model, batch, pad_idx, use_cache_keyword)
+    loss = linear_cross_entropy(hidden, head.weight, head.bias, targets, chunk_size, pad_idx)
+    return loss, trained.sum()
+
+
+def head_inputs(model: nn.Module, batch: LMBatch, pad_idx: int, use_cache_keyword: bool = False
+                ) -> tuple[Tensor, nn.Linear, Tensor, Tensor]:
+    """The model run with its head skipped (`captured_head`): (the head's input at the n
+    trained positions [n, d], the head, their targets [n], the trained mask [b, t'] in the
+    targets' layout), for a loss that computes the head itself in chunks. Refused by name
+    where that would not be exact (`chunked_loss_head`, or logits changed after the head)."""
     head = chunked_loss_head(model)
     keywords = model_keywords(batch, use_cache_keyword)
     targets, shift = lm_targets(batch, pad_idx)
@@ -202,9 +213,7 @@ def chunked_lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int, chunk_size: 
             f"loss_chunk_size: {type(unwrapped(model)).__name__} changes its logits after its "
             "head (e.g. soft-capping or scaling them), which the chunked loss would skip: "
             "leave loss_chunk_size unset for this model")
-    loss = linear_cross_entropy(seen.hidden, head.weight, head.bias, targets[trained],
-                                chunk_size, pad_idx)
-    return loss, trained.sum()
+    return seen.hidden, head, targets[trained], trained
 
 
 AUTO_MIN_VOCAB = 32768
@@ -213,16 +222,29 @@ log-softmax and their gradient are most of the step's transient memory (1 GB for
 512 tokens at Qwen's 151,936), and the chunked loss computes the same three matmuls without
 them (docs/measured.md: the real-size step)."""
 AUTO_CHUNK = 1024
+AUTO_CHUNK_CPU = 256
+"""Rows of logits a chunk holds. On a CPU a chunk's matmul is as fast at 256 rows, so the
+chunk holds a quarter of the memory (156 MB at Qwen's vocabulary, not 622 MB)."""
 
 
 def auto_loss_chunk_size(model: nn.Module) -> int | None:
-    """`AUTO_CHUNK` when the model's head can take the chunked loss and its vocabulary has
-    at least `AUTO_MIN_VOCAB` rows; else None (the plain path)."""
+    """`AUTO_CHUNK` (`AUTO_CHUNK_CPU` for a head on the CPU) when the model's head can take
+    the chunked loss and its vocabulary has at least `AUTO_MIN_VOCAB` rows; else None (the
+    plain path)."""
     try:
         head = chunked_loss_head(model)
     except ValueError:
         return None
-    return AUTO_CHUNK if head.out_features >= AUTO_MIN_VOCAB else None
+    if head.out_features < AUTO_MIN_VOCAB:
+        return None
+    return AUTO_CHUNK_CPU if head.weight.device.type == "cpu" else AUTO_CHUNK
+
+
+_LOGIT_CHANGES = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+                  "lm_head_multiplier": 1.0}
+"""transformers' config keys of models that change their logits after the head (Gemma 2/3
+soft-capping, Cohere's and Granite's scales, Falcon-H1's multiplier), with the value that
+changes nothing; the check after the forward (`head_inputs`) catches any other."""
 
 
 def chunked_loss_head(model: nn.Module) -> nn.Linear:
@@ -238,6 +260,13 @@ def chunked_loss_head(model: nn.Module) -> nn.Linear:
     if not isinstance(head, nn.Linear):
         raise ValueError(f"loss_chunk_size: {name} has no linear head "
                          "(`get_output_embeddings()`): leave loss_chunk_size unset")
+    config = getattr(inner, "config", None)
+    changed = [key for key, plain in _LOGIT_CHANGES.items()
+               if getattr(config, key, None) not in (None, plain)]
+    if changed:
+        raise ValueError(f"loss_chunk_size: {name} changes its logits after its head "
+                         f"({changed[0]}={getattr(config, changed[0])}), which a chunked head "
+                         "would skip: leave loss_chunk_size unset for this model")
     if any(isinstance(p, DTensor) for p in head.parameters()):
         raise ValueError(f"loss_chunk_size: {name}'s head is sharded (tensor parallel or "
                          "FSDP), and the chunked loss needs its whole weight on each rank: "
@@ -270,7 +299,8 @@ class CausalLMUnit(TrainUnit[LMBatch]):
     are the full head's. Other models take the plain path. `loss_chunk_size` (tokens): the
     head and the cross-entropy run that many trained positions at a time
     (`chunked_lm_loss`), so memory stops growing with vocabulary x tokens; refused by name
-    where it cannot be exact. "auto" (default): chunks of `AUTO_CHUNK` where the
+    where it cannot be exact. "auto" (default): chunks of `AUTO_CHUNK` rows (a quarter on a
+    CPU: `auto_loss_chunk_size`) where the
     vocabulary has at least `AUTO_MIN_VOCAB` rows and the head allows it
     (`auto_loss_chunk_size`), else the plain path; None: always the plain path.
     """

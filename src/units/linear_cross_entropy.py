@@ -10,6 +10,11 @@ gradient (no_grad, or nothing requires one) forward computes the loss alone. The
 the same sum as `F.cross_entropy(hidden @ weight.T + bias, targets, reduction="sum")` up to
 float rounding (the sum is taken chunk by chunk).
 
+`linear_log_probs` gives each row's log-probability of its target instead of their sum (a
+preference loss weighs each answer's tokens by a factor known only after every answer is
+scored): forward keeps each row's log-sum-exp, and backward computes each chunk's logits
+again (one more matmul than the plain path) rather than holding them.
+
 `captured_head(head)` runs a model with its head skipped and hands back the head's input,
 so the chunked loss replaces the head's matmul without re-implementing the model.
 """
@@ -23,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CapturedHead", "captured_head", "linear_cross_entropy"]
+__all__ = ["CapturedHead", "captured_head", "linear_cross_entropy", "linear_log_probs"]
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
@@ -44,6 +49,15 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
     return logits.float()
 
 
+def _logsumexp_and_softmax(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(log-sum-exp of each row, the softmax), the softmax written over `logits`: no
+    temporary of their size (`torch.logsumexp` makes two, each as large as the logits)."""
+    shift = logits.amax(-1, keepdim=True)
+    exps = logits.sub_(shift).exp_()
+    sums = exps.sum(-1, keepdim=True)
+    return (sums.log() + shift).squeeze(-1), exps.div_(sums)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
@@ -56,17 +70,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                      if bias is not None and wanted[2] else None)
         for start in range(0, hidden.shape[0], chunk_size):
             chunk = hidden[start:start + chunk_size]
+            logits = grad = None  # the last chunk's logits freed before the next are made
             logits = _chunk_logits(chunk, weight, bias)
-            chunk_lse = logits.logsumexp(-1)
             target = targets[start:start + chunk_size]
             kept = target != ignore_index
             rows = torch.arange(logits.shape[0], device=logits.device)
             picked = logits[rows, target.clamp(min=0)]
+            chunk_lse, grad = _logsumexp_and_softmax(logits)
             total += ((chunk_lse - picked) * kept).sum()
             if not any(wanted):
                 continue
             # d(lse - logit[target]) / d logits = softmax - one_hot(target), 0 where ignored
-            grad = logits.sub_(chunk_lse[:, None]).exp_()
             grad[rows, target.clamp(min=0)] -= 1.0
             grad *= kept.to(grad.dtype).unsqueeze(1)
             if grad_hidden is not None:
@@ -92,6 +106,59 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if grad_bias is not None:
             grad_bias = grad_bias.mul_(grad_total).to(bias_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def linear_log_probs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                     chunk_size: int = 1024) -> Tensor:
+    """``log_softmax(hidden @ weight.T + bias)[i, targets[i]]`` for each row i [n], float32,
+    the [n, vocab] logits never held whole; every target must be a token id."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return _ChunkedLinearLogProbs.apply(hidden, weight, bias, targets, chunk_size)
+
+
+class _ChunkedLinearLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                chunk_size: int) -> Tensor:
+        log_probs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(log_probs)
+        for start in range(0, hidden.shape[0], chunk_size):
+            logits = None  # the last chunk's logits freed before the next are made
+            logits = _chunk_logits(hidden[start:start + chunk_size], weight, bias)
+            rows = torch.arange(logits.shape[0], device=logits.device)
+            picked = logits[rows, targets[start:start + chunk_size]]
+            lse[start:start + chunk_size] = _logsumexp_and_softmax(logits)[0]
+            log_probs[start:start + chunk_size] = picked - lse[start:start + chunk_size]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk_size = chunk_size
+        return log_probs
+
+    @staticmethod
+    def backward(ctx: Any, grad_log_probs: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if wanted[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wanted[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wanted[2] else None
+        size = ctx.chunk_size
+        for start in range(0, hidden.shape[0], size):
+            chunk = hidden[start:start + size]
+            upstream = grad_log_probs[start:start + size].float()
+            grad = None  # the last chunk's logits freed before the next are made
+            # d log p[target] / d logits = one_hot(target) - softmax, times the upstream
+            grad = _chunk_logits(chunk, weight, bias).sub_(lse[start:start + size, None]).exp_()
+            grad.mul_(-upstream[:, None])
+            rows = torch.arange(grad.shape[0], device=grad.device)
+            grad[rows, targets[start:start + size]] += upstream
+            if grad_hidden is not None:
+                grad_hidden[start:start + size] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t(), chunk.float())
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None)
 
 
 class CapturedHead:

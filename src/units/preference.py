@@ -45,13 +45,12 @@ from gangtrain.data.collate import IGNORE_INDEX
 from units.causal_lm import (
     LMBatch,
     auto_loss_chunk_size,
-    keeps_trained_logits,
+    head_inputs,
     lm_logits,
-    lm_targets,
     takes_use_cache,
-    trained_mask,
 )
 from units.directions import HIGHER_BETTER_METRICS
+from units.linear_cross_entropy import linear_log_probs
 from units.metrics import MetricBag
 from units.reference import ReferenceModel
 from units.unit import EvalUnit, TrainUnit
@@ -101,17 +100,18 @@ def side_logps(model: nn.Module, batch: LMBatch, use_cache_keyword: bool = False
                ) -> tuple[Tensor, Tensor]:
     """(summed log-probability of each row's answer tokens [rows], their count [rows]),
     float32 at least. A model whose head is large (`auto_loss_chunk_size`: 32,768 rows or
-    more) and that `keeps_trained_logits` runs its head on the answer tokens only (the
-    prompt's logits, [prompt tokens, vocab], are never computed); at a small vocabulary the
-    gather costs what it saves (measured: the same time within 5%)."""
-    if keeps_trained_logits(model) and auto_loss_chunk_size(model) is not None:
-        targets, shift = lm_targets(batch, IGNORE_INDEX)
-        trained, _ = trained_mask(targets, shift, IGNORE_INDEX)
-        logits, kept = lm_logits(model, batch, IGNORE_INDEX, use_cache_keyword, True)
-        nll = F.cross_entropy(logits.float(), kept, reduction="none")
+    more) and can take a chunked head (`head_inputs`) runs it on the answer tokens only,
+    `auto_loss_chunk_size` of them at a time (`linear_log_probs`): neither the prompt's
+    logits nor the answers' whole [answer tokens, vocab] logits are ever held. At a small
+    vocabulary the gather costs what it saves (measured: the same time within 5%)."""
+    chunk_size = auto_loss_chunk_size(model)
+    if chunk_size is not None:
+        hidden, head, targets, trained = head_inputs(model, batch, IGNORE_INDEX,
+                                                     use_cache_keyword)
+        log_probs = linear_log_probs(hidden, head.weight, head.bias, targets, chunk_size)
         rows = trained.nonzero()[:, 0]  # row-major, as the kept positions are
-        sums = torch.zeros(trained.shape[0], dtype=nll.dtype, device=nll.device)
-        return -sums.index_add(0, rows, nll), trained.sum(-1)
+        sums = torch.zeros(trained.shape[0], dtype=log_probs.dtype, device=log_probs.device)
+        return sums.index_add(0, rows, log_probs), trained.sum(-1)
     logits, targets = lm_logits(model, batch, IGNORE_INDEX, use_cache_keyword)
     nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
                           ignore_index=IGNORE_INDEX, reduction="none")

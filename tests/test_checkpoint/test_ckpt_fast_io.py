@@ -1,16 +1,19 @@
-"""Saves written past the page cache (`direct_io`) and tensors read straight into their
-targets (`tensor_reads`) give exactly what the buffered write and DCP's own reader give:
+"""Saves written past the page cache (`gangtrain.io.direct_writes`) and tensors read straight into their
+targets (`gangtrain.io.dcp_records`) give exactly what the buffered write and DCP's own reader give:
 the same file bytes, the same model and optimizer state, bit for bit; what the fast read
 does not take (a transposed parameter, a dtype change) goes through DCP's reader."""
+
+import errno
 
 import pytest
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from gangs import FakeGang, setup_gangs
+from gangtrain.io import dcp_records, direct_writes
+from gangtrain.io.direct_writes import BLOCK, DirectWriteStream
 from trainer import torch_shortcuts
-from trainer.checkpoint import CheckpointManager, direct_io, tensor_reads
-from trainer.checkpoint.direct_io import BLOCK, DirectWriteStream
+from trainer.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -58,6 +61,28 @@ def test_a_direct_write_holds_exactly_the_bytes_written(tmp_path, sizes):
     assert (tmp_path / "f").read_bytes() == b"".join(chunks)
 
 
+@pytest.mark.parametrize("sizes", [[5], [BLOCK + 7, 3]])
+def test_a_file_system_refusing_the_first_direct_write_gets_the_bytes_buffered(
+        tmp_path, monkeypatch, sizes):
+    write_all, refused = direct_writes._write_all, []
+
+    def refusing(fd, view):
+        if not refused:
+            refused.append(len(view))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        write_all(fd, view)
+
+    monkeypatch.setattr(direct_writes, "_write_all", refusing)
+    chunks = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    stream = DirectWriteStream(tmp_path / "f")
+    assert stream.direct
+    for chunk in chunks:
+        stream.write(chunk)
+    stream.close()
+    assert refused and not stream.direct
+    assert (tmp_path / "f").read_bytes() == b"".join(chunks)
+
+
 def test_saves_and_loads_equal_the_buffered_write_and_dcps_own_reader(tmp_path, monkeypatch):
     gangs = setup_gangs(FakeGang())
     model, optimizer = _trained(0)
@@ -65,14 +90,14 @@ def test_saves_and_loads_equal_the_buffered_write_and_dcps_own_reader(tmp_path, 
 
     direct = CheckpointManager(tmp_path / "direct", gangs)
     direct.save(2, model, optimizer, {})
-    monkeypatch.setattr(direct_io, "enabled", False)
+    monkeypatch.setattr(direct_writes, "enabled", False)
     buffered = CheckpointManager(tmp_path / "buffered", gangs)
     buffered.save(2, model, optimizer, {})
     for f in (tmp_path / "direct/step_2/model_optim").glob("*.distcp"):  # .metadata: ids
         assert f.read_bytes() == (tmp_path / "buffered/step_2/model_optim" / f.name).read_bytes()
 
     taken: list[int] = []
-    read = tensor_reads.read_into_targets
+    read = dcp_records.read_into_targets
 
     def counting(directory, storage_data, items, planner):
         items = list(items)

@@ -85,3 +85,20 @@ def test_export_streams_one_tensor_at_a_time(llama_dir, tmp_path):
     # Measured 3.0 x (27% of this model): the tensor, DCP's read buffer, the file write.
     # A whole-model export would be >= 100%, whatever the model; this stays per tensor.
     assert growth < 4 * largest
+
+
+def test_one_weight_file_is_read_without_holding_it_mapped(tmp_path):
+    """A model saved as one `model.safetensors`: its tensors are read from the file into
+    their own memory, so the file's mapped pages (which count in the resident set until
+    the file is closed) do not add a second copy of the model to the load's peak."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CONFIG)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(tmp_path / "single")
+    del model
+    assert not (tmp_path / "single" / "model.safetensors.index.json").exists()
+    growth = peak_growths("load", tmp_path / "single", tmp_path / "one", 1, "none")[0]
+    print(f"model {size / 2**20:.1f} MiB in one file; peak RSS growth while building "
+          f"{growth / size:.0%} of it")
+    # Measured 116% (through the mapped file: 204%, the weights and the file's pages).
+    assert growth < 1.35 * size

@@ -1,5 +1,6 @@
-"""At a large vocabulary the preference units run the head on the answer tokens only: the
-rows' summed log-probabilities, and their gradients, are those of the full head."""
+"""At a large vocabulary the preference units run the head on the answer tokens only, in
+chunks (`linear_log_probs`): the rows' summed log-probabilities, and their gradients, are
+those of the full head."""
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,10 @@ def test_answer_token_head_gives_the_full_heads_logps_and_gradients():
     expected = -nll.sum(-1)
     expected.sum().backward()
     assert counts.tolist() == (targets != -100).sum(-1).tolist()
-    # Measured: equal, values and gradients (the kept rows' logits are the same numbers).
+    # The values: the same logits (measured: equal). The gradients: the chunked head
+    # computes softmax - one-hot and the weight's gradient as its own float32 matmul, summing
+    # ~50 answer tokens in another order: ~sqrt(50) * 6e-8 of the largest entry (measured
+    # 6.6e-7 relative at most).
     torch.testing.assert_close(logps, expected, rtol=0, atol=1e-6)
     for g, p in zip(got, model.parameters(), strict=True):
-        torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-7)
+        assert (g - p.grad).abs().max().item() <= 2e-6 * p.grad.abs().max().item()

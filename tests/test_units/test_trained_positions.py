@@ -17,8 +17,8 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForC
 from gangs.fake import FakeGang
 from gangtrain.data.collate import packed_batch
 from gangtrain.models.gpt.model import GPT, GPTConfig
-from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
-from units.linear_cross_entropy import linear_cross_entropy
+from units.causal_lm import CausalLMEvalUnit, CausalLMUnit, auto_loss_chunk_size
+from units.linear_cross_entropy import linear_cross_entropy, linear_log_probs
 from units.metrics import MetricBag
 
 VOCAB, PAD, SEQ = 96, 0, 24
@@ -155,6 +155,31 @@ def test_chunked_cross_entropy_equals_the_full_one_with_bias_and_ignored_targets
         assert (a - b).abs().max().item() <= REL * b.abs().max().item()
 
 
+def test_chunked_log_probs_equal_the_full_log_softmax_and_its_gradients():
+    """Each row's log-probability of its target, and the gradients of a weighted sum of them
+    (a preference loss weighs each answer differently), against float64 whole logits."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    bias = torch.randn(50, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    upstream = torch.randn(37, generator=g)
+
+    def full():
+        logits = hidden.double() @ weight.double().t() + bias.double()
+        return logits.log_softmax(-1)[torch.arange(37), targets]
+
+    for chunk in (8, 37, 64):  # uneven chunks, one chunk, one larger than the rows
+        got = linear_log_probs(hidden, weight, bias, targets, chunk)
+        ref = full()
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)
+        got_grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias))
+        ref_grads = torch.autograd.grad((ref * upstream.double()).sum(), (hidden, weight, bias))
+        for a, b in zip(got_grads, ref_grads, strict=True):
+            # float32 logits (16 terms) and a float32 softmax: ~1e-6 of the largest entry
+            assert (a.double() - b).abs().max().item() <= 2e-6 * b.abs().max().item()
+
+
 def loss_and_grads_of(compute, tensors) -> tuple[float, list[torch.Tensor]]:
     for t in tensors:
         t.grad = None
@@ -169,10 +194,10 @@ def test_chunked_loss_refuses_a_model_that_changes_its_logits_after_the_head():
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         final_logit_softcapping=30.0))
-    unit = CausalLMUnit(gemma2, loss_chunk_size=16)
     with pytest.raises(ValueError, match="loss_chunk_size: Gemma2ForCausalLM changes its "
                                          "logits after its head"):
-        unit(packed(), MetricBag())
+        CausalLMUnit(gemma2, loss_chunk_size=16)  # refused by its config, before it runs
+    assert auto_loss_chunk_size(gemma2) is None  # "auto" takes the plain path
     # The kept-position head applies the soft-capping (it runs the model's own code).
     assert_same(loss_and_grads(gemma2, lambda: CausalLMUnit(gemma2)(packed(), MetricBag())[0]),
                 loss_and_grads(gemma2, lambda: full_head_loss(gemma2, packed())))

@@ -8,7 +8,7 @@ loading never unpickles arbitrary objects (see `manifest`). CRC-32C rather than 
 because it runs at ~11 GB/s here (sha256: 1.8 GB/s, slower than the disk writes).
 
 Saving hashes the bytes on their way to the file (`DigestingFileSystemWriter`), so nothing
-is read back; the files are written past the page cache (`direct_io`). The C function of `google_crc32c` is called through ctypes on the buffer
+is read back; the files are written past the page cache (`gangtrain.io.direct_writes`). The C function of `google_crc32c` is called through ctypes on the buffer
 itself: its Python binding accepts only `bytes` (a copy of every tensor), and the ctypes
 call releases the GIL, so a background save's hashing does not hold up training. Where that
 library is not found, or with the shortcuts off (`trainer.torch_shortcuts`), the binding
@@ -32,8 +32,8 @@ import numpy as np
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from gangtrain.io.direct_writes import DirectWriteStream
 from trainer import torch_shortcuts
-from trainer.checkpoint.direct_io import DirectWriteStream
 
 ALGORITHM = "crc32c"
 DESCRIPTION = (

@@ -55,9 +55,9 @@ try:  # what DefaultLoadPlanner.load_bytes itself calls (a private module of DCP
     from torch.distributed.checkpoint._traverse import set_element
 except ImportError:  # another torch: the public path below
     set_element = None
+from gangtrain.io.dcp_records import PLAIN_VALUE_REFUSED, read_into_targets, read_plain_value
 from trainer.checkpoint.digest import DESCRIPTION, mismatch
 from trainer.checkpoint.digest import file_entry as file_entry  # the entry of one file
-from trainer.checkpoint.tensor_reads import PLAIN_VALUE_REFUSED, read_into_targets, read_plain_value
 from trainer.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -239,8 +239,7 @@ def _check_storage_confined(path: Path, metadata: Metadata) -> None:
     """Every file `.metadata` points DCP to is a file of its own directory: a path that
     leads elsewhere would read bytes the manifest's checksums never covered."""
     directory = path.parent.resolve()
-    # One check per file: thousands of tensors share a handful of files.
-    for relative in {getattr(info, "relative_path", None)
+    for relative in {getattr(info, "relative_path", None)  # once a file, not a tensor
                      for info in (metadata.storage_data or {}).values()}:
         if not isinstance(relative, str) or not relative or \
                 PurePosixPath(relative).name != relative or \
@@ -251,7 +250,7 @@ def _check_storage_confined(path: Path, metadata: Metadata) -> None:
 
 class SafeFileSystemReader(FileSystemReader):
     """`FileSystemReader` whose `.metadata` is read by the restricted unpickler, and whose
-    tensors are read straight into their targets where they can be (`tensor_reads`)."""
+    tensors are read straight into their targets where they can be (`gangtrain.io.dcp_records`)."""
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage_data = getattr(self, "storage_data", None)

@@ -126,12 +126,10 @@ def quiet_state_init(optimizer: Optimizer) -> Iterator[None]:
 
 def _zero_gradients(params: list[torch.Tensor], optimizer: Optimizer) -> None:
     """Zero gradients for `quiet_state_init`'s step. torch's Adam and AdamW only read them
-    (unless `differentiable`), so there plain contiguous parameters share one zero buffer of
-    the largest one's size: a 0.5B model's resume fills 0.5 GB of fresh memory instead of
-    2 GB. Any other parameter or optimizer gets a gradient of its own."""
+    (unless `differentiable`), so plain contiguous parameters share one zero buffer: a 0.5B
+    model's resume fills 0.5 GB of fresh memory, not 2 GB. Others get their own."""
     def shareable(param: torch.Tensor) -> bool:
         return type(param.data) is torch.Tensor and param.is_contiguous()
-
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) \
             and not optimizer.defaults.get("differentiable"):

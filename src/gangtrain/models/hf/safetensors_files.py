@@ -4,9 +4,11 @@
 (`{"weight_map": {name: file}}`). `WeightFiles.read(name, slices)` goes through
 safetensors' own `safe_open(...).get_slice(name)[slices]`, which copies only the requested
 part of the memory-mapped file, so a rank that owns a shard of a parameter never touches
-the rest of it. Files are opened on first use and closed (unmapped) once every tensor of
-theirs was read: reading in the files' own order (the model's, for `save_pretrained`),
-about one file's worth of mapped pages is resident at a time.
+the rest of it. A whole tensor is instead read from the file into a tensor of its own (the
+format's header gives its byte range): the mapped pages of a file count in the process's
+resident memory until it is closed, which for a single-file 0.5B model meant a second copy
+of every weight at the load's peak. Files are opened on first use and closed (unmapped)
+once every tensor of theirs was read.
 
 Checked like a checkpoint before anything is allocated: an index that is not JSON or has no
 `weight_map`, a shard that is missing, truncated or not safetensors ("shard 3 of 7"), and an
@@ -17,6 +19,7 @@ file (and the shard and key).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from gangtrain.io.tensor_bytes import read_into
 from trainer.checkpoint.streaming import SHARDS_INDEX
 from trainer.errors import UserError
 
@@ -61,6 +65,7 @@ class WeightFiles:
                 f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}: not a "
                 "Hugging Face checkpoint in safetensors format"
             )
+        self._offsets: dict[Path, dict[str, int]] = {}
         self._shards = sorted(set(self.file_of.values()))
         self._left: dict[Path, int] = {}
         for file in self.file_of.values():
@@ -97,7 +102,7 @@ class WeightFiles:
         file = self.file_of[name]
         try:
             if slices is None or len(slices) == 0:
-                value = handle.get_tensor(name)
+                value = _read_whole(file, handle, name, self._data_start(file, name))
             else:
                 value = handle.get_slice(name)[tuple(slices)]
         except SafetensorError as err:
@@ -106,6 +111,17 @@ class WeightFiles:
         if self._left[file] == 0:
             self._close(file)
         return value
+
+    def _data_start(self, file: Path, name: str) -> int | None:
+        """Where `name`'s bytes start in `file`, from the format's header: an 8-byte
+        little-endian length, then JSON giving each tensor's `data_offsets` after it."""
+        if file not in self._offsets:
+            with open(file, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(length))
+            self._offsets[file] = {key: 8 + length + value["data_offsets"][0]
+                                   for key, value in header.items() if key != "__metadata__"}
+        return self._offsets[file].get(name)
 
     def close(self) -> None:
         for file in list(self._open):
@@ -151,6 +167,23 @@ class WeightFiles:
         context, _ = self._open.pop(file, (None, None))
         if context is not None:
             context.__exit__(None, None, None)
+
+
+def _read_whole(file: Path, handle: Any, name: str, start: int | None) -> torch.Tensor:
+    """Tensor `name` of `file` (open as `handle`) read from byte `start` into a tensor of its
+    own; through the mapped file where the bytes cannot simply be copied (a big-endian host,
+    a dtype this module does not know)."""
+    view = handle.get_slice(name)
+    if start is None or sys.byteorder != "little" or view.get_dtype() not in _DTYPES:
+        return handle.get_tensor(name)
+    dtype, shape = _DTYPES[view.get_dtype()], tuple(view.get_shape())
+    value = torch.empty(shape, dtype=dtype, device="cpu")
+    with open(file, "rb", buffering=0) as f:
+        try:
+            read_into(f, start, value)
+        except EOFError as error:
+            raise SafetensorError(str(error)) from None
+    return value
 
 
 def _read_weight_map(index: Path) -> dict[str, str]:

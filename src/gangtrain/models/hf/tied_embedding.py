@@ -1,18 +1,24 @@
-"""A tied input embedding's gradient, sparse: the rows of the step's tokens only.
+"""A tied input embedding's gradient: the rows of the step's tokens, added into the head's.
 
 When the LM head's weight is the input embedding's (Qwen2.5 up to 3B, Gemma, GPT-2), both
-send a gradient to the one parameter. The embedding's dense gradient is a [vocab, width]
-tensor of zeros with a few rows filled, built, zero-filled and added into the head's every
-step: at Qwen2.5-0.5B's size 544 MB more at the end of backward and about a second of one
-CPU thread. Sparse (`nn.Embedding(sparse=True)`), it is a few rows that autograd adds into
-the head's dense gradient in place; the parameter's gradient stays dense, as the optimizer
-needs it, and equal to the dense sum up to the order of float additions.
+send a gradient to the one parameter. autograd sums the two before the parameter's
+gradient is set: the embedding's dense [vocab, width] gradient (zeros with a few rows
+filled) plus the head's, or, with a sparse embedding, a third full-size tensor for their
+sum; at Qwen2.5-0.5B's size 544 MB more at the end of backward, the step's peak. Here the
+embedding's output leaves autograd's graph of the weight: the head's gradient becomes the
+parameter's gradient as it is, and the embedding's rows are added into it in place
+(`index_add_`) once its output's gradient is known, after the head's (backward reaches the
+embedding last). The gradient is equal to the dense sum up to the order of float additions.
 
-Only for a tied embedding of a model that is neither wrapped nor sharded (DDP and FSDP2 see
-one dense gradient per parameter): an untied one would reach the optimizer sparse.
+Only for a tied embedding of a model that is neither wrapped nor sharded, since the rows
+reach the gradient after autograd's accumulation, past DDP's and FSDP2's hooks on it; and
+not with `max_norm` or `scale_grad_by_freq` (whose rows are not the output's gradient).
 """
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,9 +28,8 @@ __all__ = ["sparse_tied_embedding_gradient"]
 
 
 def sparse_tied_embedding_gradient(model: nn.Module) -> bool:
-    """Make a tied input embedding's backward sparse (see the module docstring); whether it
-    was made. A gradient left sparse (a backward through the embedding alone) is made dense
-    once accumulated, so the optimizer never sees a sparse one."""
+    """Add a tied input embedding's gradient rows into its weight's gradient in place (see
+    the module docstring); whether it was done."""
     inputs = getattr(model, "get_input_embeddings", None)
     outputs = getattr(model, "get_output_embeddings", None)
     if not callable(inputs) or not callable(outputs):
@@ -32,13 +37,33 @@ def sparse_tied_embedding_gradient(model: nn.Module) -> bool:
     embedding, head = inputs(), outputs()
     if not isinstance(embedding, nn.Embedding) or head is None \
             or getattr(head, "weight", None) is not embedding.weight \
-            or isinstance(embedding.weight, DTensor) or not embedding.weight.requires_grad:
+            or isinstance(embedding.weight, DTensor) or not embedding.weight.requires_grad \
+            or embedding.max_norm is not None or embedding.scale_grad_by_freq:
         return False
-    embedding.sparse = True
-    embedding.weight.register_post_accumulate_grad_hook(_densify)
+    embedding.register_forward_hook(_rows_leave_the_graph)
+    embedding.adds_rows_into_gradient = True  # for tests and the curious
     return True
 
 
-def _densify(param: torch.Tensor) -> None:
-    if param.grad is not None and param.grad.is_sparse:
-        param.grad = param.grad.to_dense()
+def _rows_leave_the_graph(module: nn.Embedding, args: tuple[Any, ...],
+                          output: torch.Tensor) -> torch.Tensor | None:
+    if not torch.is_grad_enabled() or not module.weight.requires_grad:
+        return None
+    rows = output.detach().requires_grad_()
+    rows.register_post_accumulate_grad_hook(partial(_add_rows, module, args[0]))
+    return rows
+
+
+def _add_rows(module: nn.Embedding, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Add `rows.grad` (the embedding output's gradient) into the weight's gradient at
+    `ids`, as the embedding's own backward would (nothing for `padding_idx`)."""
+    grad, rows.grad = rows.grad, None
+    flat_ids = ids.reshape(-1)
+    flat = grad.reshape(flat_ids.shape[0], -1)
+    if module.padding_idx is not None:
+        kept = flat_ids != module.padding_idx
+        flat_ids, flat = flat_ids[kept], flat[kept]
+    weight = module.weight
+    if weight.grad is None:  # no head gradient in this backward (the embedding alone)
+        weight.grad = torch.zeros_like(weight)
+    weight.grad.index_add_(0, flat_ids, flat.to(weight.grad.dtype))

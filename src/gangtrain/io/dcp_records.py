@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from gangtrain.io.tensor_bytes import read_into
+
 __all__ = ["PLAIN_VALUE_REFUSED", "read_into_targets", "read_plain_value"]
 
 _DTYPES = {
@@ -89,8 +91,7 @@ def _read_item(f: Any, offset: int, length: int, item: ReadItem, planner: LoadPl
             or info.file_size != target.numel() * target.element_size()):
         return False
     if target.numel():
-        window.seek(data_start)
-        _read_exactly(window, target.reshape(-1).view(torch.uint8).numpy())
+        read_into(window, data_start, target)
     planner.commit_tensor(item, target)
     return True
 
@@ -202,15 +203,6 @@ def _data_start(window: _Window, info: zipfile.ZipInfo) -> int:
     name_length = int.from_bytes(header[26:28], "little")
     extra_length = int.from_bytes(header[28:30], "little")
     return header_offset + 30 + name_length + extra_length
-
-
-def _read_exactly(window: _Window, into: Any) -> None:
-    view = memoryview(into).cast("B")
-    while len(view):
-        n = window.readinto(view)
-        if not n:
-            raise EOFError("the checkpoint file ends inside a tensor")
-        view = view[n:]
 
 
 class _Window(io.RawIOBase):
