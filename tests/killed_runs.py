@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import warm_launch
 from processes import kill_tree
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -27,8 +28,8 @@ def kill_repeatedly(command: Sequence[str], checkpoint_dir: Path, kills: int,
         seen = {p.name for p in checkpoint_dir.glob("step_*")} if checkpoint_dir.exists() else set()
         if f"step_{final_step}" in seen:
             break
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True, **popen_kwargs)
+        proc = warm_launch.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True, **popen_kwargs)
         during_save = attempt % 2 == 1
         deadline = time.monotonic() + 240
         while proc.poll() is None and time.monotonic() < deadline:
@@ -87,8 +88,7 @@ def kill_once_then_finish(command: Sequence[str], output_dir: Path, final_step: 
     hits = kill_repeatedly(command, output_dir / "checkpoints", 1, random.Random(0),
                            final_step=final_step, cwd=REPO, env=recipe_env())
     assert hits >= 1
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=recipe_env(),
-                          timeout=300)
+    proc = warm_launch.run(command, cwd=REPO, env=recipe_env(), timeout=300)
     assert proc.returncode == 0, describe(proc)
     assert "resumed from" in proc.stderr
     return proc

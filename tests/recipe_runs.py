@@ -1,4 +1,5 @@
-"""Recipe command lines run as users run them: one subprocess each, several at once."""
+"""Recipe command lines run as users run them: one process each (forked from a warm Python,
+`warm_launch`), several at once."""
 
 from __future__ import annotations
 
@@ -8,25 +9,21 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import warm_launch
+
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 
 
 def recipe_env() -> dict[str, str]:
-    env = dict(os.environ)
     # One intra-op thread: the tiny models gain nothing from more, and on a shared machine
     # spinning OpenMP workers can slow a run tenfold. No colour codes in captured output.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("FORCE_COLOR", None)
-    env["NO_COLOR"] = "1"
-    return env
+    return warm_launch.server_env()
 
 
 def run_module(module: str, *args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
-        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=recipe_env(),
-    )
+    return warm_launch.run([sys.executable, "-m", module, *map(str, args)],
+                           timeout=TIMEOUT_S, cwd=REPO, env=recipe_env())
 
 
 def run_all(commands: dict[str, list]) -> dict[str, subprocess.CompletedProcess[str]]:

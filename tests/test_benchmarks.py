@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,11 +59,17 @@ def test_the_interval_is_taken_over_medians_of_blocks_of_consecutive_pairs():
     assert median_interval(block_medians(pairs)) == pytest.approx((1.00, 1.10))
 
 
+def run_benchmark(module: str, *args: str, timeout: float = 300) -> str:
+    """`python -m module args` (one intra-op thread, forked from the warm Python,
+    `warm_launch`): its stdout, once it exited 0."""
+    proc = warm_launch.run([sys.executable, "-m", module, *args], cwd=ROOT,
+                           env=warm_launch.server_env(), timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
 def test_checkpoint_benchmark_prints_save_and_load_against_the_disk():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.checkpoint", "--sizes", "1", "--repeats", "1"],
-        cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
-    ).stdout
+    out = run_benchmark("benchmarks.checkpoint", "--sizes", "1", "--repeats", "1")
     for pattern in (r"save at \d+% of the disk rate", r"load at \d+% of the disk rate",
                     r"stages of a save: state dict", r"async save blocks .* of a sync save",
                     r"during a background save .* ratio \d+\.\d+ .* rounds \d+\.\d+\.\.\d+\.\d+"):
@@ -89,11 +96,7 @@ def test_overhead_ab_switches_a_piece_per_window_and_puts_it_back(capsys):
 
 
 def test_sft_benchmark_prints_its_figures():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.sft", "--steps", "1", "--skip-rss",
-         "--conversations", "100"],
-        cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
-    ).stdout
+    out = run_benchmark("benchmarks.sft", "--steps", "1", "--skip-rss", "--conversations", "100")
     for pattern in (r"packing: .* efficiency 0\.9\d+", r"packed / padded trained tokens/s: "
                     r"\d+\.\d+x", r"cold, 1 process: [\d,]+ tokens/s",
                     r"the same, cached: \d+\.\d+ s", r"TRL: "):

@@ -9,27 +9,46 @@ of the three groups' shares together are the one process's rows of that step."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
+from recipe_runs import recipe_env
 from safetensors.torch import load_file
 
 pytest.importorskip("torchft", reason="torchft is not installed (pip install 'gangtrain[ft]')")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the benchmarks package
+import benchmarks.ft_recipe  # noqa: E402
 from benchmarks.ft_recipe import (  # noqa: E402
+    REPO,
     committed_rows,
     finish,
     make_tiny_sft,
     run_groups,
     sft_command,
-    start,
 )
 
 pytestmark = pytest.mark.slow  # 6-9 minutes of 2 shared CPU cores: 13 recipe processes
 
 STEPS, KILL_AT, HOLD_AT = 16, 6, 9
+
+
+def start(args: list[str], log: Path):
+    """`benchmarks.ft_recipe.start` (its command line, environment and log), each group's
+    process forked from the tests' warm Python (`warm_launch`) rather than a fresh one."""
+    env = recipe_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    return warm_launch.start_logged(args, log, cwd=REPO, env=env)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_groups():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(benchmarks.ft_recipe, "start", start)  # run_groups' starts
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import warm_launch
 from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 from recipe_runs import REPO, describe, recipe_env, run_all, run_module
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -193,8 +193,7 @@ def run_with_kills(out: Path, tiny, kills: int) -> int:
     Returns how many kills hit a running job."""
     hits = kill_repeatedly(command(out, tiny), out / "checkpoints", kills, random.Random(0),
                            final_step=MAX_STEPS, cwd=REPO, env=recipe_env())
-    proc = subprocess.run(command(out, tiny), capture_output=True, text=True, cwd=REPO,
-                          env=recipe_env(), timeout=300)
+    proc = warm_launch.run(command(out, tiny), cwd=REPO, env=recipe_env(), timeout=300)
     assert proc.returncode == 0, describe(proc)
     assert "resumed from" in proc.stderr
     return hits

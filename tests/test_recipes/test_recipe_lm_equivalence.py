@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 ARGS = ["--preset", "tiny", "--no-resume", "--set", "trainer.progress=false",
@@ -22,8 +22,7 @@ def run(out: Path, ranks: int = 1, *extra: str) -> dict[str, list[float]]:
     launcher = [sys.executable, "-m", "recipes.lm"] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={ranks}", "-m", "recipes.lm"]
-    proc = subprocess.run([*launcher, str(out), *ARGS, *extra], capture_output=True, text=True,
-                          timeout=300, env=ENV)
+    proc = warm_launch.run([*launcher, str(out), *ARGS, *extra], timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
     losses = {}
     for section in ("train", "valid"):

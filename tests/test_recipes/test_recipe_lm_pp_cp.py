@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -29,8 +30,7 @@ def run(out: Path, ranks: int = 1, *extra: str) -> subprocess.CompletedProcess[s
     launcher = [sys.executable, "-m", "recipes.lm"] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={ranks}", "-m", "recipes.lm"]
-    return subprocess.run([*launcher, str(out), *ARGS, *extra], capture_output=True,
-                          text=True, timeout=300, env=ENV)
+    return warm_launch.run([*launcher, str(out), *ARGS, *extra], timeout=300, env=ENV)
 
 
 def losses(out: Path) -> dict[str, list[float]]:
@@ -59,8 +59,7 @@ def pp2_command(out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp2")
-    proc = subprocess.run(pp2_command(out), capture_output=True, text=True, timeout=300,
-                          env=ENV)
+    proc = warm_launch.run(pp2_command(out), timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -90,8 +89,7 @@ def test_killed_pp2_run_resumes_bit_for_bit(pp2, tmp_path):
     hits = kill_repeatedly(pp2_command(killed), killed / "checkpoints", 2, random.Random(1),
                            final_step=20, env=ENV)
     assert hits >= 1
-    proc = subprocess.run(pp2_command(killed), capture_output=True, text=True, timeout=300,
-                          env=ENV)
+    proc = warm_launch.run(pp2_command(killed), timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_state(checkpoint_state(pp2 / "checkpoints/step_20"),
                       checkpoint_state(killed / "checkpoints/step_20"))

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import warm_launch
 from processes import kill_tree
 
 ARGS = ["--preset", "tiny", "--set", "trainer.progress=false", "--set", "gangs.timeout_s=60",
@@ -27,12 +29,12 @@ def lm(out: Path, ranks: int, *extra: str) -> list[str]:
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    return warm_launch.run(cmd, timeout=300, env=ENV)
 
 
 def run_until_checkpoint(cmd: list[str], out: Path, step: int) -> None:
     """Run `cmd` and kill it once checkpoint `step` is complete."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = warm_launch.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=ENV)
     target = out / "checkpoints" / f"step_{step}" / "manifest.json"
     deadline = time.monotonic() + 240
@@ -57,9 +59,18 @@ def straight(tmp_path_factory) -> dict[int, float]:
     return valid_losses(out)
 
 
+@pytest.fixture(scope="module")
+def dp2_tp2(tmp_path_factory) -> Path:
+    """A DP2 x TP2 run (4 ranks) killed once its step-20 checkpoint is complete."""
+    out = tmp_path_factory.mktemp("dp2_tp2")
+    run_until_checkpoint(lm(out, 4, "--set", "gangs.tp_size=2"), out, 20)
+    return out
+
+
 @pytest.mark.parametrize("resume_ranks", [1, 2])
-def test_dp2_tp2_checkpoint_resumes_under_another_layout(tmp_path, straight, resume_ranks):
-    run_until_checkpoint(lm(tmp_path, 4, "--set", "gangs.tp_size=2"), tmp_path, 20)
+def test_dp2_tp2_checkpoint_resumes_under_another_layout(tmp_path, straight, dp2_tp2,
+                                                         resume_ranks):
+    shutil.copytree(dp2_tp2, tmp_path, dirs_exist_ok=True)  # each layout resumes a copy
     # The resume starts from the run's config.yaml: the new layout is said explicitly.
     proc = run(lm(tmp_path, resume_ranks, "--set", "gangs.tp_size=1"))
     assert proc.returncode == 0, proc.stderr[-2000:]

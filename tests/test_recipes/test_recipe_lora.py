@@ -9,12 +9,12 @@ from __future__ import annotations
 import random
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 from recipe_runs import REPO, describe, recipe_env, run_module
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
@@ -98,8 +98,7 @@ def test_killed_lora_run_resumes_bit_for_bit(straight, tiny, tmp_path):
     hits = kill_repeatedly(command(killed, tiny), killed / "checkpoints", 2, random.Random(0),
                            final_step=STEPS, cwd=REPO, env=recipe_env())
     assert hits >= 1
-    proc = subprocess.run(command(killed, tiny), capture_output=True, text=True, cwd=REPO,
-                          env=recipe_env(), timeout=300)
+    proc = warm_launch.run(command(killed, tiny), cwd=REPO, env=recipe_env(), timeout=300)
     assert proc.returncode == 0, describe(proc)
     assert "resumed from" in proc.stderr
     final = f"checkpoints/step_{STEPS}"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from ranks import run_ranks
 from recipe_runs import REPO, TIMEOUT_S, describe, recipe_env
 from tiny import make_batches, make_model
@@ -61,9 +62,8 @@ def wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
 
 def timed_run(args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "recipes.lm", *args], cwd=REPO,
-                          env=env_with_gate(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    proc = warm_launch.run([sys.executable, "-m", "recipes.lm", *args], cwd=REPO,
+                           env=env_with_gate(), timeout=TIMEOUT_S)
     return proc, time.monotonic() - started
 
 

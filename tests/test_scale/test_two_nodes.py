@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 from processes import kill_tree
 from ranks import free_port
 
@@ -28,30 +28,30 @@ def losses(out: Path) -> dict[str, list[float]]:
 
 def test_two_nodes_give_the_losses_of_two_processes(tmp_path):
     one_node = tmp_path / "one_node"
-    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "recipes.lm",
-                           str(one_node), *ARGS], capture_output=True, text=True, timeout=300,
-                          env=ENV)
+    proc = warm_launch.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "recipes.lm",
+                            str(one_node), *ARGS], timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
     shared = tmp_path / "two_nodes"  # the shared file system both nodes write to
     port = free_port()
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
     agents = [
-        subprocess.Popen(
+        warm_launch.start_logged(
             [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
              "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=twonodes",
              "-m", "recipes.lm", str(shared), *ARGS],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-            start_new_session=True)
+            logs[node], env=ENV, start_new_session=True)
         for node in (0, 1)
     ]
     try:
-        outputs = [agent.communicate(timeout=300) for agent in agents]
+        for agent in agents:
+            agent.wait(timeout=300)
     finally:
         for agent in agents:
             if agent.poll() is None:
                 kill_tree(agent.pid)
-    for agent, (_, stderr) in zip(agents, outputs):
-        assert agent.returncode == 0, stderr[-2000:]
+    for agent, log in zip(agents, logs):
+        assert agent.returncode == 0, log.read_text()[-2000:]
 
     expected, got = losses(one_node), losses(shared)
     assert len(got["train"]) == 2 and len(got["valid"]) == 2

@@ -1,6 +1,7 @@
 """Semantics 4 and 5 as a user meets them: a run killed at any instant (even mid-save) and
 restarted with the same command ends bit for bit where an uninterrupted run ends, with
-metrics that continue without gaps or duplicates."""
+metrics that continue without gaps or duplicates; state a user adds (an EMA-of-weights
+callback) is checkpointed and restored with it (1 process, and FSDP2 over 2)."""
 
 from __future__ import annotations
 
@@ -15,36 +16,78 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_launch
 from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 from processes import kill_tree
+from recipe_runs import recipe_env
 
-ARGS = ["--preset", "tiny", "--set", "trainer.max_num_steps=24", "--set", "gangs.timeout_s=60",
+TESTS = Path(__file__).resolve().parents[1]
+STEPS = 24
+ARGS = ["--preset", "tiny", "--set", f"trainer.max_num_steps={STEPS}", "--set", "gangs.timeout_s=60",
         "--set", "trainer.checkpoint_every_n_steps=4", "--set", "trainer.validate_every_n_steps=8",
         "--set", "trainer.publish_metrics_every_n_steps=2", "--set", "trainer.progress=false",
         "--set", "trainer.keep_last_n_checkpoints=2", "--set", "trainer.keep_best_n_checkpoints=null",
         # A fixed thread count: num_threads=auto times its first steps, and a run killed while
         # it chooses may choose at another step, on other threads: equal, not bit for bit.
-        "--set", "trainer.num_threads=1"]
+        "--set", "trainer.num_threads=1",
+        "--set", "trainer.callbacks=[{name: 'ema_callback:WeightEMA'}]"]
 
 
 def command(out: Path, ranks: int) -> list[str]:
+    """1 process (DDP, unwrapped), or FSDP2 over `ranks` under torchrun."""
     if ranks == 1:
         return [sys.executable, "-m", "recipes.lm", str(out), *ARGS]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={ranks}", "-m", "recipes.lm", str(out), *ARGS]
+            f"--nproc-per-node={ranks}", "-m", "recipes.lm", str(out), *ARGS,
+            "--set", "trainer.data_parallel=fsdp"]
+
+
+def environment() -> dict[str, str]:
+    """The recipes' test environment, with `ema_callback` (in tests/) importable."""
+    env = recipe_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    return env
 
 
 def run_to_end(out: Path, ranks: int) -> None:
-    proc = subprocess.run(command(out, ranks), capture_output=True, text=True, timeout=300)
+    proc = warm_launch.run(command(out, ranks), timeout=300, env=environment())
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def run_with_kills(out: Path, ranks: int, rng: random.Random, kills: int) -> int:
-    """Kill the command `kills` times (`killed_runs.kill_repeatedly`), then let it finish.
-    Returns how many kills hit a running job."""
-    hits = kill_repeatedly(command(out, ranks), out / "checkpoints", kills, rng, final_step=24)
-    run_to_end(out, ranks)
-    return hits
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """`straight(ranks)`: the output of a run never stopped (made once, read by every test)."""
+    made: dict[int, Path] = {}
+
+    def get(ranks: int) -> Path:
+        if ranks not in made:
+            made[ranks] = tmp_path_factory.mktemp(f"straight{ranks}")
+            run_to_end(made[ranks], ranks)
+        return made[ranks]
+    return get
+
+
+KILLS = {1: 4, 2: 2}
+"""SIGKILLs of a run, by ranks: every other one mid-save (each of torchrun's two fresh
+workers pays its imports again on a restart: two kills there)."""
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """`killed(ranks)`: (output, kills that hit a running job) of the same command SIGKILLed
+    `KILLS[ranks]` times (`killed_runs.kill_repeatedly`: a random moment after a save, then
+    mid-save, ...) and then let finish."""
+    made: dict[int, tuple[Path, int]] = {}
+
+    def get(ranks: int) -> tuple[Path, int]:
+        if ranks not in made:
+            out = tmp_path_factory.mktemp(f"killed{ranks}")
+            hits = kill_repeatedly(command(out, ranks), out / "checkpoints", KILLS[ranks],
+                                   random.Random(ranks), final_step=STEPS, env=environment())
+            run_to_end(out, ranks)
+            made[ranks] = out, hits
+        return made[ranks]
+    return get
 
 
 def records(out: Path, section: str) -> list[dict]:
@@ -54,20 +97,47 @@ def records(out: Path, section: str) -> list[dict]:
     return [{k: v for k, v in json.loads(s).items() if k not in timing} for s in lines]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_killed_runs_resume_bit_for_bit(tmp_path, ranks):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run_to_end(straight, ranks)
-    hits = run_with_kills(killed, ranks, random.Random(ranks), kills=4)
-    assert hits >= 3  # the job really was killed mid-run, once or more mid-save
+FINAL = f"checkpoints/step_{STEPS}"
 
-    final = "checkpoints/step_24"
-    assert_same_state(checkpoint_state(straight / final), checkpoint_state(killed / final))
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_killed_runs_resume_bit_for_bit(straight, killed, ranks):
+    straight, (killed, hits) = straight(ranks), killed(ranks)
+    # the job really was killed mid-run, once or more mid-save
+    assert hits >= max(2, KILLS[ranks] - 1)
+
+    assert_same_state(checkpoint_state(straight / FINAL), checkpoint_state(killed / FINAL))
 
     for section in ("train", "valid"):
         ra, rb = records(straight, section), records(killed, section)
         assert [r["step"] for r in rb] == [r["step"] for r in ra]  # no gap, no duplicate
         assert ra == rb  # the same losses: nothing was trained twice or skipped
+
+
+def ema_states(step_dir: Path, ranks: int) -> list[dict]:
+    return [torch.load(step_dir / f"rank_{r}.pt", weights_only=True)["callback.WeightEMA"]
+            for r in range(ranks)]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_ema_callback_resumes_bit_for_bit(straight, killed, ranks):
+    """The same runs: the EMA weights (each rank's shard under FSDP2) of the killed run are
+    bit for bit those of the run never stopped."""
+    straight, (killed, _) = straight(ranks), killed(ranks)
+    for a, b in zip(ema_states(straight / FINAL, ranks), ema_states(killed / FINAL, ranks)):
+        assert a["num_updates"] == b["num_updates"] == STEPS
+        assert a["shadow"].keys() == b["shadow"].keys() and a["shadow"]
+        for name, value in a["shadow"].items():
+            assert torch.equal(value, b["shadow"][name]), name
+    if ranks > 1:
+        return
+    # The EMA really lags the weights (it is state worth keeping, not a copy of the model).
+    model = {k.removeprefix("/model/"): v for k, v in
+             checkpoint_state(straight / FINAL).items() if k.startswith("/model/")}
+    shadow = ema_states(straight / FINAL, ranks)[0]["shadow"]
+    common = [name for name in shadow if name in model]
+    assert len(common) > 2
+    assert not any(torch.equal(shadow[name], model[name]) for name in common)
 
 
 # -- early stopping state across a restart (in process) -----------------------------------
@@ -154,41 +224,46 @@ def test_a_plain_callables_state_is_replayed_on_resume(tmp_path):
 def kill_one_worker_once_saved(out: Path) -> tuple[bool, int | None, str]:
     """Launch 2 workers under `torchrun --max-restarts=3`; SIGKILL one worker (not the agent)
     once a checkpoint exists; let the agent restart them. (killed, exit code or None when it
-    hung, stderr)."""
+    hung, the output)."""
     from processes import descendants
 
     cmd = command(out, 2)
     cmd.insert(cmd.index("--standalone"), "--max-restarts=3")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    log = out.parent / f"{out.name}.log"
+    proc = warm_launch.start_logged(cmd, log, env=environment(), start_new_session=True)
     ckpt, killed = out / "checkpoints", False
     while proc.poll() is None and not killed:
         if ckpt.exists() and any(p.name.startswith("step_") for p in ckpt.iterdir()):
             for pid in descendants(proc.pid):
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if b"recipes.lm" in cmdline and b"torch.distributed.run" not in cmdline:
+                if is_session_leader(pid):  # torchrun starts each worker in its own session
                     os.kill(pid, signal.SIGKILL)
                     killed = True
                     break
         time.sleep(0.002)
     try:
-        _, stderr = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         return killed, None, ""
-    return killed, proc.returncode, stderr
+    return killed, proc.returncode, log.read_text()
 
 
-def test_a_worker_killed_under_max_restarts_ends_as_a_run_never_disturbed(tmp_path):
+def is_session_leader(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return int(fields[3]) == pid  # the session id (stat's 6th field)
+
+
+def test_a_worker_killed_under_max_restarts_ends_as_a_run_never_disturbed(straight, tmp_path):
     """The agent restarts the workers after one is SIGKILLed; they resume from the newest
     complete checkpoint and end in the state of an undisturbed run. (Before each restart
     attempt had store keys of its own, `gangs.process_group._restart_store`, about one
     launch in two failed here: the new workers read the dead ones' addresses.)"""
-    straight, killed_dir = tmp_path / "straight", tmp_path / "killed"
-    run_to_end(straight, 2)
+    straight, killed_dir = straight(2), tmp_path / "killed"
     killed, code, stderr = kill_one_worker_once_saved(killed_dir)
     assert killed and code == 0, stderr[-3000:]
     assert "resumed from" in stderr  # the restarted workers resumed from a checkpoint
-    final = "checkpoints/step_24"
-    assert_same_state(checkpoint_state(straight / final), checkpoint_state(killed_dir / final))
+    assert_same_state(checkpoint_state(straight / FINAL), checkpoint_state(killed_dir / FINAL))
     assert records(straight, "valid") == records(killed_dir, "valid")

@@ -1,79 +1,11 @@
-"""State a user adds is checkpointed and restored: an EMA-of-weights callback, SIGKILLed at
-random and at save time and restarted with the same command, ends with the EMA weights and
-the model bit for bit those of a run never stopped (1 process, and FSDP2 over 2)."""
+"""State a user adds is checkpointed under its name and restored, in process; what is
+refused. (An EMA-of-weights callback SIGKILLed and resumed bit for bit, 1 process and FSDP2
+over 2: test_resume.py, on the kill-and-resume runs there.)"""
 
 from __future__ import annotations
 
-import os
-import random
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
-
-TESTS = Path(__file__).resolve().parents[1]
-ARGS = ["--preset", "tiny", "--set", "trainer.max_num_steps=12", "--set", "gangs.timeout_s=60",
-        "--set", "trainer.checkpoint_every_n_steps=4", "--set", "trainer.validate_every_n_steps=8",
-        "--set", "trainer.publish_metrics_every_n_steps=2", "--set", "trainer.progress=false",
-        "--set", "trainer.keep_last_n_checkpoints=2", "--set", "trainer.num_threads=1",
-        "--set", "trainer.keep_best_n_checkpoints=null",
-        "--set", "trainer.callbacks=[{name: 'ema_callback:WeightEMA'}]"]
-
-
-def command(out: Path, ranks: int, parallel: str) -> list[str]:
-    args = [str(out), *ARGS, "--set", f"trainer.data_parallel={parallel}"]
-    if ranks == 1:
-        return [sys.executable, "-m", "recipes.lm", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={ranks}", "-m", "recipes.lm", *args]
-
-
-def environment() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    return env
-
-
-def run_to_end(out: Path, ranks: int, parallel: str) -> None:
-    proc = subprocess.run(command(out, ranks, parallel), capture_output=True, text=True,
-                          timeout=300, env=environment())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def ema_states(step_dir: Path, ranks: int) -> list[dict]:
-    return [torch.load(step_dir / f"rank_{r}.pt", weights_only=True)["callback.WeightEMA"]
-            for r in range(ranks)]
-
-
-@pytest.mark.parametrize(("ranks", "parallel"), [(1, "ddp"), (2, "fsdp")])
-def test_an_ema_callback_resumes_bit_for_bit(tmp_path, ranks, parallel):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run_to_end(straight, ranks, parallel)
-    hits = kill_repeatedly(command(killed, ranks, parallel), killed / "checkpoints", 2,
-                           random.Random(ranks), final_step=12, env=environment())
-    run_to_end(killed, ranks, parallel)
-    assert hits == 2  # killed after a save, then mid-save
-
-    final = "checkpoints/step_12"
-    assert_same_state(checkpoint_state(straight / final), checkpoint_state(killed / final))
-    for a, b in zip(ema_states(straight / final, ranks), ema_states(killed / final, ranks)):
-        assert a["num_updates"] == b["num_updates"] == 12
-        assert a["shadow"].keys() == b["shadow"].keys() and a["shadow"]
-        for name, value in a["shadow"].items():
-            assert torch.equal(value, b["shadow"][name]), name
-    if ranks > 1:
-        return
-    # The EMA really lags the weights (it is state worth keeping, not a copy of the model).
-    model = {k.removeprefix("/model/"): v for k, v in
-             checkpoint_state(straight / final).items() if k.startswith("/model/")}
-    shadow = ema_states(straight / final, ranks)[0]["shadow"]
-    common = [name for name in shadow if name in model]
-    assert len(common) > 2
-    assert not any(torch.equal(shadow[name], model[name]) for name in common)
-
 
 # -- in process: what is saved, under which name, and what is refused ---------------------
 
