@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from gangtrain.data.collate import IGNORE_INDEX
 from units.causal_lm import (
+    AUTO_CHUNK,
     LMBatch,
     auto_loss_chunk_size,
     head_inputs,
@@ -53,6 +54,7 @@ from units.directions import HIGHER_BETTER_METRICS
 from units.linear_cross_entropy import linear_log_probs
 from units.metrics import MetricBag
 from units.reference import ReferenceModel
+from units.shared_prompt import shared_prompt_length, shared_prompt_logps
 from units.unit import EvalUnit, TrainUnit
 
 __all__ = ["PreferenceEvalUnit", "PreferenceLoss", "PreferenceUnit", "pair_losses",
@@ -103,8 +105,12 @@ def side_logps(model: nn.Module, batch: LMBatch, use_cache_keyword: bool = False
     more) and can take a chunked head (`head_inputs`) runs it on the answer tokens only,
     `auto_loss_chunk_size` of them at a time (`linear_log_probs`): neither the prompt's
     logits nor the answers' whole [answer tokens, vocab] logits are ever held. At a small
-    vocabulary the gather costs what it saves (measured: the same time within 5%)."""
+    vocabulary the gather costs what it saves (measured: the same time within 5%). Where
+    the model and the batch allow it, each pair's prompt runs once (`units.shared_prompt`)."""
+    shared = shared_prompt_length(model, batch)
     chunk_size = auto_loss_chunk_size(model)
+    if shared:
+        return shared_prompt_logps(model, batch, shared, chunk_size or AUTO_CHUNK)
     if chunk_size is not None:
         hidden, head, targets, trained = head_inputs(model, batch, IGNORE_INDEX,
                                                      use_cache_keyword)

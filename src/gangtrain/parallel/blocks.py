@@ -35,6 +35,7 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
     DDP and FSDP2 both support); apply it before the model is wrapped."""
     for block in blocks:
         checkpoint(block)
+        block.recomputed_in_backward = True  # units that call a block twice a step check it
 
 
 def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Module]:
