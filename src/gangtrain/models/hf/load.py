@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from gangs import Gangs
 from gangtrain.layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
 from gangtrain.models.hf.conversion import ConvertedFiles
+from gangtrain.models.hf.gated_mlp import recompute_gated_activations
 from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.safetensors_files import WeightFiles
 from gangtrain.models.hf.spec import spec_for
@@ -140,6 +141,7 @@ def load_pretrained(
                              data_parallel=data_parallel, materialize=pretrained.materialize,
                              transforms=transforms, pipeline=pipeline, **kwargs)
     add_tied_embedding_rows_in_place(model)  # where tied and neither wrapped nor sharded
+    recompute_gated_activations(model)
     return model
 
 
