@@ -222,9 +222,10 @@ log-softmax and their gradient are most of the step's transient memory (1 GB for
 512 tokens at Qwen's 151,936), and the chunked loss computes the same three matmuls without
 them (docs/measured.md: the real-size step)."""
 AUTO_CHUNK = 1024
-AUTO_CHUNK_CPU = 256
-"""Rows of logits a chunk holds. On a CPU a chunk's matmul is as fast at 256 rows, so the
-chunk holds a quarter of the memory (156 MB at Qwen's vocabulary, not 622 MB)."""
+AUTO_CHUNK_CPU = 128
+"""Rows of logits a chunk holds. On a CPU the head's three matmuls are as fast at 128 rows
+(not at 64), so the chunk holds an eighth of the memory (78 MB at Qwen's vocabulary, not
+622 MB)."""
 
 
 def auto_loss_chunk_size(model: nn.Module) -> int | None:

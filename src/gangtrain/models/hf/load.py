@@ -141,7 +141,7 @@ def load_pretrained(
                              data_parallel=data_parallel, materialize=pretrained.materialize,
                              transforms=transforms, pipeline=pipeline, **kwargs)
     add_tied_embedding_rows_in_place(model)  # where tied and neither wrapped nor sharded
-    recompute_gated_activations(model)
+    recompute_gated_activations(model if isinstance(model, nn.Module) else model.model)
     return model
 
 
