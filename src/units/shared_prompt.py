@@ -47,7 +47,7 @@ _BATCH_KEYS = frozenset({"input_ids", "labels", "attention_mask"})
 def shared_prompt_length(model: nn.Module, batch: LMBatch) -> int:
     """The length ``P`` of the block every pair of `batch` shares, when `model` can run it
     once (see the module docstring); 0 when the rows run whole."""
-    if set(batch) != _BATCH_KEYS or _cache_keyword(model) is None:
+    if set(batch) != _BATCH_KEYS or not _qualifies(model):
         return 0
     ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
     if ids.ndim != 2 or ids.shape[0] % 2 or ids.shape[1] <= MIN_SHARED_PROMPT:
@@ -69,6 +69,7 @@ def shared_prompt_logps(model: nn.Module, batch: LMBatch, length: int, chunk_siz
     ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
     rows, n = ids.shape[0], ids.shape[0] // 2
     head, keyword = chunked_loss_head(model), _cache_keyword(model)
+    assert keyword is not None  # `shared_prompt_length` checked the model
     cache = DynamicCache(config=model.config)
     with captured_head(head) as prompt:
         model(ids[:n, :length], attention_mask=mask[:n, :length], use_cache=True,
@@ -82,38 +83,37 @@ def shared_prompt_logps(model: nn.Module, batch: LMBatch, length: int, chunk_siz
     # the rest's positions (but the last) the others.
     targets = labels[:, length:]
     trained = targets != IGNORE_INDEX
-    keep = torch.nn.functional.pad(trained[:, 1:], (0, 1), value=False)
+    first, later = trained[:, 0], trained[:, 1:]
+    keep = torch.nn.functional.pad(later, (0, 1), value=False)
     with captured_head(head) as rest:
         model(ids[:, length:], attention_mask=mask, use_cache=True, logits_to_keep=keep,
               **{keyword: cache})
-    first = trained[:, 0]
     hidden = torch.cat([prompt.hidden[:, -1].repeat(2, 1)[first], rest.hidden])
     log_probs = linear_log_probs(hidden, head.weight, head.bias,
-                                 torch.cat([targets[:, 0][first], targets[:, 1:][trained[:, 1:]]]),
+                                 torch.cat([targets[:, 0][first], targets[:, 1:][later]]),
                                  chunk_size)
-    row_of = torch.arange(rows, device=ids.device)
-    owners = torch.cat([row_of[first], row_of[:, None].expand_as(trained[:, 1:])[trained[:, 1:]]])
+    owners = torch.cat([first.nonzero()[:, 0], later.nonzero()[:, 0]])  # row-major
     sums = torch.zeros(rows, dtype=log_probs.dtype, device=log_probs.device)
     return sums.index_add(0, owners, log_probs), trained.sum(-1)
 
 
-def _cache_keyword(model: nn.Module) -> str | None:
-    """The keyword `model.forward` takes a key/value cache by, when the model qualifies
-    (the module docstring); else None."""
+def _qualifies(model: nn.Module) -> bool:
+    """Whether `model` can run its prompts once (the module docstring)."""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in SHARED_PROMPT_FAMILIES \
-            or not keeps_trained_logits(model) \
+            or _cache_keyword(model) is None or not keeps_trained_logits(model) \
             or getattr(model, "is_gradient_checkpointing", False) \
-            or any(getattr(m, "recomputed_in_backward", False) for m in model.modules()):
-        return None
+            or any(getattr(m, "recomputed_in_backward", False) for m in model.modules()) \
+            or any(isinstance(p, DTensor) for p in model.parameters()):
+        return False
     try:
         chunked_loss_head(model)  # linear, logits unchanged after it, not sharded
     except ValueError:
-        return None
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return None
+        return False
+    return True
+
+
+def _cache_keyword(model: nn.Module) -> str | None:
+    """The keyword `model.forward` takes a key/value cache by, if any."""
     parameters = inspect.signature(model.forward).parameters
-    for keyword in ("cache", "past_key_values"):
-        if keyword in parameters:
-            return keyword
-    return None
+    return next((k for k in ("cache", "past_key_values") if k in parameters), None)
