@@ -42,10 +42,25 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
                                             ignore_index, torch.is_grad_enabled())
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    logits = hidden @ weight.t()
+def _logits_buffer(hidden: Tensor, weight: Tensor, chunk_size: int) -> Tensor | None:
+    """Room for one chunk's logits, written again by every chunk (fresh memory of this size
+    costs a page fault per page on a CPU); None where the matmul's dtype may not be its
+    inputs' (autocast, mixed dtypes): each chunk's logits are then new."""
+    if hidden.dtype != weight.dtype or torch.is_autocast_enabled(hidden.device.type):
+        return None
+    return torch.empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=hidden.dtype,
+                       device=hidden.device)
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None,
+                  buffer: Tensor | None) -> Tensor:
+    """The chunk's logits in float32, computed into `buffer`'s first rows where given."""
+    if buffer is None:
+        logits = hidden @ weight.t()
+    else:
+        logits = torch.mm(hidden, weight.t(), out=buffer[:hidden.shape[0]])
     if bias is not None:
-        logits = logits + bias
+        logits = logits.add_(bias)
     return logits.float()
 
 
@@ -68,10 +83,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wanted[1] else None
         grad_bias = (torch.zeros_like(bias, dtype=torch.float32)
                      if bias is not None and wanted[2] else None)
+        buffer = _logits_buffer(hidden, weight, chunk_size)
         for start in range(0, hidden.shape[0], chunk_size):
             chunk = hidden[start:start + chunk_size]
-            logits = grad = None  # the last chunk's logits freed before the next are made
-            logits = _chunk_logits(chunk, weight, bias)
+            logits = grad = None  # the last chunk's own logits (if any) freed before the next's
+            logits = _chunk_logits(chunk, weight, bias, buffer)
             target = targets[start:start + chunk_size]
             kept = target != ignore_index
             rows = torch.arange(logits.shape[0], device=logits.device)
@@ -123,9 +139,10 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
                 chunk_size: int) -> Tensor:
         log_probs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(log_probs)
+        buffer = _logits_buffer(hidden, weight, chunk_size)
         for start in range(0, hidden.shape[0], chunk_size):
-            logits = None  # the last chunk's logits freed before the next are made
-            logits = _chunk_logits(hidden[start:start + chunk_size], weight, bias)
+            logits = None  # the last chunk's own logits (if any) freed before the next's
+            logits = _chunk_logits(hidden[start:start + chunk_size], weight, bias, buffer)
             rows = torch.arange(logits.shape[0], device=logits.device)
             picked = logits[rows, targets[start:start + chunk_size]]
             lse[start:start + chunk_size] = _logsumexp_and_softmax(logits)[0]
@@ -142,12 +159,14 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wanted[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wanted[2] else None
         size = ctx.chunk_size
+        buffer = _logits_buffer(hidden, weight, size)
         for start in range(0, hidden.shape[0], size):
             chunk = hidden[start:start + size]
             upstream = grad_log_probs[start:start + size].float()
-            grad = None  # the last chunk's logits freed before the next are made
+            grad = None  # the last chunk's own logits (if any) freed before the next's
             # d log p[target] / d logits = one_hot(target) - softmax, times the upstream
-            grad = _chunk_logits(chunk, weight, bias).sub_(lse[start:start + size, None]).exp_()
+            grad = _chunk_logits(chunk, weight, bias, buffer)
+            grad.sub_(lse[start:start + size, None]).exp_()
             grad.mul_(-upstream[:, None])
             rows = torch.arange(grad.shape[0], device=grad.device)
             grad[rows, targets[start:start + size]] += upstream

@@ -52,7 +52,7 @@ class _SiLUProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # the product written over the activation: no new tensor
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -63,5 +63,6 @@ class _SiLUProduct(torch.autograd.Function):
         grad_gate = None
         if ctx.needs_input_grad[0]:
             (grad_gate,) = torch.autograd.grad(activation, leaf, grad * up)
-        grad_up = grad * activation.detach() if ctx.needs_input_grad[1] else None
+        # the activation's graph is spent: its output becomes the up projection's gradient
+        grad_up = activation.detach().mul_(grad) if ctx.needs_input_grad[1] else None
         return grad_gate, grad_up
