@@ -80,19 +80,20 @@ def shared_prompt_logps(model: nn.Module, batch: LMBatch, length: int, chunk_siz
     cache.batch_select_indices(torch.arange(n, device=ids.device).repeat(2))
 
     # Position t predicts labels[:, t + 1]: the prompt's last position the first target,
-    # the rest's positions (but the last) the others.
+    # the rest's positions (but the last) the others. Each mask resolved to indices once.
     targets = labels[:, length:]
     trained = targets != IGNORE_INDEX
-    first, later = trained[:, 0], trained[:, 1:]
-    keep = torch.nn.functional.pad(later, (0, 1), value=False)
+    first_rows = trained[:, 0].nonzero()[:, 0]
+    later_rows, later_columns = trained[:, 1:].nonzero().unbind(1)  # row-major, as kept below
+    keep = torch.nn.functional.pad(trained[:, 1:], (0, 1), value=False)
     with captured_head(head) as rest:
         model(ids[:, length:], attention_mask=mask, use_cache=True, logits_to_keep=keep,
               **{keyword: cache})
-    hidden = torch.cat([prompt.hidden[:, -1].repeat(2, 1)[first], rest.hidden])
-    log_probs = linear_log_probs(hidden, head.weight, head.bias,
-                                 torch.cat([targets[:, 0][first], targets[:, 1:][later]]),
-                                 chunk_size)
-    owners = torch.cat([first.nonzero()[:, 0], later.nonzero()[:, 0]])  # row-major
+    hidden = torch.cat([prompt.hidden[first_rows % n, -1], rest.hidden])  # row i's prompt: i % n
+    log_probs = linear_log_probs(
+        hidden, head.weight, head.bias,
+        torch.cat([targets[first_rows, 0], targets[later_rows, later_columns + 1]]), chunk_size)
+    owners = torch.cat([first_rows, later_rows])
     sums = torch.zeros(rows, dtype=log_probs.dtype, device=log_probs.device)
     return sums.index_add(0, owners, log_probs), trained.sum(-1)
 

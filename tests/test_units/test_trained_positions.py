@@ -180,6 +180,30 @@ def test_chunked_log_probs_equal_the_full_log_softmax_and_its_gradients():
             assert (a.double() - b).abs().max().item() <= 2e-6 * b.abs().max().item()
 
 
+def test_chunked_head_under_autocast_is_the_autocast_heads_loss():
+    """Under autocast the head's matmul runs in bfloat16 whatever the inputs' dtype, so the
+    chunks cannot share a buffer of the inputs' dtype: each gets its own, as the plain head's
+    logits (the Trainer's amp runs the unit's forward like this)."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(hidden, weight, None, targets, 8)
+        ref = F.cross_entropy(F.linear(hidden, weight), targets, reduction="sum")
+        log_probs = linear_log_probs(hidden, weight, None, targets, 8)
+        ref_log_probs = F.linear(hidden, weight).float().log_softmax(-1)[torch.arange(37),
+                                                                          targets]
+    assert got.item() == pytest.approx(ref.item(), rel=1e-6)  # the same bf16 logits
+    torch.testing.assert_close(log_probs, ref_log_probs, rtol=0, atol=1e-5)
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    for a, b in zip(got_grads, ref_grads, strict=True):
+        # bf16 matmuls: the weight's gradient summed over chunks in float32, the reference's
+        # in one bf16 product; within bf16's resolution (2^-8) of the largest entry
+        assert (a - b).abs().max().item() <= 2 ** -8 * b.abs().max().item()
+
+
 def loss_and_grads_of(compute, tensors) -> tuple[float, list[torch.Tensor]]:
     for t in tensors:
         t.grad = None
