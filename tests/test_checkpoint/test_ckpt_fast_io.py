@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from gangs import FakeGang, setup_gangs
 from gangtrain.io import dcp_records, direct_writes
-from gangtrain.io.direct_writes import BLOCK, DirectWriteStream
+from gangtrain.io.direct_writes import BLOCK, BUFFERS, DirectWriteStream
 from trainer import torch_shortcuts
 from trainer.checkpoint import CheckpointManager
 
@@ -59,6 +59,20 @@ def test_a_direct_write_holds_exactly_the_bytes_written(tmp_path, sizes):
     assert stream.tell() == sum(sizes)
     stream.close()
     assert (tmp_path / "f").read_bytes() == b"".join(chunks)
+
+
+def test_a_direct_write_longer_than_its_buffers_holds_every_block_in_order(tmp_path):
+    # every block different, in pieces that straddle blocks: a buffer refilled before its
+    # write was done, or written twice, would show
+    data = torch.randint(0, 256, ((BUFFERS + 2) * BLOCK + 4099,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    stream = DirectWriteStream(tmp_path / "f")
+    assert stream.direct
+    piece = BLOCK // 3 + 1
+    for offset in range(0, len(data), piece):
+        stream.write(data[offset:offset + piece])
+    stream.close()
+    assert (tmp_path / "f").read_bytes() == data
 
 
 @pytest.mark.parametrize("sizes", [[5], [BLOCK + 7, 3]])

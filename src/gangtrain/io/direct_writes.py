@@ -5,9 +5,9 @@ writer more CPU time than the disk takes to store them (on a VM, each page first
 faults in the host too); a 6 GB checkpoint also pushes 6 GB of useful cache out. With
 `O_DIRECT` the disk reads the bytes from our memory. It requires the memory address, the
 file offset and the length of each write to be multiples of the device's block size, so
-the bytes go through page-aligned buffers of `BLOCK` bytes, written whole: two of them, one
-filled (and hashed, by the caller) while a thread writes the other, so the disk and the CPU
-work at once; `close` writes the last partial block padded, cuts the file to its true
+the bytes go through page-aligned buffers of `BLOCK` bytes, written whole: a few of them,
+one filled (and hashed, by the caller) while a thread writes the others, so the disk and
+the CPU work at once; `close` writes the last partial block padded, cuts the file to its true
 length and fsyncs.
 
 Where the file system refuses `O_DIRECT` (tmpfs, some network file systems, macOS), or
@@ -21,13 +21,19 @@ import errno
 import io
 import mmap
 import os
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 __all__ = ["BLOCK", "DirectWriteStream", "enabled"]
 
 BLOCK = 16 << 20
 """Bytes a direct write hands the disk at once (a multiple of every device's block size)."""
+BUFFERS = 4
+"""Buffers of `BLOCK` bytes a stream fills in turn: while the disk writes the others, the
+filling may fall behind for a while (a run of small tensors) without the disk waiting."""
 _ALIGN = 4096
 enabled = os.environ.get("GANGTRAIN_CHECKPOINT_DIRECT_IO", "1") not in ("0", "")
 """Whether saves try `O_DIRECT` at all."""
@@ -46,22 +52,26 @@ class DirectWriteStream(io.RawIOBase):
         except OSError:  # EINVAL: this file system does not do direct IO
             self.direct = False
             self._fd = _open(self._path, False)
-        # page-aligned buffers: one filled while the other is written
-        self._buffers = [mmap.mmap(-1, BLOCK), mmap.mmap(-1, BLOCK)] if self.direct else []
-        self._filled = 0  # bytes in the buffer being filled
+        # page-aligned buffers (mmap), used in turn; numpy views to copy into them
+        self._buffers = [mmap.mmap(-1, BLOCK) for _ in range(BUFFERS)] if self.direct else []
+        self._arrays = [np.frombuffer(buffer, dtype=np.uint8) for buffer in self._buffers]
+        self._filled = 0  # bytes in the buffer being filled, `_buffers[0]`
         self._size = 0  # bytes written, buffered ones included
         self._writer: ThreadPoolExecutor | None = None
-        self._pending: Future[None] | None = None
+        self._pending: deque[Future[None]] = deque()  # the writes under way, oldest first
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        source = np.frombuffer(view, dtype=np.uint8)  # no copy, read-only buffers included
         offset = 0
         while offset < len(view) and self._buffers:
             take = min(BLOCK - self._filled, len(view) - offset)
-            self._buffers[0][self._filled:self._filled + take] = view[offset:offset + take]
+            # numpy's copy lets go of the GIL, so the writer thread is not kept waiting for it
+            np.copyto(self._arrays[0][self._filled:self._filled + take],
+                      source[offset:offset + take])
             self._filled += take
             offset += take
             if self._filled == BLOCK:
@@ -73,14 +83,17 @@ class DirectWriteStream(io.RawIOBase):
 
     def _write_buffer(self, length: int) -> None:
         """Hand the filled buffer's first `length` bytes (its `_filled` ones, padded to the
-        block size) to the writer thread, and fill the other one meanwhile. The first block
-        is written at once: a file system that opened the file for direct IO but refuses its
-        first direct write (EINVAL) then gets the file through the page cache instead."""
+        block size) to the writer thread and go on with the next buffer, once its own write
+        is done. The first block is written at once: a file system that opened the file for
+        direct IO but refuses its first direct write (EINVAL) then gets the file through the
+        page cache instead."""
         if self._writer is not None:
-            self._wait()
-            self._pending = self._writer.submit(_write_all, self._fd,
-                                                memoryview(self._buffers[0])[:length])
-            self._buffers.reverse()
+            self._pending.append(self._writer.submit(_write_all, self._fd,
+                                                     memoryview(self._buffers[0])[:length]))
+            self._buffers.append(self._buffers.pop(0))
+            self._arrays.append(self._arrays.pop(0))
+            if len(self._pending) == len(self._buffers):  # the next buffer is still written
+                self._pending.popleft().result()
             self._filled = 0
             return
         try:
@@ -91,15 +104,15 @@ class DirectWriteStream(io.RawIOBase):
             os.close(self._fd)
             self._fd, self.direct = _open(self._path, False), False
             _write_all(self._fd, memoryview(self._buffers[0])[:self._filled])
-            self._buffers = []  # freed with their last views
+            self._buffers, self._arrays = [], []  # freed with their last views
         else:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write")
         self._filled = 0
 
     def _wait(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        """Until every write handed to the writer thread is done (its error raised here)."""
+        while self._pending:
+            self._pending.popleft().result()
 
     def tell(self) -> int:
         return self._size
@@ -112,18 +125,18 @@ class DirectWriteStream(io.RawIOBase):
         if self.closed:
             return
         try:
-            self._wait()
             if self._buffers and self._filled:
                 padded = -(-self._filled // _ALIGN) * _ALIGN
-                self._buffers[0][self._filled:padded] = bytes(padded - self._filled)
+                self._arrays[0][self._filled:padded] = 0
                 self._write_buffer(padded)
-                self._wait()
+            self._wait()
+            if self.direct:
                 os.ftruncate(self._fd, self._size)
             os.fsync(self._fd)
         finally:
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
-            self._buffers = []
+            self._buffers, self._arrays = [], []
             os.close(self._fd)
             super().close()
 
