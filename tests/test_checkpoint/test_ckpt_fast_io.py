@@ -7,6 +7,7 @@ import errno
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from gangs import FakeGang, setup_gangs
@@ -14,6 +15,7 @@ from gangtrain.io import dcp_records, direct_writes
 from gangtrain.io.direct_writes import BLOCK, BUFFERS, DirectWriteStream
 from trainer import torch_shortcuts
 from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.writer import PlainValuesOnce
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -157,3 +159,24 @@ def test_the_fast_read_refuses_what_it_cannot_lay_out(tmp_path, monkeypatch):
     assert left_to_dcp == [2]  # weight and bias: both cast by DCP's reader
     assert torch.equal(other.weight, model.weight.detach().to(torch.bfloat16))
     assert torch.equal(other.bias, model.bias.detach().to(torch.bfloat16))
+
+
+def test_plain_values_saved_once_each_load_back_as_the_values_saved(tmp_path):
+    # values alike to `==` but not to `torch.save` (True and 1, 0.0 and -0.0) each keep
+    # their own archive; repeats of one value share one; what is not plain goes as DCP does
+    values = {"int": 1, "bool": True, "float": 1.0, "zero": 0.0, "negative_zero": -0.0,
+              "nan": float("nan"), "betas": (0.9, 0.999), "betas_again": (0.9, 0.999),
+              "mixed": (1, True, 1.0), "list": [1, 2], "text": "adamw", "none": None,
+              "weight": torch.arange(6.0)}
+    planner = PlainValuesOnce()
+    dcp.save(values, checkpoint_id=tmp_path, planner=planner, no_dist=True)
+    assert len(planner._archives) == 10  # every plain key but the repeated betas and the list
+    loaded = {key: torch.zeros(6) if key == "weight" else None for key in values}
+    dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
+    for key, value in values.items():
+        if key == "weight":
+            assert torch.equal(loaded[key], value)
+            continue
+        assert type(loaded[key]) is type(value) and repr(loaded[key]) == repr(value), key
+        if isinstance(value, tuple):
+            assert [type(item) for item in loaded[key]] == [type(item) for item in value]
