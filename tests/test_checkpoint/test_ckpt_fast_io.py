@@ -82,11 +82,11 @@ def test_a_file_system_refusing_the_first_direct_write_gets_the_bytes_buffered(
         tmp_path, monkeypatch, sizes):
     write_all, refused = direct_writes._write_all, []
 
-    def refusing(fd, view):
+    def refusing(fd, view, *offset):
         if not refused:
             refused.append(len(view))
             raise OSError(errno.EINVAL, "Invalid argument")
-        write_all(fd, view)
+        write_all(fd, view, *offset)
 
     monkeypatch.setattr(direct_writes, "_write_all", refusing)
     chunks = [bytes([i + 1]) * n for i, n in enumerate(sizes)]

@@ -6,9 +6,9 @@ faults in the host too); a 6 GB checkpoint also pushes 6 GB of useful cache out.
 `O_DIRECT` the disk reads the bytes from our memory. It requires the memory address, the
 file offset and the length of each write to be multiples of the device's block size, so
 the bytes go through page-aligned buffers of `BLOCK` bytes, written whole: a few of them,
-one filled (and hashed, by the caller) while a thread writes the others, so the disk and
-the CPU work at once; `close` writes the last partial block padded, cuts the file to its true
-length and fsyncs.
+one filled (and hashed, by the caller) while threads write the others, each at its own
+offset, so the disk and the CPU work at once; `close` writes the last partial block
+padded, cuts the file to its true length and fsyncs.
 
 Where the file system refuses `O_DIRECT` (tmpfs, some network file systems, macOS), or
 `GANGTRAIN_CHECKPOINT_DIRECT_IO=0` is set (read at import; `enabled` for tests), the stream
@@ -34,6 +34,9 @@ BLOCK = 16 << 20
 BUFFERS = 4
 """Buffers of `BLOCK` bytes a stream fills in turn: while the disk writes the others, the
 filling may fall behind for a while (a run of small tensors) without the disk waiting."""
+WRITERS = 2
+"""Threads writing buffers at once, each at its own offset: the disk has the next write
+queued when one completes."""
 _ALIGN = 4096
 enabled = os.environ.get("GANGTRAIN_CHECKPOINT_DIRECT_IO", "1") not in ("0", "")
 """Whether saves try `O_DIRECT` at all."""
@@ -59,6 +62,7 @@ class DirectWriteStream(io.RawIOBase):
         self._size = 0  # bytes written, buffered ones included
         self._writer: ThreadPoolExecutor | None = None
         self._pending: deque[Future[None]] = deque()  # the writes under way, oldest first
+        self._offset = 0  # where the next buffer handed to the writers goes in the file
 
     def writable(self) -> bool:
         return True
@@ -83,13 +87,14 @@ class DirectWriteStream(io.RawIOBase):
 
     def _write_buffer(self, length: int) -> None:
         """Hand the filled buffer's first `length` bytes (its `_filled` ones, padded to the
-        block size) to the writer thread and go on with the next buffer, once its own write
+        block size) to the writer threads and go on with the next buffer, once its own write
         is done. The first block is written at once: a file system that opened the file for
         direct IO but refuses its first direct write (EINVAL) then gets the file through the
         page cache instead."""
         if self._writer is not None:
-            self._pending.append(self._writer.submit(_write_all, self._fd,
-                                                     memoryview(self._buffers[0])[:length]))
+            self._pending.append(self._writer.submit(
+                _write_all, self._fd, memoryview(self._buffers[0])[:length], self._offset))
+            self._offset += length
             self._buffers.append(self._buffers.pop(0))
             self._arrays.append(self._arrays.pop(0))
             if len(self._pending) == len(self._buffers):  # the next buffer is still written
@@ -97,16 +102,17 @@ class DirectWriteStream(io.RawIOBase):
             self._filled = 0
             return
         try:
-            _write_all(self._fd, memoryview(self._buffers[0])[:length])
+            _write_all(self._fd, memoryview(self._buffers[0])[:length], 0)
         except OSError as error:
-            if error.errno != errno.EINVAL or os.lseek(self._fd, 0, os.SEEK_CUR) != 0:
+            if error.errno != errno.EINVAL:
                 raise
             os.close(self._fd)
             self._fd, self.direct = _open(self._path, False), False
             _write_all(self._fd, memoryview(self._buffers[0])[:self._filled])
             self._buffers, self._arrays = [], []  # freed with their last views
         else:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write")
+            self._offset = length
+            self._writer = ThreadPoolExecutor(WRITERS, thread_name_prefix="direct-write")
         self._filled = 0
 
     def _wait(self) -> None:
@@ -146,6 +152,9 @@ def _open(path: str, direct: bool) -> int:
     return os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def _write_all(fd: int, view: memoryview, offset: int | None = None) -> None:
+    """Write all of `view` at the file's position, or at `offset`."""
     while len(view):
-        view = view[os.write(fd, view):]
+        written = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset = None if offset is None else offset + written
