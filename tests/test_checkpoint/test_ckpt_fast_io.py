@@ -13,9 +13,9 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from gangs import FakeGang, setup_gangs
 from gangtrain.io import dcp_records, direct_writes
 from gangtrain.io.direct_writes import BLOCK, BUFFERS, DirectWriteStream
+from gangtrain.io.plain_values import PlainValuesOnce
 from trainer import torch_shortcuts
 from trainer.checkpoint import CheckpointManager
-from trainer.checkpoint.writer import PlainValuesOnce
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -13,7 +13,6 @@ Nothing here runs collectives but DCP's own, on the process group it is given.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -27,9 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from gangtrain.io.plain_values import PlainValuesOnce
 from trainer.checkpoint import digest
 from trainer.checkpoint.digest import DigestingFileSystemWriter
 from trainer.checkpoint.manifest import MODEL_OPTIM, file_entry, list_files, rank_file
@@ -91,35 +89,6 @@ def write_shard(
     sums = {rank_file(rank): digest.entry(len(rank_bytes), digest.extend(0, rank_bytes))}
     sums.update({f"{MODEL_OPTIM}/{name}": e for name, e in writer.entries.items()})
     (tmp_dir / f".checksums_rank_{rank}.json").write_text(json.dumps(sums))
-
-
-class PlainValuesOnce(DefaultSavePlanner):
-    """DCP's default planner, but `torch.save`s each distinct plain value once. The flattened
-    optimizer state repeats its param group's hyperparameters (lr, betas, ...) for every
-    parameter: thousands of tiny archives of a few values, written before any tensor."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._archives: dict[tuple[Any, ...], bytes] = {}
-
-    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 (DCP's name)
-        key = _plain_key(object)
-        if write_item.type != WriteItemType.BYTE_IO or key is None:
-            return super().transform_object(write_item, object)
-        if key not in self._archives:
-            self._archives[key] = super().transform_object(write_item, object).getvalue()
-        return io.BytesIO(self._archives[key])
-
-
-def _plain_key(value: Any) -> tuple[Any, ...] | None:
-    """A key equal only for values `torch.save` writes alike: an immutable plain value's
-    exact type and repr (a tuple: its items' keys); None for anything else."""
-    if type(value) in (bool, int, float, str, type(None)):
-        return (type(value), repr(value))
-    if type(value) is tuple:
-        keys = [_plain_key(item) for item in value]
-        return None if None in keys else (tuple, *keys)
-    return None
 
 
 @contextlib.contextmanager
