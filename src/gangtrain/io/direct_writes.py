@@ -116,7 +116,7 @@ class DirectWriteStream(io.RawIOBase):
         self._filled = 0
 
     def _wait(self) -> None:
-        """Until every write handed to the writer thread is done (its error raised here)."""
+        """Until every write handed to the writer threads is done (an error raised here)."""
         while self._pending:
             self._pending.popleft().result()
 
