@@ -55,9 +55,9 @@ class DirectWriteStream(io.RawIOBase):
         except OSError:  # EINVAL: this file system does not do direct IO
             self.direct = False
             self._fd = _open(self._path, False)
-        # page-aligned buffers (mmap), used in turn; numpy views to copy into them
-        self._buffers = [mmap.mmap(-1, BLOCK) for _ in range(BUFFERS)] if self.direct else []
-        self._arrays = [np.frombuffer(buffer, dtype=np.uint8) for buffer in self._buffers]
+        # page-aligned buffers (numpy views of anonymous mmaps, which they keep), used in turn
+        self._buffers = [np.frombuffer(mmap.mmap(-1, BLOCK), dtype=np.uint8)
+                         for _ in range(BUFFERS)] if self.direct else []
         self._filled = 0  # bytes in the buffer being filled, `_buffers[0]`
         self._size = 0  # bytes written, buffered ones included
         self._writer: ThreadPoolExecutor | None = None
@@ -74,7 +74,7 @@ class DirectWriteStream(io.RawIOBase):
         while offset < len(view) and self._buffers:
             take = min(BLOCK - self._filled, len(view) - offset)
             # numpy's copy lets go of the GIL, so the writer thread is not kept waiting for it
-            np.copyto(self._arrays[0][self._filled:self._filled + take],
+            np.copyto(self._buffers[0][self._filled:self._filled + take],
                       source[offset:offset + take])
             self._filled += take
             offset += take
@@ -96,7 +96,6 @@ class DirectWriteStream(io.RawIOBase):
                 _write_all, self._fd, memoryview(self._buffers[0])[:length], self._offset))
             self._offset += length
             self._buffers.append(self._buffers.pop(0))
-            self._arrays.append(self._arrays.pop(0))
             if len(self._pending) == len(self._buffers):  # the next buffer is still written
                 self._pending.popleft().result()
             self._filled = 0
@@ -109,7 +108,7 @@ class DirectWriteStream(io.RawIOBase):
             os.close(self._fd)
             self._fd, self.direct = _open(self._path, False), False
             _write_all(self._fd, memoryview(self._buffers[0])[:self._filled])
-            self._buffers, self._arrays = [], []  # freed with their last views
+            self._buffers = []  # freed with their last views
         else:
             self._offset = length
             self._writer = ThreadPoolExecutor(WRITERS, thread_name_prefix="direct-write")
@@ -133,7 +132,7 @@ class DirectWriteStream(io.RawIOBase):
         try:
             if self._buffers and self._filled:
                 padded = -(-self._filled // _ALIGN) * _ALIGN
-                self._arrays[0][self._filled:padded] = 0
+                self._buffers[0][self._filled:padded] = 0
                 self._write_buffer(padded)
             self._wait()
             if self.direct:
@@ -142,7 +141,7 @@ class DirectWriteStream(io.RawIOBase):
         finally:
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
-            self._buffers, self._arrays = [], []
+            self._buffers = []
             os.close(self._fd)
             super().close()
 
