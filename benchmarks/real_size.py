@@ -21,7 +21,8 @@ ours first each time), and the ratios are taken between the runs of one round:
   matmul rate measured in a process of its own (the model's matmul shapes, one thread, the
   run's dtype);
 - the checkpoint our SFT run saved at its last step: bytes (12 a parameter is the fp32 model
-  and AdamW's two moments), save time; a resume of it (one step more): its load time and
+  and AdamW's two moments), save time; a resume of it (one step more): its load time (the
+  checksums verified and the state read) and
   its time from process start to the first step, against the SFT run's; beside them, in
   this process, a plain write + fsync and a read of as many random (non-repeating) bytes
   (into one reused buffer, and into fresh memory of their size: a resume must also bring

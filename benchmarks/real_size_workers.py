@@ -206,7 +206,7 @@ def ours(kind: str, work: Path, args: Any) -> dict:
                                          if f.is_file())
         result["checkpoint_dir"] = str(step_dir)
     if load_timer:
-        result["load_s"] = load_timer[0]
+        result["load_s"] = sum(load_timer)
     return result
 
 
@@ -215,20 +215,28 @@ def intervals(start: float, ends: list[float]) -> list[float]:
 
 
 def _time_checkpoint_load() -> list[float]:
-    """Times `CheckpointManager.load` (the resume's read of the checkpoint) in this process."""
+    """Times the resume's read of the checkpoint in this process: the checksums verified and
+    the state loaded (`CheckpointManager.load_latest`, `find_latest` and `load`, the
+    outermost call of each nest)."""
     from trainer.checkpoint.manager import CheckpointManager
 
     took: list[float] = []
-    load = CheckpointManager.load
+    depth = [0]
 
-    def timed(self: Any, *a: Any, **k: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return load(self, *a, **k)
-        finally:
-            took.append(time.perf_counter() - start)
+    def timed(method: Any) -> Any:
+        def wrapper(self: Any, *a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            depth[0] += 1
+            try:
+                return method(self, *a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    took.append(time.perf_counter() - start)
+        return wrapper
 
-    CheckpointManager.load = timed  # type: ignore[method-assign]
+    for name in ("load_latest", "find_latest", "load"):
+        setattr(CheckpointManager, name, timed(getattr(CheckpointManager, name)))
     return took
 
 

@@ -45,15 +45,17 @@ def resume(*, resume_from: str | None, checkpoints: CheckpointManager | None,
     if resume_from is not None and checkpoints is None:
         raise UserError(f"resume_from={resume_from!r} needs checkpoints: "
                         "set checkpoint_every_n_steps (or _epochs)")
-    step_nr, step_dir = None, None
-    if checkpoints is not None:
+    own = {k: v for k, v in states.items() if k not in extensions.components}
+    step_nr, step_dir, loaded = None, None, {}
+    if checkpoints is not None and resume_from in (None, "last"):
+        step_nr, loaded = checkpoints.load_latest(model, optimizer, own)
+    elif checkpoints is not None:
         step_nr, step_dir = resume_point(checkpoints, resume_from)
+        loaded = checkpoints.load(step_nr, model, optimizer, own, step_dir=step_dir)
     if step_nr is None:  # nothing to resume: start over cleanly
         recorder.rewind(0)
         return None
     assert checkpoints is not None
-    own = {k: v for k, v in states.items() if k not in extensions.components}
-    loaded = checkpoints.load(step_nr, model, optimizer, own, step_dir=step_dir)
     extensions.load(loaded, step_nr)
     epoch_open = data.epoch_nr if data.in_epoch else None  # its start event has run
     problem = first_error(root, data.resume_problem)

@@ -17,7 +17,7 @@ each is kept because it pays (docs/measured.md):
 * `checkpoint.manifest`: stored tensors read straight into their targets by the reader's
   `storage_data` records (DCP's `_StorageInfo`; `gangtrain.io.dcp_records`), and plain
   values set by DCP's `_traverse.set_element`, without a second serialisation round trip.
-* `checkpoint.digest`: crc32c by ctypes on the buffer (the C library of `google_crc32c`):
+* `checkpoint.digest`: crc32c by ctypes (`gangtrain.io.crc32c`) on the buffer (the C library of `google_crc32c`):
   no copy of each tensor into `bytes`, and the GIL released while hashing.
 
 `GANGTRAIN_PUBLIC_TORCH_ONLY=1` (read at import) or `public_only()` (tests) takes the public

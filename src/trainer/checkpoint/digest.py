@@ -8,17 +8,15 @@ loading never unpickles arbitrary objects (see `manifest`). CRC-32C rather than 
 because it runs at ~11 GB/s here (sha256: 1.8 GB/s, slower than the disk writes).
 
 Saving hashes the bytes on their way to the file (`DigestingFileSystemWriter`), so nothing
-is read back; the files are written past the page cache (`gangtrain.io.direct_writes`). The C function of `google_crc32c` is called through ctypes on the buffer
-itself: its Python binding accepts only `bytes` (a copy of every tensor), and the ctypes
-call releases the GIL, so a background save's hashing does not hold up training. Where that
-library is not found, or with the shortcuts off (`trainer.torch_shortcuts`), the binding
-hashes a copy: the same sums.
+is read back; the files are written past the page cache (`gangtrain.io.direct_writes`).
+The hashing is in place and lets go of the GIL (`gangtrain.io.crc32c`), so a background
+save's hashing does not hold up training; with the shortcuts off (`trainer.torch_shortcuts`)
+it hashes a copy: the same sums.
 Manifests of format 1 list sha256 digests; `matches` still checks those.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import io
 import threading
@@ -27,11 +25,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
-import numpy as np
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from gangtrain.io import crc32c
 from gangtrain.io.direct_writes import DirectWriteStream
 from trainer import torch_shortcuts
 
@@ -43,28 +40,9 @@ DESCRIPTION = (
 _CHUNK = 8 << 20
 
 
-def _c_extend() -> Any:
-    """`crc32c_extend(crc, pointer, length)` from the library behind `google_crc32c`, or
-    None when its build does not expose it (then `extend` copies into `bytes`)."""
-    try:
-        function = ctypes.CDLL(google_crc32c._crc32c.__file__).crc32c_extend  # noqa: SLF001 (its C library)
-    except (AttributeError, OSError):
-        return None
-    function.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
-    function.restype = ctypes.c_uint32
-    return function
-
-
-_EXTEND = _c_extend()
-
-
 def extend(crc: int, data: Any) -> int:
     """The CRC-32C of the bytes hashed into `crc` followed by `data` (any buffer)."""
-    view = memoryview(data).cast("B")
-    if _EXTEND is None or view.nbytes < 4096 or not torch_shortcuts.enabled():
-        return google_crc32c.extend(crc, bytes(view))
-    array = np.frombuffer(view, dtype=np.uint8)  # no copy, read-only buffers included
-    return _EXTEND(crc, array.ctypes.data, view.nbytes)
+    return crc32c.extend(crc, data, by_pointer=torch_shortcuts.enabled())
 
 
 def entry(size: int, crc: int) -> dict[str, Any]:

@@ -16,8 +16,8 @@ collectives must run in the same order on every rank, which a background thread 
 promise. Its DCP writes run on a dedicated Gloo process group that nothing else uses.
 
 Collective methods (call them on every rank, in the same order): the constructor, `save`,
-`wait`, `record_score`, `find_latest`, `load`, `close`. Local methods (any rank, any time):
-`manifest`, `steps`, `last_step`, `best_step`, `write_pointers` (writes on rank 0 only).
+`wait`, `record_score`, `find_latest`, `load`, `load_latest`, `close`. Local methods (any
+rank, any time): `manifest`, `steps`, `last_step`, `best_step`, `write_pointers` (writes on rank 0 only).
 Every rank must see the same `checkpoint_dir` (a local disk in one process, or a shared
 file system): rank 0 commits what the others wrote. Renaming is atomic on local POSIX file
 systems, not on every network one (HF reverted atomic saves for this reason).
@@ -33,7 +33,7 @@ import io
 import logging
 import shutil
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,10 @@ log = logging.getLogger("gangtrain")
 
 class CheckpointError(RuntimeError):
     """A save failed on some rank; the partial directory was removed, nothing committed."""
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint's files do not verify against its manifest (or it has none)."""
 
 
 class CheckpointManager:
@@ -339,18 +343,25 @@ class CheckpointManager:
         self.wait()
         own = step_dir is None  # else a step directory elsewhere (another run's)
         step_dir = self._disk.step_dir(step_nr) if own else Path(step_dir)
-        verdict = [None if self._rank != 0 else
-                   self._disk.verify(step_nr) if own else verify(step_dir, step_nr)]
-        self.gangs.root.broadcast_objects(verdict)  # checked before DCP unpickles .metadata
+        had_state = optimizer is None or bool(optimizer.state)
+        # Rank 0 hashes the files while every rank makes the optimizer state: the disk read
+        # and the moments' fresh memory each take a core. Verified before DCP reads a byte.
+        with ThreadPoolExecutor(1) as pool:
+            hashing = pool.submit(self._disk.verify if own else partial(verify, step_dir),
+                                  step_nr) if self._rank == 0 else None
+            state = model_optim_state(model, optimizer)
+            verdict = [hashing.result() if hashing is not None else None]
+        self.gangs.root.broadcast_objects(verdict)
         if verdict[0] is not None:
+            if not had_state:  # as it was: a fresh start must not inherit the step count
+                optimizer.state.clear()  # type: ignore[union-attr]
             if own:
                 self._disk.bad.add(step_nr)
-            raise UserError(f"checkpoint {step_dir} cannot be loaded: {verdict[0]}")
+            raise DamagedCheckpoint(f"checkpoint {step_dir} cannot be loaded: {verdict[0]}")
         manifest = read_manifest(step_dir)
         assert manifest is not None  # verified above
 
         self._files(model).check_base(step_dir, model, self.gangs.root)  # adapters: the base?
-        state = model_optim_state(model, optimizer)
         load_dcp(step_dir, state, process_group=self._pg, no_dist=self._no_dist,
                  then=lambda: set_model_optim_state(model, optimizer, state),
                  fits="the model or optimizer",
@@ -362,6 +373,21 @@ class CheckpointManager:
             if name in rank_state:
                 component.load_state_dict(rank_state[name])
         return rank_state
+
+    def load_latest(self, model: nn.Module, optimizer: Optimizer | None,
+                    states: Mapping[str, Any] | None = None) -> tuple[int | None, dict[str, Any]]:
+        """`(step, rank state)` of the newest checkpoint that verifies, loaded as `load` does
+        (collective); each newer one is skipped with a warning naming it, as `find_latest`
+        does. `(None, {})` when none verifies, `optimizer` left as it was."""
+        while True:
+            newest = [max(set(self._disk.step_dirs()) - self._disk.bad, default=None)]
+            self.gangs.root.broadcast_objects(newest)  # rank 0's view of the directory
+            if newest[0] is None:
+                return None, {}
+            try:
+                return newest[0], self.load(newest[0], model, optimizer, states)
+            except DamagedCheckpoint as ex:
+                log.warning("%s (skipped)", ex)
 
     def _load_rank_state(self, step_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         rank_state = read_rank_state(step_dir, manifest, self._rank)

@@ -25,7 +25,8 @@ log = logging.getLogger("gangtrain")
 def resume_point(manager: CheckpointManager, choice: str | None
                  ) -> tuple[int | None, Path | None]:
     """`(step, step directory)` to resume from (collective): the directory is None when it
-    is the manager's own `step_N`; `(None, None)` when there is nothing to resume."""
+    is the manager's own `step_N`; `(None, None)` when there is nothing to resume. 'last'
+    is `manager.find_latest()` (a resume reads it with `manager.load_latest`)."""
     if choice in (None, "last"):
         return manager.find_latest(), None
     answer: list[Any] = [None]
