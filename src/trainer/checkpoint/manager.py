@@ -17,10 +17,10 @@ promise. Its DCP writes run on a dedicated Gloo process group that nothing else 
 
 Collective methods (call them on every rank, in the same order): the constructor, `save`,
 `wait`, `record_score`, `find_latest`, `load`, `load_latest`, `close`. Local methods (any
-rank, any time): `manifest`, `steps`, `last_step`, `best_step`, `write_pointers` (writes on rank 0 only).
-Every rank must see the same `checkpoint_dir` (a local disk in one process, or a shared
-file system): rank 0 commits what the others wrote. Renaming is atomic on local POSIX file
-systems, not on every network one (HF reverted atomic saves for this reason).
+rank, any time): `manifest`, `steps`, `last_step`, `best_step`, `write_pointers` (writes on
+rank 0 only). Every rank must see the same `checkpoint_dir` (a local disk in one process, or
+a shared file system): rank 0 commits what the others wrote. Renaming is atomic on local
+POSIX file systems, not on every network one (HF reverted atomic saves for this reason).
 
 The pieces: `writer` (step 1 and the background thread; rank 0's merge of the checksums),
 `staging` (the host copy of an async save), `directory` (the layout of `checkpoint_dir`,
