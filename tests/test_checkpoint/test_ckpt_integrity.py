@@ -174,3 +174,51 @@ def test_malicious_dcp_metadata_is_refused(tmp_path):
         mgr.load(mgr.find_latest(), _model(), None)
     assert not marker.exists()
     mgr.close()
+
+
+def test_load_latest_on_two_ranks_skips_a_damaged_newest_checkpoint(tmp_path):
+    """Rank 0 hashes, every rank makes its optimizer state meanwhile: both ranks skip the
+    damaged step 4 together and load step 3; with step 3 damaged too, both start without
+    a checkpoint and their optimizers without state."""
+    from ranks import run_ranks
+
+    from gangs import setup_root_gang
+
+    def fn():
+        gangs = setup_gangs(setup_root_gang(device="cpu"))
+        model = _model()
+        optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+        mgr = CheckpointManager(tmp_path, gangs)
+        saved = {}
+        for step in range(1, 5):  # AdamW's step count is the step's
+            model(torch.ones(5, 3)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            if step >= 3:
+                mgr.save(step, model, optim, {"step": step})
+            saved[step] = model.weight.detach().clone()
+        if gangs.root.rank == 0:
+            data_file = tmp_path / "step_4" / "rank_1.pt"
+            data = bytearray(data_file.read_bytes())
+            data[-30] ^= 0xFF
+            data_file.write_bytes(bytes(data))
+        gangs.root.barrier()
+
+        fresh = torch.nn.Linear(3, 2)
+        fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        step, rank_state = mgr.load_latest(fresh, fresh_optim)
+        loaded = torch.equal(fresh.weight.detach(), saved[3])
+        steps_in_state = {int(s["step"]) for s in fresh_optim.state.values()}
+
+        if gangs.root.rank == 0:
+            (tmp_path / "step_3" / "manifest.json").unlink()
+        gangs.root.barrier()
+        another = torch.nn.Linear(3, 2)
+        other = torch.optim.AdamW(another.parameters(), lr=0.1)
+        none_left = mgr.load_latest(another, other)
+        mgr.close()
+        return step, rank_state, loaded, steps_in_state, none_left, len(other.state)
+
+    for step, rank_state, loaded, steps_in_state, none_left, left in run_ranks(fn):
+        assert (step, rank_state["step"], loaded, steps_in_state) == (3, 3, True, {3})
+        assert none_left == (None, {}) and left == 0
