@@ -1,4 +1,5 @@
-"""What a failed save or load tells the user: one line naming the rank and the cause.
+"""What a failed save or load tells the user: one line naming the rank and the cause, in
+the error that says which (`CheckpointError`, `DamagedCheckpoint`).
 
 DCP's `CheckpointException` hides the cause of a failed write in `failures` (rank ->
 exception); torch's message for a full disk names neither the disk nor the space.
@@ -11,6 +12,15 @@ from pathlib import Path
 from torch.distributed.checkpoint import CheckpointException
 
 from trainer.checkpoint.disk_space import DiskFullError, disk_full_note, is_disk_full
+from trainer.errors import UserError
+
+
+class CheckpointError(RuntimeError):
+    """A save failed on some rank; the partial directory was removed, nothing committed."""
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint's files do not verify against its manifest (or it has none)."""
 
 
 def describe(ex: BaseException) -> str:

@@ -14,15 +14,16 @@ checkpoints directory by the rules of `CheckpointDir.newest_verified` / `best_st
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-from gangs import Gang
+from gangs import Gang, Gangs
 from trainer.checkpoint.directory import CheckpointDir
 from trainer.checkpoint.failures import describe
 from trainer.checkpoint.manifest import (
@@ -31,13 +32,16 @@ from trainer.checkpoint.manifest import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     check_model_fits,
+    gang_sizes,
     rank_file,
     verify,
 )
 from trainer.errors import UserError
 
 __all__ = ["best_step_dir", "find_step_dir", "load_dcp", "read_rank_state", "require_verified",
-           "resolve_step_dir"]
+           "resolve_step_dir", "verified_while"]
+
+T = TypeVar("T")
 
 
 def require_verified(step_dir: Path, step_nr: int | None = None) -> None:
@@ -126,9 +130,12 @@ def find_step_dir(path: Path, *, best: bool = False) -> Path:
     return resolve_step_dir(path)
 
 
-def read_rank_state(step_dir: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+def read_rank_state(step_dir: Path, manifest: dict[str, Any], rank: int,
+                    gangs: Gangs) -> dict[str, Any]:
     """Rank `rank`'s `rank_N.pt` of verified step `step_dir` (rank 0's when the checkpoint
-    had fewer ranks), read without unpickling anything but tensors and plain data."""
+    had fewer ranks: the world grew), read without unpickling anything but tensors and plain
+    data; with `"resharded": True` when the world or the dp/tp/ep sizes of `gangs` differ
+    from the saved ones."""
     name = rank_file(rank) if rank_file(rank) in manifest["files"] else rank_file(0)
     path = Path(step_dir) / name
     try:
@@ -137,4 +144,17 @@ def read_rank_state(step_dir: Path, manifest: dict[str, Any], rank: int) -> dict
         raise UserError(f"refusing to load {path}: {describe(ex)}") from ex
     if not isinstance(rank_state, dict):
         raise UserError(f"{path} does not hold a rank state dict")
+    if manifest.get("world_size") != gangs.root.size or manifest.get("gangs") != gang_sizes(gangs):
+        rank_state["resharded"] = True
     return rank_state
+
+
+def verified_while(verify: Callable[[], str | None] | None, make: Callable[[], T]
+                   ) -> tuple[str | None, T]:
+    """`(verify(), make())`, `verify` (a checksum pass; None: nothing to verify here) in a
+    thread while `make` runs on this one: the disk read and fresh memory (an optimizer's
+    state) each take a core."""
+    with ThreadPoolExecutor(1) as pool:
+        hashing = pool.submit(verify) if verify is not None else None
+        made = make()
+        return (hashing.result() if hashing is not None else None), made

@@ -33,7 +33,7 @@ import io
 import logging
 import shutil
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,11 +47,17 @@ from torch.optim import Optimizer
 from gangs import FakeGang, Gangs, first_error, on_rank0
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.disk_space import DiskFullError, needed_bytes
-from trainer.checkpoint.failures import rank_cause
-from trainer.checkpoint.loading import entries_held_elsewhere, load_dcp, read_rank_state
+from trainer.checkpoint.failures import CheckpointError, DamagedCheckpoint, rank_cause
+from trainer.checkpoint.loading import (
+    entries_held_elsewhere,
+    load_dcp,
+    read_rank_state,
+    verified_while,
+)
 from trainer.checkpoint.manifest import (
     MODEL_OPTIM,
     fsync_dir,
+    gang_sizes,
     new_manifest,
     read_manifest,
     verify,
@@ -68,18 +74,9 @@ from trainer.checkpoint.state import (
     tied_aliases,
 )
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
-from trainer.errors import UserError
 from trainer.run_dir import CONFIG_FILE
 
 log = logging.getLogger("gangtrain")
-
-
-class CheckpointError(RuntimeError):
-    """A save failed on some rank; the partial directory was removed, nothing committed."""
-
-
-class DamagedCheckpoint(UserError):
-    """A checkpoint's files do not verify against its manifest (or it has none)."""
 
 
 class CheckpointManager:
@@ -212,18 +209,8 @@ class CheckpointManager:
                      model_files: Callable[[Path], None] | None = None) -> None:
         """This rank's part of a save (main thread or background thread), on the manager's
         own process group."""
-        files_error: OSError | None = None
-        try:
-            if model_files is not None:
-                model_files(tmp_dir)
-        except OSError as error:  # raised after DCP's collectives, which every rank must enter
-            files_error = error
-        write_shard(
-            tmp_dir, state, rank_bytes,
-            rank=self._rank, process_group=self._pg, no_dist=self._no_dist,
-        )
-        if files_error is not None:
-            raise files_error
+        write_shard(tmp_dir, state, rank_bytes, model_files=model_files, rank=self._rank,
+                    process_group=self._pg, no_dist=self._no_dist)
 
     @property
     def writing(self) -> bool:
@@ -262,11 +249,9 @@ class CheckpointManager:
             (tmp / CONFIG_FILE).write_text(self._config_text, encoding="utf-8")
         files = collect_checksums(tmp)
         score = job.score if job.score is not None else self._scores.get(job.step_nr)
-        g = self.gangs
         write_manifest(tmp, new_manifest(
             job.step_nr, score, files, lower_better=self.lower_better, world_size=self._world,
-            gangs={"dp": g.dp.size, "tp": g.tp.size, "ep": g.ep.size},
-            config_digest=self.config_digest, tied=job.tied))
+            gangs=gang_sizes(self.gangs), config_digest=self.config_digest, tied=job.tied))
         fsync_dir(tmp / MODEL_OPTIM)
         self._disk.install(tmp, job.step_nr)
         self._apply_retention()
@@ -331,26 +316,20 @@ class CheckpointManager:
         """Load step `step_nr` into `model` and `optimizer` in place (resharding through DCP
         if the layout changed) and return this rank's rank state (collective). Each
         component of `states` saved in it gets its part through `load_state_dict`, in the
-        order of `states`.
-
-        The rank state is this rank's `rank_{r}.pt`, or rank 0's when this rank has none
-        (the world grew). Whenever the world size or the dp/tp/ep sizes differ from the
-        saved ones it carries `"resharded": True`: per-rank positions (data reader, RNG)
-        then belong to another layout, and the trainer decides what to do with them.
-        Tensors in it come back on the CPU.
-        """
+        order of `states`. The rank state is `read_rank_state`'s: rank 0's when this rank has
+        none, `"resharded": True` when the layout changed (per-rank positions then belong to
+        another layout: the trainer decides), its tensors on the CPU."""
         self._check_open()
         self.wait()
         own = step_dir is None  # else a step directory elsewhere (another run's)
         step_dir = self._disk.step_dir(step_nr) if own else Path(step_dir)
         had_state = optimizer is None or bool(optimizer.state)
-        # Rank 0 hashes the files while every rank makes the optimizer state: the disk read
-        # and the moments' fresh memory each take a core. Verified before DCP reads a byte.
-        with ThreadPoolExecutor(1) as pool:
-            hashing = pool.submit(self._disk.verify if own else partial(verify, step_dir),
-                                  step_nr) if self._rank == 0 else None
-            state = model_optim_state(model, optimizer)
-            verdict = [hashing.result() if hashing is not None else None]
+        # Rank 0 hashes the files while every rank makes the optimizer state; verified
+        # before DCP reads a byte.
+        verifying = partial(self._disk.verify if own else partial(verify, step_dir), step_nr)
+        reason, state = verified_while(verifying if self._rank == 0 else None,
+                                       partial(model_optim_state, model, optimizer))
+        verdict = [reason]
         self.gangs.root.broadcast_objects(verdict)
         if verdict[0] is not None:
             if not had_state:  # as it was: a fresh start must not inherit the step count
@@ -368,7 +347,7 @@ class CheckpointManager:
                  # a checkpoint from before tied weights were stored once holds the aliases
                  held_elsewhere=entries_held_elsewhere(state["model"], self.gangs.pp)
                  | frozenset(tied_aliases(model)))
-        rank_state = self._load_rank_state(step_dir, manifest)
+        rank_state = read_rank_state(step_dir, manifest, self._rank, self.gangs)
         for name, component in (states or {}).items():
             if name in rank_state:
                 component.load_state_dict(rank_state[name])
@@ -388,14 +367,6 @@ class CheckpointManager:
                 return newest[0], self.load(newest[0], model, optimizer, states)
             except DamagedCheckpoint as ex:
                 log.warning("%s (skipped)", ex)
-
-    def _load_rank_state(self, step_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        rank_state = read_rank_state(step_dir, manifest, self._rank)
-        g = self.gangs
-        layout = {"dp": g.dp.size, "tp": g.tp.size, "ep": g.ep.size}
-        if manifest.get("world_size") != self._world or manifest.get("gangs") != layout:
-            rank_state["resharded"] = True
-        return rank_state
 
     def drop_after(self, step_nr: int) -> None:
         """Delete the checkpoints after `step_nr` (collective; rank 0 deletes): a run that

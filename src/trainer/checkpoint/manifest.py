@@ -102,6 +102,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def gang_sizes(gangs: Any) -> dict[str, int]:
+    """The manifest's `gangs` entry: the dp, tp and ep sizes of `gangs`."""
+    return {"dp": gangs.dp.size, "tp": gangs.tp.size, "ep": gangs.ep.size}
+
+
 def new_manifest(step_nr: int, score: float | None, files: dict[str, Any], *,
                  lower_better: bool, world_size: int, gangs: dict[str, int],
                  config_digest: str, tied: dict[str, str] | None = None) -> dict[str, Any]:

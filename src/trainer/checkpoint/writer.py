@@ -61,18 +61,22 @@ def write_shard(
     rank: int,
     process_group: dist.ProcessGroup | None,
     no_dist: bool,
+    model_files: Callable[[Path], None] | None = None,
 ) -> None:
     """This rank's part of a save (main thread or background thread): no collectives
-    except DCP's, which run on `process_group`."""
+    except DCP's, which run on `process_group`. `model_files(tmp_dir)` writes the family's
+    files beside the weights (rank 0's)."""
     rank_path = tmp_dir / rank_file(rank)
-    rank_file_error: OSError | None = None
+    files_error: OSError | None = None
     try:
+        if model_files is not None:
+            model_files(tmp_dir)
         with open(rank_path, "wb") as f:
             f.write(rank_bytes)
             f.flush()
             os.fsync(f.fileno())
     except OSError as error:  # raised after DCP's collectives, which every rank must enter
-        rank_file_error = error
+        files_error = error
     writer = DigestingFileSystemWriter(
         tmp_dir / MODEL_OPTIM, sync_files=True, thread_count=WRITER_THREADS
     )
@@ -83,8 +87,8 @@ def write_shard(
     with _zip_crc(threading.current_thread() is threading.main_thread()):
         dcp.save(state, storage_writer=writer, planner=PlainValuesOnce(),
                  process_group=process_group, no_dist=no_dist)
-    if rank_file_error is not None:
-        raise rank_file_error
+    if files_error is not None:
+        raise files_error
     # Each rank's checksums of what it wrote (rank 0's include DCP's .metadata).
     sums = {rank_file(rank): digest.entry(len(rank_bytes), digest.extend(0, rank_bytes))}
     sums.update({f"{MODEL_OPTIM}/{name}": e for name, e in writer.entries.items()})
