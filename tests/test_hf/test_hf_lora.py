@@ -267,10 +267,11 @@ def test_same_start_check_covers_the_adapters(llama_dir, tmp_path):
 def test_adapters_compute_what_peft_computes(llama_dir, alpha):
     """With the same weights, a model adapted here and peft's `get_peft_model` give the same
     logits and the same gradients of the adapters and of the embedding's output (same
-    scaling, same layers, same names up to peft's adapter name): bit for bit when the scaling
-    is a power of two (alpha 8, r 4); otherwise (ours scales the adapter's [tokens, r] input to
-    the matmul that adds the update, peft the update) ours is as close as peft's to peft's
-    model in float64."""
+    scaling, same layers, same names up to peft's adapter name), as close to peft's model in
+    float64 as peft's own: ours scales the adapter's [tokens, r] input and adds the update
+    inside the matmul, peft scales the update and adds it after (bit for bit on the machines
+    measured when the scaling is a power of two, alpha 8 and r 4; where the sum is rounded
+    is the BLAS's choice)."""
     from peft import LoraConfig, get_peft_model
 
     lora = LoraSettings(r=LORA.r, alpha=alpha, target_modules=LORA.target_modules)
@@ -298,15 +299,9 @@ def test_adapters_compute_what_peft_computes(llama_dir, alpha):
         grads = {peft_name.get(name, name): p.grad for name, p in named if p.requires_grad}
         return [logits.detach(), embedded.grad, *(grads[k] for k in sorted(grads))]
 
-    def gap(xs, ys):
-        return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(xs, ys,
-                                                                               strict=True))
-
     mine = outputs(ours, ours.named_parameters())
     peft = outputs(theirs, theirs.base_model.model.named_parameters())
-    if alpha / lora.r == 2.0:
-        assert gap(mine, peft) == 0.0
-        return
+    equal = all(torch.equal(x, y) for x, y in zip(mine, peft, strict=True))
     theirs.zero_grad()
     exact = outputs(theirs.double(), theirs.base_model.model.named_parameters(), torch.float64)
 
@@ -315,8 +310,9 @@ def test_adapters_compute_what_peft_computes(llama_dir, alpha):
                    for x, y in zip(xs, exact, strict=True)) / len(exact)
 
     print(f"alpha {alpha}: error against float64, ours {error(mine):.2e}, peft's "
-          f"{error(peft):.2e}")
-    # measured: ours 0.97x peft's (float32 roundings of the same sums, in another order)
+          f"{error(peft):.2e}; bit for bit: {equal}")
+    # measured: alpha 8 bit for bit; alpha 6 ours 0.97x peft's (the same sums rounded in
+    # another order)
     assert 0.0 < error(mine) < 1.25 * error(peft)
 
 
