@@ -332,24 +332,26 @@ def test_adapter_update_adds_into_the_output_without_update_sized_tensors():
     x = torch.randn(tokens, 64, requires_grad=True)
 
     class OutputsOfUpdateSize(TorchDispatchMode):
-        count = 0
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {a.untyped_storage().data_ptr() for a in args
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            inputs = {a.untyped_storage().data_ptr() for a in (*args, *kwargs.values())
                       if isinstance(a, torch.Tensor)}
             if isinstance(out, torch.Tensor) and out.numel() == tokens * width \
                     and out.untyped_storage().data_ptr() not in inputs:  # new, not a view
-                OutputsOfUpdateSize.count += 1
+                self.count += 1
             return out
 
     gradient = torch.ones(tokens, width)
-    with OutputsOfUpdateSize():
+    with OutputsOfUpdateSize() as forward:
         y = model(x)
-    made_in_forward, OutputsOfUpdateSize.count = OutputsOfUpdateSize.count, 0
-    with OutputsOfUpdateSize():
+    with OutputsOfUpdateSize() as backward:
         y.backward(gradient)
-    assert (made_in_forward, OutputsOfUpdateSize.count) == (2, 0)
+    assert (forward.count, backward.count) == (2, 0)
     base = model[0]
     scaled_down = (x.detach() @ base.lora_A.weight.T) * 1.5
     expected = x.detach() @ base.weight.T + base.bias + scaled_down @ base.lora_B.weight.T

@@ -289,7 +289,9 @@ def _add_update(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     x = args[0] if args else kwargs["input"]
     lora_a, lora_b = module.lora_A, module.lora_B
     down = lora_a(module.lora_dropout(x.to(lora_a.weight.dtype)))
-    if _plain_linear(lora_b) and output.dtype == down.dtype == lora_b.weight.dtype:
+    # A DTensor B (tensor parallelism's styles) needs its module's hooks: the path below.
+    if not isinstance(lora_b.weight, DTensor) and output.dtype == down.dtype \
+            == lora_b.weight.dtype:
         # output + (scaling * down) @ B^T, one matmul adding into the output: the update is
         # never made as a [tokens, out] tensor, nor scaled as one, here or in backward
         scaled = (down * scaling).reshape(-1, down.shape[-1])
@@ -297,13 +299,6 @@ def _add_update(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                            lora_b.weight.t()).view(output.shape)
     update = lora_b(down) * scaling
     return output + update.to(output.dtype)
-
-
-def _plain_linear(layer: nn.Module) -> bool:
-    """Whether `layer`'s weight is a whole local tensor, whose matmul is the layer's forward:
-    not a DTensor (tensor parallelism's styles, or FSDP2 sharding the layer on its own, which
-    gather it in hooks around the layer's forward)."""
-    return not isinstance(layer.weight, DTensor)
 
 
 def _split_adapter(name: str, module: nn.Module, style: str, mesh: DeviceMesh) -> None:
