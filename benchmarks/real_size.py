@@ -1,20 +1,24 @@
 """SFT (full and LoRA) and DPO at the size users train, against TRL, in one run.
 
-    .venv/bin/python -m benchmarks.real_size [--steps 4] [--rounds 1] [--pairs 2]
-        [--seq-len 512] [--only sft,lora,dpo] [--no-trl] [--work DIR]
+    .venv/bin/python -m benchmarks.real_size [--steps 4] [--warmup 1] [--rounds 1]
+        [--pairs 2] [--seq-len 512] [--only sft,lora,dpo] [--no-trl] [--work DIR]
+        [--dtype fp32|bf16]
         [--hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936]
 
 The model is a random-init Llama of Qwen2.5-0.5B's shape by default (hidden 896, 24 layers,
 14 query and 2 key/value heads, MLP 4864, a tied 151,936-row embedding: 494M parameters),
 saved as safetensors with a tiny ChatML tokenizer; nothing is downloaded. Smaller shapes by
-the flags, to try the benchmark itself. fp32 on a CPU (one thread), bf16 autocast on a GPU.
+the flags, to try the benchmark itself. fp32 on a CPU (one thread), bf16 autocast on a GPU
+(`--dtype` to choose). On a GPU the defaults are 20 steps of which 5 warm up (kernel choice,
+the caching allocator), memory is the GPU's (the caching allocator's peak reservation, what
+an out-of-memory error is measured against), and time is wall time.
 
 Each measured run is a fresh process, ours and TRL's alternated (sft, then lora, then dpo,
 ours first each time), and the ratios are taken between the runs of one round:
 
 - full SFT and LoRA (r=16, alpha 32, the seven projections): rows of `--seq-len` tokens, one
   row a step, every record one row of text (all its tokens trained); trained tokens/s over
-  the steps after the first; peak RSS at the end of the last step (VmHWM);
+  the steps after the `--warmup` ones; peak RSS at the end of the last step (VmHWM);
 - DPO, `--pairs` pairs a step, a frozen copy as the reference, beta 0.1: pairs/s, peak RSS;
 - the losses of step 1 on both sides (full SFT: the same tokens through the same weights);
 - MFU of the full-SFT step: 6 x parameters x tokens / step time, over the machine's own
@@ -56,7 +60,10 @@ KINDS = ("sft", "lora", "dpo")
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.real_size")
-    parser.add_argument("--steps", type=int, default=4, help="steps a run, the first untimed")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps a run (default: 4 on a CPU, 20 on a GPU)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps at the start (default: 1 on a CPU, 5 on a GPU)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--pairs", type=int, default=2, help="DPO pairs a step")
     parser.add_argument("--seq-len", type=int, default=512)
@@ -64,6 +71,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--worker", default=None)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                        help="default: bf16 (autocast) on a GPU, fp32 on a CPU")
     for name, value in QWEN_05B.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     args = parser.parse_args(argv)
@@ -71,7 +80,14 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     import torch
 
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    gpu = args.device == "cuda"
+    args.steps = args.steps if args.steps is not None else (20 if gpu else 4)
+    args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 1)
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    args.memory = "peak GPU memory" if gpu else "peak RSS"
     return args
 
 
@@ -79,7 +95,8 @@ def run(role: str, args: argparse.Namespace, work: Path) -> dict:
     """One fresh process (`real_size_workers.worker`); its RESULT."""
     command = [sys.executable, "-m", "benchmarks.real_size", "--worker", role, "--work",
                str(work), "--steps", str(args.steps), "--pairs", str(args.pairs),
-               "--seq-len", str(args.seq_len)]
+               "--seq-len", str(args.seq_len), "--dtype", args.dtype,
+               "--warmup", str(args.warmup)]
     for name, value in args.shape.items():
         command += [f"--{name.replace('_', '-')}", str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -139,14 +156,14 @@ def evict_from_cache(path: Path) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def step_times(result: dict, device: str) -> list[float]:
-    """The timed steps' seconds (the first warms up): CPU seconds on a CPU (one thread: a
-    loaded machine's waits for a core do not count), wall seconds on a GPU."""
-    return result["step_s" if device == "cpu" else "step_wall_s"][1:]
+def step_times(result: dict, args: argparse.Namespace) -> list[float]:
+    """The timed steps' seconds (after the `--warmup` ones): CPU seconds on a CPU (one thread:
+    a loaded machine's waits for a core do not count), wall seconds on a GPU."""
+    return result["step_s" if args.device == "cpu" else "step_wall_s"][args.warmup:]
 
 
-def tokens_per_s(result: dict, tokens_a_step: int, device: str) -> float:
-    timed = step_times(result, device)
+def tokens_per_s(result: dict, tokens_a_step: int, args: argparse.Namespace) -> float:
+    timed = step_times(result, args)
     return tokens_a_step * len(timed) / sum(timed)
 
 
@@ -172,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     made = run("make", args, work)
     n = made["parameters"]
     print(f"model: Llama {args.shape}, {n:,} parameters, {args.dtype} on {args.device}; rows "
-          f"of {args.seq_len}, {args.steps} steps a run (the first untimed); work dir {work}",
+          f"of {args.seq_len}, {args.steps} steps a run ({args.warmup} untimed); work dir {work}",
           flush=True)
     rate = run("matmul", args, work)["flops_per_s"]
     print(f"matmul rate (the model's shapes, one thread, {args.dtype}): {rate / 1e9:.1f} "
@@ -187,19 +204,19 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"round {round_nr + 1} {framework:4s} {kind:4s}: steps "
                       f"{', '.join(f'{s:.2f}' for s in r['step_s'])} CPU s ("
                       f"{', '.join(f'{s:.2f}' for s in r['step_wall_s'])} wall s); losses "
-                      f"{', '.join(f'{x:.7f}' for x in r['losses'][:3])}; peak RSS "
+                      f"{', '.join(f'{x:.7f}' for x in r['losses'][:3])}; {args.memory} "
                       f"{r['train_peak_gib']:.2f} GiB at the last step, "
                       f"{r['peak_gib']:.2f} GiB in all ({r.get('start_peak_gib', float('nan')):.2f} "
                       f"before the first step, then {', '.join(f'{g:.2f}' for g in r['step_peaks_gib'])}); first step ends at "
                       f"{r['first_step_end_s']:.1f} s", flush=True)
             if kind == "sft":
                 r = results["ours", "sft"]
-                mfu = 6 * n * args.seq_len / statistics.median(step_times(r, args.device)) / rate
+                mfu = 6 * n * args.seq_len / statistics.median(step_times(r, args)) / rate
                 table.setdefault("full SFT, our MFU (6N, of the matmul rate)", []).append(mfu)
                 if ("trl", "sft") in results:
                     t = results["trl", "sft"]
                     table.setdefault("full SFT, TRL's MFU", []).append(
-                        6 * n * args.seq_len / statistics.median(step_times(t, args.device)) / rate)
+                        6 * n * args.seq_len / statistics.median(step_times(t, args)) / rate)
                 if "checkpoint_bytes" in r:
                     checkpoint(args, work, r, n, table)
         for kind in kinds:
@@ -209,9 +226,8 @@ def main(argv: list[str] | None = None) -> None:
             unit = "pairs" if kind == "dpo" else "trained tokens"
             per_step = args.pairs if kind == "dpo" else targets
             table.setdefault(f"{kind}: {unit}/s, ours / TRL", []).append(
-                tokens_per_s(ours, per_step, args.device)
-                / tokens_per_s(theirs, per_step, args.device))
-            table.setdefault(f"{kind}: peak RSS, ours / TRL", []).append(
+                tokens_per_s(ours, per_step, args) / tokens_per_s(theirs, per_step, args))
+            table.setdefault(f"{kind}: {args.memory}, ours / TRL", []).append(
                 ours["train_peak_gib"] / theirs["train_peak_gib"])
             table.setdefault(f"{kind}: step-1 loss, ours - TRL", []).append(
                 ours["losses"][0] - theirs["losses"][0])

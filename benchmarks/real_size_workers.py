@@ -3,9 +3,10 @@ matmul rate, our recipes (`recipes.sft`, `recipes.preference`) and TRL's trainer
 
 Every run prints one ``RESULT {json}`` line: the CPU time of each step (`step_s`; one
 thread, so a loaded machine's waits for a core do not count) and its wall time
-(`step_wall_s`), the losses, the peak RSS (VmHWM) at the end of the last step (`train_peak_gib`: what training
-held) and at the end of the process (`peak_gib`), the trainable and total parameters. Our
-runs add the checkpoint's save and load times and bytes.
+(`step_wall_s`), the losses, the peak memory at the end of the last step (`train_peak_gib`:
+what training held) and at the end of the process (`peak_gib`), the trainable and total
+parameters. Our runs add the checkpoint's save and load times and bytes. The peak memory is
+the resident set's (VmHWM) on a CPU, the caching allocator's peak reservation on a GPU.
 """
 
 from __future__ import annotations
@@ -24,12 +25,26 @@ CLIP = 1.0
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def vm_hwm_gib() -> float:
-    """This process's peak resident memory so far (GiB, Linux /proc)."""
+def peak_gib() -> float:
+    """This process's peak memory so far (GiB): on a GPU what PyTorch's caching allocator
+    reserved at most (what an out-of-memory error is measured against), else the peak
+    resident set (Linux /proc)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_reserved() / 2**30
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 2**20
     return float("nan")
+
+
+def gpu_sync() -> None:
+    """Wait for the GPU's queued work (a step's end is when its kernels are done), if any."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 CLOCK: dict[str, Any] = {"steps": [], "cpu": [], "peaks": []}
@@ -37,18 +52,19 @@ CLOCK: dict[str, Any] = {"steps": [], "cpu": [], "peaks": []}
 
 
 class StepClock:
-    """Records each step's end and peak RSS, the start of training, the end of each save:
+    """Records each step's end and peak memory, the start of training, the end of each save:
     the recipe's real step, timed from outside it (`trainer.callbacks`)."""
 
     def on_train_start(self, trainer: Any) -> None:
         CLOCK["train_start"] = time.perf_counter()
         CLOCK["train_start_cpu"] = time.process_time()
-        CLOCK["start_peak_gib"] = vm_hwm_gib()
+        CLOCK["start_peak_gib"] = peak_gib()
 
     def on_step_end(self, trainer: Any) -> None:
+        gpu_sync()
         CLOCK["steps"].append(time.perf_counter())
         CLOCK["cpu"].append(time.process_time())
-        CLOCK["train_peak_gib"] = vm_hwm_gib()
+        CLOCK["train_peak_gib"] = peak_gib()
         CLOCK["peaks"].append(CLOCK["train_peak_gib"])
 
     def on_checkpoint_saved(self, trainer: Any, step_nr: int, path: Any) -> None:
@@ -123,27 +139,24 @@ def matmul_rate(shape: dict[str, int], tokens: int, dtype: str, device: str) -> 
     shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
     shapes = [*(s for _ in range(shape["layers"]) for s in shapes), (h, v)]
     unique = {s: shapes.count(s) for s in set(shapes)}
+    # A GPU's matmul of these shapes takes microseconds: time a run of them, not one launch.
+    calls = 50 if device == "cuda" else 1
     total_flops, total_s = 0.0, 0.0
     for (n_in, n_out), count in unique.items():
         x = torch.randn(tokens, n_in, dtype=dt, device=device)
         w = torch.randn(n_out, n_in, dtype=dt, device=device)
+        F.linear(x, w)  # warm-up: kernel choice
         best = float("inf")
         for _ in range(3):
-            sync(device)
+            gpu_sync()
             start = clock()
-            F.linear(x, w)
-            sync(device)
-            best = min(best, clock() - start)
+            for _ in range(calls):
+                F.linear(x, w)
+            gpu_sync()
+            best = min(best, (clock() - start) / calls)
         total_flops += 2 * tokens * n_in * n_out * count
         total_s += best * count
     return {"flops_per_s": total_flops / total_s}
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
 
 
 def ours(kind: str, work: Path, args: Any) -> dict:
@@ -257,9 +270,10 @@ def trl(kind: str, work: Path, args: Any) -> dict:
             start_box[:] = [time.perf_counter(), time.process_time()]
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
+            gpu_sync()
             times.append(time.perf_counter())
             cpu.append(time.process_time())
-            peaks.append(vm_hwm_gib())
+            peaks.append(peak_gib())
 
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32)
@@ -315,7 +329,7 @@ def worker(role: str, work: Path, args: Any) -> None:
     else:
         framework, kind = role.split(":")
         result = (ours if framework == "ours" else trl)(kind, work, args)
-    result["peak_gib"] = vm_hwm_gib()
+    result["peak_gib"] = peak_gib()
     print("RESULT " + json.dumps(result), flush=True)
     sys.stdout.flush()
     os._exit(0)  # no teardown of a 10 GB process to wait for

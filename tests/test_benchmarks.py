@@ -101,3 +101,16 @@ def test_sft_benchmark_prints_its_figures():
                     r"\d+\.\d+x", r"cold, 1 process: [\d,]+ tokens/s",
                     r"the same, cached: \d+\.\d+ s", r"TRL: "):
         assert re.search(pattern, out), (pattern, out)
+
+
+def test_real_size_benchmark_runs_its_gpu_settings_on_a_small_shape(tmp_path):
+    """The 0.5B benchmark's own path at a tiny shape, in bf16 (its GPU precision) with the
+    warm-up it takes there: the SFT run, the checkpoint's figures and the table."""
+    out = run_benchmark(
+        "benchmarks.real_size", "--no-trl", "--only", "sft", "--dtype", "bf16", "--steps", "3",
+        "--warmup", "2", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+        "--intermediate", "64", "--vocab", "500", "--seq-len", "32", "--work", str(tmp_path))
+    for pattern in (r"bf16 on cpu; rows of 32, 3 steps a run \(2 untimed\)",
+                    r"round 1 ours sft : steps( [\d.]+,){2} [\d.]+ CPU s",
+                    r"checkpoint: [\d,]+ bytes", r"full SFT, our MFU .* \| \d\.\d+"):
+        assert re.search(pattern, out), (pattern, out)

@@ -256,6 +256,9 @@ class SystemMetrics:
         self.flops_per_target = flops_per_target  # the unit's, or counted on step 1
         self.data_wait = DataWaitClock()
         self._peak = peak_flops(self.device, self.dtype)
+        if self._peak is None and self.device.type == "cpu":
+            # Measured now, once: at the first publish it would count in the next step's time.
+            measured_matmul_peak(self.dtype)
         self._window_start = time.perf_counter()  # of the publish window's training time
 
     def publish(self, optimizer: Optimizer, num_steps: int, num_targets: float
