@@ -33,6 +33,9 @@ ours first each time), and the ratios are taken between the runs of one round:
   the optimizer's state into memory the process does not have yet). Every read is from the
   disk: the checkpoint's and the plain file's pages are dropped from the page cache first.
 
+The table ends the run: each figure per round, beside issue #56's target for it (`TARGETS`)
+and whether every round met it.
+
 AdamW fused, lr 1e-5 constant, betas (0.9, 0.999), no weight decay, clipping at 1.0, seed 0,
 on both sides. The machine is shared: say what else ran when quoting figures.
 """
@@ -262,10 +265,35 @@ def checkpoint(args: argparse.Namespace, work: Path, r: dict, n: int,
     shutil.rmtree(Path(r["checkpoint_dir"]).parent.parent / "hf", ignore_errors=True)
 
 
+TARGETS = {  # issue #56's, by the figure's name: (low, high), either end open
+    **{f"{kind}: {unit}/s, ours / TRL": (1.3, None)
+       for kind, unit in (("sft", "trained tokens"), ("lora", "trained tokens"), ("dpo", "pairs"))},
+    **{f"{kind}: {memory}, ours / TRL": (None, 1.0 if kind == "dpo" else 0.9)
+       for kind in KINDS for memory in ("peak RSS", "peak GPU memory")},
+    **{f"{kind}: step-1 loss, ours - TRL": (-1e-6, 1e-6) for kind in KINDS},
+    "full SFT, our MFU (6N, of the matmul rate)": (0.75, None),
+    "checkpoint bytes / (12 x parameters)": (0.98, 1.02),
+    "save / plain write + fsync": (None, 1.2),
+    "resume's load / plain read": (None, 1.2),
+}
+
+
+def verdict(bounds: tuple[float | None, float | None], values: list[float]) -> str:
+    """The target `bounds` as text, and whether every round's value is within them."""
+    low, high = bounds
+    if low is not None and high is not None:
+        wanted = f"{low:.3g} to {high:.3g}"
+    else:
+        wanted = f">= {low:.3g}" if low is not None else f"<= {high:.3g}"
+    met = all((low is None or v >= low) and (high is None or v <= high) for v in values)
+    return f"{wanted}: {'met' if met else 'not met'}"
+
+
 def print_table(table: dict[str, list[float]]) -> None:
-    print("\n| figure | value (per round) |\n|---|---|")
+    print("\n| figure | value (per round) | the issue's target |\n|---|---|---|")
     for name, values in table.items():
-        print(f"| {name} | {', '.join(f'{v:.3g}' for v in values)} |")
+        wanted = verdict(TARGETS[name], values) if name in TARGETS else ""
+        print(f"| {name} | {', '.join(f'{v:.3g}' for v in values)} | {wanted} |")
     sys.stdout.flush()
 
 
