@@ -59,6 +59,22 @@ ROOT = Path(__file__).resolve().parents[1]
 QWEN_05B = {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
             "vocab": 151936}
 KINDS = ("sft", "lora", "dpo")
+COUNTED = {"sft": "trained tokens", "lora": "trained tokens", "dpo": "pairs"}
+"""What each kind's speed counts a second."""
+MEMORY = {"cpu": "peak RSS", "cuda": "peak GPU memory"}
+"""The memory figure on each device."""
+
+
+def speed_figure(kind: str) -> str:
+    return f"{kind}: {COUNTED[kind]}/s, ours / TRL"
+
+
+def memory_figure(kind: str, memory: str) -> str:
+    return f"{kind}: {memory}, ours / TRL"
+
+
+def loss_figure(kind: str) -> str:
+    return f"{kind}: step-1 loss, ours - TRL"
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,7 +106,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 1)
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
-    args.memory = "peak GPU memory" if gpu else "peak RSS"
+    args.memory = MEMORY[args.device]
     return args
 
 
@@ -226,13 +242,12 @@ def main(argv: list[str] | None = None) -> None:
             if ("trl", kind) not in results:
                 continue
             ours, theirs = results["ours", kind], results["trl", kind]
-            unit = "pairs" if kind == "dpo" else "trained tokens"
             per_step = args.pairs if kind == "dpo" else targets
-            table.setdefault(f"{kind}: {unit}/s, ours / TRL", []).append(
+            table.setdefault(speed_figure(kind), []).append(
                 tokens_per_s(ours, per_step, args) / tokens_per_s(theirs, per_step, args))
-            table.setdefault(f"{kind}: {args.memory}, ours / TRL", []).append(
+            table.setdefault(memory_figure(kind, args.memory), []).append(
                 ours["train_peak_gib"] / theirs["train_peak_gib"])
-            table.setdefault(f"{kind}: step-1 loss, ours - TRL", []).append(
+            table.setdefault(loss_figure(kind), []).append(
                 ours["losses"][0] - theirs["losses"][0])
         print_table(table)
 
@@ -266,11 +281,10 @@ def checkpoint(args: argparse.Namespace, work: Path, r: dict, n: int,
 
 
 TARGETS = {  # issue #56's, by the figure's name: (low, high), either end open
-    **{f"{kind}: {unit}/s, ours / TRL": (1.3, None)
-       for kind, unit in (("sft", "trained tokens"), ("lora", "trained tokens"), ("dpo", "pairs"))},
-    **{f"{kind}: {memory}, ours / TRL": (None, 1.0 if kind == "dpo" else 0.9)
-       for kind in KINDS for memory in ("peak RSS", "peak GPU memory")},
-    **{f"{kind}: step-1 loss, ours - TRL": (-1e-6, 1e-6) for kind in KINDS},
+    **{speed_figure(kind): (1.3, None) for kind in KINDS},
+    **{memory_figure(kind, memory): (None, 1.0 if kind == "dpo" else 0.9)
+       for kind in KINDS for memory in MEMORY.values()},
+    **{loss_figure(kind): (-1e-6, 1e-6) for kind in KINDS},
     "full SFT, our MFU (6N, of the matmul rate)": (0.75, None),
     "checkpoint bytes / (12 x parameters)": (0.98, 1.02),
     "save / plain write + fsync": (None, 1.2),

@@ -290,8 +290,8 @@ def _add_update(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     lora_a, lora_b = module.lora_A, module.lora_B
     down = lora_a(module.lora_dropout(x.to(lora_a.weight.dtype)))
     # A DTensor B (tensor parallelism's styles) needs its module's hooks: the path below.
-    if not isinstance(lora_b.weight, DTensor) and output.dtype == down.dtype \
-            == lora_b.weight.dtype:
+    plain = not isinstance(lora_b.weight, DTensor)
+    if plain and output.dtype == down.dtype == lora_b.weight.dtype:
         # output + (scaling * down) @ B^T, one matmul adding into the output: the update is
         # never made as a [tokens, out] tensor, nor scaled as one, here or in backward
         scaled = (down * scaling).reshape(-1, down.shape[-1])

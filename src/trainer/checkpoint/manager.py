@@ -326,8 +326,8 @@ class CheckpointManager:
         had_state = optimizer is None or bool(optimizer.state)
         # Rank 0 hashes the files while every rank makes the optimizer state; verified
         # before DCP reads a byte.
-        verifying = partial(self._disk.verify, step_nr) if own else partial(verify, step_dir,
-                                                                           step_nr)
+        verifying = (partial(self._disk.verify, step_nr) if own
+                     else partial(verify, step_dir, step_nr))
         reason, state = verified_while(verifying if self._rank == 0 else None,
                                        partial(model_optim_state, model, optimizer))
         verdict = [reason]
