@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.optim import Optimizer
-
 from gangs import Gang
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.lifecycle.threads import IntraOpThreads
@@ -20,6 +18,7 @@ from trainer.observe.system_metrics import SystemMetrics
 from trainer.state.data_position import DataPosition
 from trainer.state.train_state import TrainState
 from trainer.step.loss_scaler import LossScaler
+from trainer.step.optimizer_step import OptimizerStep
 from trainer.step.step_log import StepLog
 from units import MetricBag, TrainUnit
 
@@ -28,12 +27,12 @@ class Publishing:
     """`run_config`: the config kept beside each checkpoint (auto's thread choice is added
     to it, in place)."""
 
-    def __init__(self, *, unit: TrainUnit[Any], optimizer: Optimizer, dp: Gang,
+    def __init__(self, *, unit: TrainUnit[Any], optimizer_step: OptimizerStep, dp: Gang,
                  state: TrainState, steps: StepLog, metrics: MetricBag, data: DataPosition[Any],
                  scaler: LossScaler | None, system: SystemMetrics, flops: FirstStepFlops,
                  threads: IntraOpThreads, recorder: BufferedRecorder,
                  checkpoints: CheckpointManager | None, run_config: dict[str, Any]) -> None:
-        self.unit, self.optimizer, self.dp, self.state = unit, optimizer, dp, state
+        self.unit, self.optimizer_step, self.dp, self.state = unit, optimizer_step, dp, state
         self.steps, self.metrics, self.data, self.scaler = steps, metrics, data, scaler
         self.system, self.flops, self.threads = system, flops, threads
         self.recorder, self.checkpoints, self.run_config = recorder, checkpoints, run_config
@@ -46,8 +45,8 @@ class Publishing:
         self.unit.derive_metrics(values)
         values["num_skipped_steps"] = self.steps.total_skipped
         self.system.flops_per_target = self.flops.flops_per_target  # counted on step 1
-        values.update(self.system.publish(self.optimizer, window.num_steps,
-                                          values.get("num_targets", 0.0)))
+        values.update(self.system.publish(self.optimizer_step.used_lrs,  # the last step's
+                                          window.num_steps, values.get("num_targets", 0.0)))
         if values.get("num_tokens") and values.get("num_targets"):  # a unit counts its tokens
             values["tokens_per_s"] = (values["targets_per_s"] * values["num_tokens"]
                                       / values["num_targets"])

@@ -189,9 +189,9 @@ class Trainer(Generic[BatchT]):
 
         # The work at sync points, each job on its own schedule (`trainer.schedule`).
         self.publishing = Publishing(
-            unit=unit, optimizer=optimizer, dp=self.gangs.dp, state=self.state, steps=self.steps,
-            metrics=self.metrics, data=self.data, scaler=self.scaler, system=self.system,
-            flops=self.flops, threads=self.threads, recorder=self.recorder,
+            unit=unit, optimizer_step=self.optimizer_step, dp=self.gangs.dp, state=self.state,
+            steps=self.steps, metrics=self.metrics, data=self.data, scaler=self.scaler,
+            system=self.system, flops=self.flops, threads=self.threads, recorder=self.recorder,
             checkpoints=self.checkpoints, run_config=self.run_config)
         self.validation = Validation(
             validator=self.validator, model=unit.model, gangs=self.gangs, state=self.state,

@@ -7,6 +7,7 @@ mean, so it is not used: the unit sums, the trainer divides by the global target
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -23,6 +24,8 @@ from units.linear_cross_entropy import captured_head, linear_cross_entropy
 from units.metrics import MetricBag
 from units.router_aux_loss import ExpertLayersAuxLoss, RouterAuxLoss
 from units.unit import EvalUnit, TrainUnit
+
+log = logging.getLogger("gangtrain")
 
 LMBatch = Mapping[str, Tensor]
 """One of two forms, both [b, t]:
@@ -208,10 +211,11 @@ def head_inputs(model: nn.Module, batch: LMBatch, pad_idx: int, use_cache_keywor
     trained, keep = trained_mask(targets, shift, pad_idx)
     with captured_head(head) as seen:
         logits = output_logits(model(batch["input_ids"], **keywords, logits_to_keep=keep))
-    if logits is not seen.output or seen.hidden is None:
+    if not seen.output_unchanged(logits):
         raise ValueError(
             f"loss_chunk_size: {type(unwrapped(model)).__name__} changes its logits after its "
-            "head (e.g. soft-capping or scaling them), which the chunked loss would skip: "
+            "head (e.g. soft-capping or scaling them, or a hook on the head that changes its "
+            "input or output), which the chunked loss would skip: "
             "leave loss_chunk_size unset for this model")
     return seen.hidden, head, targets[trained], trained
 
@@ -234,7 +238,8 @@ def auto_loss_chunk_size(model: nn.Module) -> int | None:
     plain path)."""
     try:
         head = chunked_loss_head(model)
-    except ValueError:
+    except ValueError as refusal:  # its own words name the model and why
+        log.debug("the plain loss path: %s", refusal)
         return None
     if head.out_features < AUTO_MIN_VOCAB:
         return None
@@ -261,6 +266,10 @@ def chunked_loss_head(model: nn.Module) -> nn.Linear:
     if not isinstance(head, nn.Linear):
         raise ValueError(f"loss_chunk_size: {name} has no linear head "
                          "(`get_output_embeddings()`): leave loss_chunk_size unset")
+    reason = _not_the_plain_linear(head)
+    if reason is not None:  # the chunked loss computes `hidden @ weight.T + bias` alone
+        raise ValueError(f"loss_chunk_size: {name}'s head {type(head).__name__} {reason}, "
+                         "which a chunked head would skip: leave loss_chunk_size unset")
     config = getattr(inner, "config", None)
     changed = [key for key, plain in _LOGIT_CHANGES.items()
                if getattr(config, key, None) not in (None, plain)]
@@ -273,6 +282,16 @@ def chunked_loss_head(model: nn.Module) -> nn.Linear:
                          "FSDP), and the chunked loss needs its whole weight on each rank: "
                          "leave loss_chunk_size unset under these layouts")
     return head
+
+
+def _not_the_plain_linear(head: nn.Linear) -> str | None:
+    """Why the head's output may not be ``hidden @ weight.T + bias``, or None (hooks on it
+    are checked as the model runs: `CapturedHead.output_unchanged`)."""
+    if type(head).forward is not nn.Linear.forward or "forward" in vars(head):
+        return "has a forward of its own"
+    if getattr(head, "parametrizations", None) is not None:
+        return "has a parametrized weight"
+    return None
 
 
 def derive_lm_metrics(values: dict[str, float], bytes_per_token: float | None) -> None:

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CapturedHead", "captured_head", "linear_cross_entropy", "linear_log_probs"]
+__all__ = ["CapturedHead", "captured_head", "linear_cross_entropy", "linear_log_probs",
+           "linear_log_probs_and_entropy"]
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
@@ -125,30 +126,58 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_log_probs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                     chunk_size: int = 1024) -> Tensor:
+                     chunk_size: int = 1024, temperature: float = 1.0) -> Tensor:
     """``log_softmax(hidden @ weight.T + bias)[i, targets[i]]`` for each row i [n], float32,
-    the [n, vocab] logits never held whole; every target must be a token id."""
+    the [n, vocab] logits never held whole; every target must be a token id. `temperature`:
+    the logits are divided by it in float32 (as ``logits.float() / temperature``)."""
+    return linear_log_probs_and_entropy(hidden, weight, bias, targets, chunk_size,
+                                        temperature, entropy=False)[0]
+
+
+def linear_log_probs_and_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None,
+                                 targets: Tensor, chunk_size: int = 1024,
+                                 temperature: float = 1.0, entropy: bool = True
+                                 ) -> tuple[Tensor, Tensor | None]:
+    """(`linear_log_probs`, each row's entropy of ``softmax(logits / temperature)`` [n]
+    float32 without gradient, or None when `entropy` is False), chunk by chunk."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return _ChunkedLinearLogProbs.apply(hidden, weight, bias, targets, chunk_size)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) \
+        if entropy else None
+    log_probs = _ChunkedLinearLogProbs.apply(hidden, weight, bias, targets, chunk_size,
+                                             float(temperature), out)
+    return log_probs, out
 
 
 class _ChunkedLinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                chunk_size: int) -> Tensor:
+                chunk_size: int, temperature: float = 1.0, entropy: Tensor | None = None
+                ) -> Tensor:
         log_probs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(log_probs)
         buffer = _logits_buffer(hidden, weight, chunk_size)
         for start in range(0, hidden.shape[0], chunk_size):
             logits = None  # the last chunk's own logits (if any) freed before the next's
             logits = _chunk_logits(hidden[start:start + chunk_size], weight, bias, buffer)
+            if temperature != 1.0:
+                logits = logits.div_(temperature)
             rows = torch.arange(logits.shape[0], device=logits.device)
             picked = logits[rows, targets[start:start + chunk_size]]
-            lse[start:start + chunk_size] = _logsumexp_and_softmax(logits)[0]
+            if entropy is not None:  # H = lse - sum p l = log S - sum(exp(l - m) (l - m)) / S
+                shift = logits.amax(-1, keepdim=True)
+                shifted = logits.sub_(shift)
+                exps = shifted.exp()
+                sums = exps.sum(-1)
+                entropy[start:start + chunk_size] = sums.log() - exps.mul_(shifted).sum(-1) / sums
+                lse[start:start + chunk_size] = sums.log() + shift[:, 0]
+            else:
+                lse[start:start + chunk_size] = _logsumexp_and_softmax(logits)[0]
             log_probs[start:start + chunk_size] = picked - lse[start:start + chunk_size]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.temperature = chunk_size, temperature
         return log_probs
 
     @staticmethod
@@ -165,7 +194,11 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
             upstream = grad_log_probs[start:start + size].float()
             grad = None  # the last chunk's own logits (if any) freed before the next's
             # d log p[target] / d logits = one_hot(target) - softmax, times the upstream
+            # (and 1 / temperature: the logits were divided by it)
             grad = _chunk_logits(chunk, weight, bias, buffer)
+            if ctx.temperature != 1.0:
+                grad = grad.div_(ctx.temperature)
+                upstream = upstream / ctx.temperature
             grad.sub_(lse[start:start + size, None]).exp_()
             grad.mul_(-upstream[:, None])
             rows = torch.arange(grad.shape[0], device=grad.device)
@@ -177,34 +210,64 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
 
 
 class CapturedHead:
-    """What `captured_head` saw: the head's input (`hidden`), and the output the head gave
-    the model (`output`, with no columns) to check that the model returned it unchanged."""
+    """What `captured_head` saw: the head's input (`hidden`), and what tells whether the
+    model's logits are the head's own product (`output_unchanged`)."""
 
     hidden: Tensor | None = None
+    empty: Tensor | None = None
+    """The empty input handed on; still it when the head's forward ran (`input_kept`)."""
+    input_kept: bool = False
+    raw: Tensor | None = None
+    """The head's own output (no columns), as its forward returned it, and its version."""
+    raw_version: int | None = None
     output: Tensor | None = None
+    """The head's output after every forward hook on it."""
+
+    def output_unchanged(self, returned: Tensor) -> bool:
+        """Whether `returned` (the model's logits) is the head's own output, untouched: no
+        pre-hook replaced its input, no hook or later code replaced its output or wrote
+        over it in place (a soft-cap or scale on the empty output shows only in its
+        version)."""
+        return (self.hidden is not None and self.input_kept and self.raw is not None
+                and self.output is self.raw and returned is self.raw
+                and returned._version == self.raw_version)  # noqa: SLF001 (in-place writes)
 
 
 @contextmanager
 def captured_head(head: nn.Module) -> Iterator[CapturedHead]:
     """While inside, `head` (a linear layer) computes nothing: its input is recorded and it
     returns an empty [..., 0] tensor. The caller computes the loss from `hidden` and the
-    head's own weight (`linear_cross_entropy`)."""
+    head's own weight (`linear_cross_entropy`), after checking `output_unchanged`: hooks of
+    others on the head run (they see the empty tensors), and any that changes a value is
+    caught there."""
     seen = CapturedHead()
 
     def keep_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         del module
         seen.hidden = args[0]
-        return (args[0][..., :0, :], *args[1:])  # no rows: the matmul costs nothing
+        seen.empty = args[0][..., :0, :]  # no rows: the matmul costs nothing
+        return (seen.empty, *args[1:])
+
+    def check_input(module: nn.Module, args: tuple[Any, ...]) -> None:
+        del module
+        seen.input_kept = args[0] is seen.empty
+
+    def keep_raw(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
+        del module, args
+        seen.raw, seen.raw_version = output, output._version  # noqa: SLF001 (see above)
 
     def keep_output(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
         del module, args
         seen.output = output
 
+    # first and last around every other hook on the head
     handles = [head.register_forward_pre_hook(keep_input, prepend=True),
+               head.register_forward_pre_hook(check_input),
+               head.register_forward_hook(keep_raw, prepend=True),
                head.register_forward_hook(keep_output)]
     try:
         yield seen

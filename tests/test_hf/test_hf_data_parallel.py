@@ -11,52 +11,39 @@ from functools import cache, partial
 
 import pytest
 import torch
-from hf_models import tiny_gpt2, tiny_llama, train
+from hf_models import sgd_gaps, start_parameters, tiny_gpt2, tiny_llama, train
 from ranks import run_ranks
 
-# Measured (fp32, 4 clipped steps): DDP and FSDP2 both end 1.1e-6 from the one-process
-# parameters (GPT-2; LLaMA under FSDP2 too); validation losses within 1e-7. A float-rounding floor for gaps
-# that happen to be 0.
-FLOOR = 1e-6
+# The layouts train under SGD with momentum (`train(sgd=True)`): AdamW would move an element
+# whose gradient is float32 rounding by up to ~lr, no float32 claim (tests/tolerances.py);
+# the gaps are fractions of what float32 allows (hf_models.sgd_gaps), <= 1.
 
 
 @cache
 def one_process(build):
-    return train(build)
-
-
-def gaps(results, reference) -> tuple[float, float]:
-    """The largest |difference| from the reference: (validation loss, any parameter), over
-    every rank."""
-    ref_loss, ref_params, _ = reference
-    loss_gap = max(abs(run.valid_loss - ref_loss) for run in results)
-    param_gap = 0.0
-    for _, params, _ in results:
-        assert params.keys() == ref_params.keys()
-        for name, value in ref_params.items():
-            param_gap = max(param_gap, (params[name] - value).abs().max().item())
-    return loss_gap, param_gap
+    return train(build, sgd=True)
 
 
 def test_gpt2_fsdp_matches_one_process_as_closely_as_ddp():
-    reference = one_process(tiny_gpt2)
-    ddp = gaps(run_ranks(partial(train, tiny_gpt2, "ddp"), world_size=2), reference)
-    fsdp = gaps(run_ranks(partial(train, tiny_gpt2, "fsdp"), world_size=2), reference)
-    print(f"gaps to one process: DDP loss {ddp[0]:.1e} params {ddp[1]:.1e}; "
-          f"FSDP2 loss {fsdp[0]:.1e} params {fsdp[1]:.1e}")
-    assert ddp[0] < FLOOR and ddp[1] < 1e-5
-    assert fsdp[0] <= max(2 * ddp[0], FLOOR)
-    assert fsdp[1] <= max(2 * ddp[1], FLOOR)
+    reference, start = one_process(tiny_gpt2), start_parameters(tiny_gpt2)
+    ddp = sgd_gaps(run_ranks(partial(train, tiny_gpt2, "ddp", sgd=True), world_size=2),
+                   reference, start)
+    fsdp = sgd_gaps(run_ranks(partial(train, tiny_gpt2, "fsdp", sgd=True), world_size=2),
+                    reference, start)
+    print(f"gaps to one process (of float32's allowance): DDP loss {ddp[0]:.2f} params "
+          f"{ddp[1]:.2f}; FSDP2 loss {fsdp[0]:.2f} params {fsdp[1]:.2f}")
+    assert max(ddp) <= 1 and max(fsdp) <= 1
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_ckpt"])
 def test_llama_fsdp_matches_one_process(checkpointing):
-    reference = one_process(tiny_llama)
-    results = run_ranks(partial(train, tiny_llama, "fsdp",
+    reference, start = one_process(tiny_llama), start_parameters(tiny_llama)
+    results = run_ranks(partial(train, tiny_llama, "fsdp", sgd=True,
                                 activation_checkpointing=checkpointing), world_size=2)
-    loss_gap, param_gap = gaps(results, reference)
-    print(f"LLaMA FSDP2 gaps to one process: loss {loss_gap:.1e}, params {param_gap:.1e}")
-    assert loss_gap < FLOOR and param_gap < 2e-6
+    loss_gap, param_gap = sgd_gaps(results, reference, start)
+    print(f"LLaMA FSDP2 gaps to one process (of float32's allowance): loss {loss_gap:.2f}, "
+          f"params {param_gap:.2f}")
+    assert loss_gap <= 1 and param_gap <= 1
 
 
 def test_bf16_mixed_precision_tracks_fp32():

@@ -12,7 +12,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -221,13 +221,13 @@ def flops_per_target_of(unit: object) -> float | None:
 # --- learning rates ---------------------------------------------------------------------------
 
 
-def lr_metrics(optimizer: Optimizer) -> dict[str, float]:
-    """``{"lr": lr of group 0}``, plus ``lr/group_{i}`` of every group when there are
-    several (a tensor learning rate is read to the host: call it at publish time)."""
-    groups = optimizer.param_groups
-    values = {"lr": float(groups[0]["lr"])}
-    if len(groups) > 1:
-        values.update({f"lr/group_{i}": float(g["lr"]) for i, g in enumerate(groups)})
+def lr_metrics(lrs: Optimizer | Sequence[float | torch.Tensor]) -> dict[str, float]:
+    """``{"lr": lr of group 0}``, plus ``lr/group_{i}`` of every group when there are several:
+    the rates given, one a group, or the optimizer's (a tensor one is read to the host)."""
+    lrs = [group["lr"] for group in lrs.param_groups] if isinstance(lrs, Optimizer) else lrs
+    values = {"lr": float(lrs[0])}
+    if len(lrs) > 1:
+        values.update({f"lr/group_{i}": float(lr) for i, lr in enumerate(lrs)})
     return values
 
 
@@ -261,15 +261,15 @@ class SystemMetrics:
             measured_matmul_peak(self.dtype)
         self._window_start = time.perf_counter()  # of the publish window's training time
 
-    def publish(self, optimizer: Optimizer, num_steps: int, num_targets: float
-                ) -> dict[str, float]:
+    def publish(self, lrs: Optimizer | Sequence[float | torch.Tensor], num_steps: int,
+                num_targets: float) -> dict[str, float]:
         """``steps_per_s`` and ``targets_per_s`` over the training time since the last
         publish (validation left out: `left_out`), then `collect`'s values; starts a new
         window."""
         now = time.perf_counter()
         elapsed, self._window_start = now - self._window_start, now
         rates = {"steps_per_s": num_steps / elapsed, "targets_per_s": num_targets / elapsed}
-        return rates | self.collect(optimizer, rates["targets_per_s"], elapsed)
+        return rates | self.collect(lrs, rates["targets_per_s"], elapsed)
 
     @contextlib.contextmanager
     def left_out(self) -> Iterator[None]:
@@ -280,15 +280,14 @@ class SystemMetrics:
         finally:
             self._window_start += time.perf_counter() - started
 
-    def collect(
-        self, optimizer: Optimizer, targets_per_s: float, elapsed_s: float | None = None
-    ) -> dict[str, float]:
-        """``lr`` (and ``lr/group_i``), ``memory_peak_gib``, ``data_wait_fraction`` over
+    def collect(self, lrs: Optimizer | Sequence[float | torch.Tensor], targets_per_s: float,
+                elapsed_s: float | None = None) -> dict[str, float]:
+        """``lr`` (and ``lr/group_i``) of `lrs`, ``memory_peak_gib``, ``data_wait_fraction`` over
         ``elapsed_s`` (the publish window) and, when the FLOPs are known, ``tflops_per_s``
         (achieved per device) and ``mfu`` (a GPU in the table) or, on a CPU,
         ``mfu_of_measured_matmul`` (against `flops.measured_matmul_peak`); starts a new
         data-wait window."""
-        values = lr_metrics(optimizer)
+        values = lr_metrics(lrs)
         values["memory_peak_gib"] = self._memory_peak_gib()
         values["data_wait_fraction"] = self.data_wait.take_fraction(elapsed_s)
         if self.flops_per_target is not None:

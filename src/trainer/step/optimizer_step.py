@@ -18,7 +18,8 @@ The rules are the same for every optimizer:
   (the scale is halved), or, under `max_consecutive_non_finite > 0`, when its loss or
   gradient is not finite — on every rank alike;
 * the LR scheduler steps on every step, skipped or not: the schedule is a function of the
-  step number, whatever the optimizer, the count type and the world size.
+  step number, whatever the optimizer, the count type and the world size. The rates a step
+  used (skipped: would have used) are kept first, `used_lrs`: the `lr` published at step N.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class OptimizerStep:
         self.fused = gradients.supports_device_skip(optimizer) and scaler is None
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.step_call = StepCall(optimizer)  # optimizer.step(), minus torch's idle wrapper
+        self.used_lrs = [group["lr"] for group in optimizer.param_groups]  # the last step's
         # Callback events around the step (set by the trainer only when a callback has one:
         # none costs nothing): before, with the norm as a device tensor; after, no argument.
         self.before_step: Callable[[Tensor], None] | None = None
@@ -126,6 +128,8 @@ class OptimizerStep:
             self.after_step()
         if self.scaler is not None:
             self.scaler.update(overflow, step_nr)
+        self.used_lrs = [lr.clone() if isinstance(lr, Tensor) else lr  # filled in place next
+                         for lr in (group["lr"] for group in self.optimizer.param_groups)]
         if self.lr_scheduler is not None:  # every step, skipped or not
             self.lr_scheduler.step()
         return outcome

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from pydantic import Field
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gangtrain.app.config.trainer_config import AdamWConfig, param_groups
 from trainer.errors import UserError
@@ -58,7 +59,10 @@ def build_optimizer(section: OptimizerConfig, model: nn.Module) -> torch.optim.O
     common = {"lr": section.lr, "weight_decay": section.weight_decay, "betas": section.betas,
               "eps": section.eps, "momentum": section.momentum}
     if section.name in _FUSED:
-        common["fused"] = section.fused
+        # torch has no DTensor rule for fused SGD (aten._fused_sgd_): sharded or TP
+        # parameters (FSDP2, DTensor TP) step with its foreach kernel instead.
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        common["fused"] = section.fused and not (section.name == "SGD" and sharded)
     if section.momentum and "momentum" not in takes:
         raise UserError(f"config 'optimizer.momentum' is set, but torch.optim.{section.name} "
                         "takes no momentum")

@@ -119,6 +119,14 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh,
             f"{pattern!r}, which gangtrain does not apply (supported: {sorted(STYLES)}); "
             f"train it with tp_size 1{instead}"
         )
+    experts = [name for name, _ in experts_modules(model)]
+    if experts and not any(_matches(pattern, name) for pattern in plan for name in experts):
+        # A plan that names no experts module (transformers >= 5.2's MoE plans name the dense
+        # MLP's projections) would leave the experts whole on every TP rank: refused.
+        raise UserError(
+            f"{type(model).__name__}'s tensor-parallel plan does not split its stacked experts "
+            f"({experts[0]}, ...): train it with tp_size 1 and split its experts with "
+            "gangs.ep_size")
     holders = _holders_of_tied(model)
 
     def split(base: nn.Module) -> None:
@@ -174,3 +182,9 @@ def _check_heads_divide(model: nn.Module, tp_size: int) -> None:
                 f"{type(model).__name__}: config.{field} = {heads} is not divisible by the "
                 f"tensor-parallel size {tp_size}; choose a tp_size that divides it"
             )
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether a plan's module pattern (`*` for one name part) names module `name`."""
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names))

@@ -13,10 +13,17 @@ embedding last). The gradient is equal to the dense sum up to the order of float
 Only for a tied embedding of a model that is neither wrapped nor sharded, since the rows
 reach the gradient after autograd's accumulation, past DDP's and FSDP2's hooks on it; and
 not with `max_norm` or `scale_grad_by_freq` (whose rows are not the output's gradient).
+
+The rows are the weight's gradient only where the output is the weight's rows as they are:
+the module's forward must be `nn.Embedding.forward` itself and nothing hooked on it. An
+embedding with its own forward (Gemma's `*ScaledWordEmbedding` multiplies by `embed_scale`:
+its weight's gradient is the output's times that factor) is refused by name, in a log line,
+and keeps autograd's own path.
 """
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any
 
@@ -25,6 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 __all__ = ["add_tied_embedding_rows_in_place"]
+
+log = logging.getLogger("gangtrain")
 
 
 def add_tied_embedding_rows_in_place(model: nn.Module) -> bool:
@@ -37,12 +46,35 @@ def add_tied_embedding_rows_in_place(model: nn.Module) -> bool:
     embedding, head = inputs(), outputs()
     if not isinstance(embedding, nn.Embedding) or head is None \
             or getattr(head, "weight", None) is not embedding.weight \
-            or isinstance(embedding.weight, DTensor) or not embedding.weight.requires_grad \
-            or embedding.max_norm is not None or embedding.scale_grad_by_freq:
+            or isinstance(embedding.weight, DTensor) or not embedding.weight.requires_grad:
+        return False  # not a tied embedding this applies to: nothing to say
+    reason = _not_the_plain_embedding(embedding)
+    if reason is not None:
+        log.info("tied embedding %s: its gradient stays autograd's (%s)",
+                 type(embedding).__name__, reason)
         return False
     embedding.register_forward_hook(_rows_leave_the_graph)
     embedding.adds_rows_into_gradient = True  # for tests and the curious
     return True
+
+
+def _not_the_plain_embedding(embedding: nn.Embedding) -> str | None:
+    """Why the output's gradient rows may not be the weight's gradient, or None when the
+    forward is `F.embedding` of the weight alone."""
+    if type(embedding).forward is not nn.Embedding.forward:
+        return f"its forward is {type(embedding).__qualname__}'s own, not nn.Embedding's"
+    if embedding.max_norm is not None or embedding.scale_grad_by_freq:
+        return "max_norm or scale_grad_by_freq: its rows are not the output's gradient"
+    if "forward" in vars(embedding):
+        return "its forward is replaced on the instance"
+    hooks = [name for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+                               "_backward_pre_hooks") if getattr(embedding, name, None)]
+    if hooks:  # a hook may change what the output is, or see its gradient
+        return f"hooks on it ({', '.join(hooks)})"
+    if type(embedding.weight) is not nn.Parameter \
+            or getattr(embedding, "parametrizations", None) is not None:
+        return "its weight is not a plain parameter"
+    return None
 
 
 def _rows_leave_the_graph(module: nn.Embedding, args: tuple[Any, ...],
