@@ -74,7 +74,7 @@ def prepare(base: Path, families: tuple[str, ...], conversations: int = 48) -> d
     ChatML tokenizer's) and the chat data, under `base`."""
     from transformers import AutoTokenizer
 
-    from recipes.sft.tiny import make_tiny_chat_model, write_chat_data
+    from gangtrain.tiny.chat import make_tiny_chat_model, write_chat_data
 
     tokenizer = AutoTokenizer.from_pretrained(
         make_tiny_chat_model(base / "tokenizer", hidden_size=8, num_layers=1))

@@ -94,16 +94,18 @@ def finish(procs: dict[str, subprocess.Popen], out: Path, failure: bool = False)
 
 
 def run_groups(out: Path, model: Path, chat: Path, steps: int, kill: int | None = None,
-               kill_at: int = 0, hold_at: int = 0) -> float:
+               kill_at: int = 0, hold_at: int = 0, hold: bool = True) -> float:
     """Three SFT groups; group `kill` (when given) SIGKILLed at step `kill_at` and started
-    again with the same command once a healthy group trained on to `hold_at`. Returns the
-    wall time; asserts every process (the restarted one included) exits 0."""
+    again with the same command once a healthy group trained on to `hold_at` (where they
+    wait for it; not with `hold=False`: they train on, to the end if `hold_at` is the last
+    step). Returns the wall time; asserts every process (the restarted one included) exits 0."""
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     probes = {i: {"replica_id": i} for i in range(3)}
     if kill is not None:
         for i in range(3):
-            probes[i].update({"kill_at": kill_at} if i == kill else {"hold_at": hold_at})
+            probes[i].update({"kill_at": kill_at} if i == kill else
+                             {"hold_at": hold_at} if hold else {})
     procs = {f"g{i}": start(sft_command(out, model, chat, i, steps, probes[i]),
                             out / f"g{i}.log") for i in range(3)}
     if kill is not None:
@@ -141,6 +143,6 @@ def steps_done_again(out: Path, replica_id: int) -> int:
 
 
 def make_tiny_sft(base: Path) -> tuple[Path, Path]:
-    from recipes.sft.tiny import make_tiny_chat_model, write_chat_data
+    from gangtrain.tiny.chat import make_tiny_chat_model, write_chat_data
 
     return make_tiny_chat_model(base / "model"), write_chat_data(base / "chat.jsonl", 300)

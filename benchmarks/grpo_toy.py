@@ -1,6 +1,6 @@
 """The toy task of docs/grpo.md, end to end through the recipes' command lines: a tiny chat
-model (`recipes.sft.tiny`, ``--hidden`` x ``--layers``) briefly SFT-trained on one-turn
-arithmetic (`recipes.grpo.tiny.write_sft_data`), then GRPO with the exact-match reward on
+model (`gangtrain.tiny.chat`, ``--hidden`` x ``--layers``) briefly SFT-trained on one-turn
+arithmetic (`gangtrain.tiny.prompts.write_sft_data`), then GRPO with the exact-match reward on
 other prompts; validation on held-out prompts generates one greedy completion each, so
 ``valid/reward`` is the greedy held-out accuracy.
 
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
-    from recipes.grpo.tiny import make_tiny_chat_model, write_prompts, write_sft_data
+    from gangtrain.tiny.prompts import make_tiny_chat_model, write_prompts, write_sft_data
 
     work = args.work or Path(tempfile.mkdtemp(prefix="grpo_toy_"))
     model = make_tiny_chat_model(work / "model", hidden_size=args.hidden, num_layers=args.layers)
@@ -63,7 +63,7 @@ def main() -> None:
     grpo_s = run("recipes.grpo", work / "grpo", "--overwrite", "--preset", "tiny",
                  "--set", f"model.path={work / 'sft' / 'hf'}", "--set", f"data.files=[{train}]",
                  "--set", f"data.valid_files=[{valid}]",
-                 "--set", 'rewards=["recipes.grpo.tiny:exact_match"]',
+                 "--set", 'rewards=["gangtrain.tiny.prompts:exact_match"]',
                  "--set", f"data.batch_size={args.batch}", "--set", "data.valid_batch_size=64",
                  "--set", f"generation.num_generations={args.generations}",
                  "--set", "generation.max_new_tokens=16", "--set", f"optimizer.lr={args.lr}",

@@ -11,11 +11,11 @@ process's peak RSS, the loss and gradient norm of step 1, and the mean reward pe
 curve). Then the ratios, ours over TRL (medians over rounds; the order of the two alternates
 from round to round, so a machine whose load drifts favours neither).
 
-Settings on both sides: a tiny ChatML Llama (`recipes.sft.tiny`, or ``--model``), float32 on
+Settings on both sides: a tiny ChatML Llama (`gangtrain.tiny.chat`, or ``--model``), float32 on
 the CPU, one intra-op thread, TRL's bf16 and gradient checkpointing off, AdamW at a constant
 learning rate of 1e-3 (no warm-up, no decay, no clipping), ``--batch`` completions a step in
 one micro-batch (TRL: per_device_train_batch_size, steps_per_generation 1), ``--generations``
-a prompt, temperature 1, beta 0, num_iterations 1, the reward `recipes.grpo.tiny:low_tokens`
+a prompt, temperature 1, beta 0, num_iterations 1, the reward `gangtrain.tiny.prompts:low_tokens`
 (varies among a random model's completions). Sampling cannot be matched across the two
 (TRL samples with the process RNG), so curves are compared, not values; we do not write
 rollouts here (`generation.write_rollouts=false`) since TRL writes none.
@@ -52,7 +52,7 @@ def ours(work: Path, args: argparse.Namespace) -> dict[str, object]:
     out = work / "ours"
     code = cli([str(out), "--overwrite", "--preset", "tiny", "--set", f"model.path={args.model}",
                 "--set", f"data.files=[{work / 'train.jsonl'}]",
-                "--set", 'rewards=["recipes.grpo.tiny:low_tokens"]',
+                "--set", 'rewards=["gangtrain.tiny.prompts:low_tokens"]',
                 "--set", f"data.batch_size={args.batch}",
                 "--set", f"generation.num_generations={args.generations}",
                 "--set", f"generation.max_new_tokens={args.max_new_tokens}",
@@ -79,7 +79,7 @@ def trl(work: Path, args: argparse.Namespace) -> dict[str, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from recipes.grpo.tiny import low_tokens
+    from gangtrain.tiny.prompts import low_tokens
 
     times: list[float] = []
 
@@ -160,7 +160,7 @@ def main() -> None:
     except ImportError:
         raise SystemExit("trl is not installed: pip install trl (the comparison needs it)") \
             from None
-    from recipes.grpo.tiny import make_tiny_chat_model, write_prompts
+    from gangtrain.tiny.prompts import make_tiny_chat_model, write_prompts
 
     work = Path(tempfile.mkdtemp(prefix="grpo_bench_"))
     if args.model is None:

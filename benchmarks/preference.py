@@ -11,10 +11,10 @@ there: ln 2 for both) and the evaluation before training of the same held-out pa
 over TRL. A third process per round, ours with LoRA (`lora.r=8`: the reference is the base
 with its adapters disabled, no copy), shows what the frozen copy costs in peak memory.
 
-Settings on both sides: a tiny ChatML Llama (`recipes.sft.tiny`) of ``--hidden`` x
+Settings on both sides: a tiny ChatML Llama (`gangtrain.tiny.chat`) of ``--hidden`` x
 ``--layers``, float32 on the CPU, one intra-op thread, AdamW at a constant learning rate of
 1e-4 (no warm-up, no decay, no clipping), DPO with beta 0.1, max_length 128, ``--batch``
-pairs a step (one micro-batch), conversational pairs (`recipes.preference.tiny`). TRL scores
+pairs a step (one micro-batch), conversational pairs (`gangtrain.tiny.pairs`). TRL scores
 the newline the template puts after each answer's `<|im_end|>` (it tokenises the rendered
 text after the prompt); we score the assistant turn through `<|im_end|>`, as SFT does, so
 logps differ by that token.
@@ -151,7 +151,7 @@ def main() -> None:
     except ImportError:
         raise SystemExit("trl is not installed: pip install trl (the comparison needs it)") \
             from None
-    from recipes.preference.tiny import make_tiny_chat_model, write_pair_data
+    from gangtrain.tiny.pairs import make_tiny_chat_model, write_pair_data
 
     work = Path(tempfile.mkdtemp(prefix="preference_bench_"))
     make_tiny_chat_model(work / "model", hidden_size=args.hidden, num_layers=args.layers)

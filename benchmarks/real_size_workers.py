@@ -82,7 +82,7 @@ def make_inputs(work: Path, shape: dict[str, int], seq_len: int, dtype: str) -> 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from recipes.sft.tiny import make_tiny_chat_model
+    from gangtrain.tiny.chat import make_tiny_chat_model
 
     tiny = make_tiny_chat_model(work / "tokenizer_source")
     model_dir = work / "model"

@@ -42,7 +42,7 @@ import torch
 from gangtrain.data.example_packing import best_fit_decreasing
 from gangtrain.data.sft import tokenize_files
 from gangtrain.data.token_batches import BinReader, plan_bins
-from recipes.sft.tiny import chat_conversations, make_tiny_chat_model
+from gangtrain.tiny.chat import chat_conversations, make_tiny_chat_model
 from units.causal_lm import CausalLMUnit
 from units.metrics import MetricBag
 

@@ -4,7 +4,7 @@ carries it into the weights).
 
     .venv/bin/python -m benchmarks.sft_layouts [--steps 60] [--layouts ddp,fsdp2,tp2]
 
-Makes the tiny chat model and data (`recipes.sft.tiny`), runs `python -m recipes.sft` with
+Makes the tiny chat model and data (`gangtrain.tiny.chat`), runs `python -m recipes.sft` with
 the tiny preset (fp32, clipping at norm 1) for ``--steps`` steps, publishing every step, in
 one process, then under torchrun on 2 ranks per layout, and prints, per layout, the largest
 relative gap to one process of the train loss, the gradient norm and the valid loss.
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
-    from recipes.sft.tiny import make_tiny_chat_model, write_chat_data
+    from gangtrain.tiny.chat import make_tiny_chat_model, write_chat_data
 
     base = Path(tempfile.mkdtemp(prefix="sft_layouts_"))
     model, chat = make_tiny_chat_model(base / "model"), write_chat_data(base / "chat.jsonl", 600)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from recipe_runs import REPO, TIMEOUT_S, describe
 
-from recipes.preference.tiny import write_pair_data
-from recipes.sft.tiny import make_tiny_chat_model, write_chat_data
+from gangtrain.tiny.chat import make_tiny_chat_model, write_chat_data
+from gangtrain.tiny.pairs import write_pair_data
 
 SHADOWS = ("data.py", "layers.py", "parallel.py", "utils.py", "config.py",
            "models/__init__.py")

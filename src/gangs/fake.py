@@ -44,6 +44,9 @@ class FakeGang(Gang):
     def broadcast_objects(self, objects: list[Any], source_rank: int = 0) -> None:
         _check_rank(source_rank, self.size)
 
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        return [obj for _ in range(self.size)]  # every imagined rank holds the same
+
     def all_to_all(
         self,
         output: torch.Tensor,

@@ -50,6 +50,11 @@ class Gang(ABC):
         """Replace the items of `objects` with those of `source_rank` (picklable objects)."""
 
     @abstractmethod
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), by rank, on every rank: host objects of any size
+        (e.g. records to write), pickled through the gang's device."""
+
+    @abstractmethod
     def all_to_all(
         self,
         output: torch.Tensor,

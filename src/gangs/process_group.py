@@ -65,6 +65,14 @@ class ProcessGroupGang(Gang):
                 objects, group=self._group, group_src=source_rank, device=self.device
             )
 
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        with _as_gang_error("all_gather_objects"):
+            if self.device.type == "cuda":  # the objects travel over NCCL from this device
+                torch.cuda.set_device(self.device)
+            dist.all_gather_object(out, obj, group=self._group)
+        return out
+
     def all_to_all(
         self,
         output: torch.Tensor,

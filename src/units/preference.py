@@ -21,6 +21,9 @@ plus ``rpo_alpha * (-avg_c)`` when `rpo_alpha` is set (an SFT term on the chosen
 ORPO's and the RPO term's NLL is per pair here (TRL takes the mean over the batch's
 chosen tokens), so that the loss is a sum over pairs.
 
+Each kind is a class owning its settings (`PREFERENCE_LOSS_KINDS`; `PreferenceLossSettings`,
+the union a config's ``loss:`` section is); `PreferenceLoss(kind, ...)` builds one by name.
+
 Metrics, under TRL's names, means over pairs summed exactly over DP (`MetricBag` totals):
 ``rewards/chosen`` ``beta (pi_c - ref_c)`` (simpo, orpo: ``beta avg_c``), ``rewards/rejected``,
 ``rewards/margins`` (chosen - rejected), ``rewards/accuracies`` (share of pairs whose chosen
@@ -34,11 +37,11 @@ policy with LoRA adapters and no copy given, the policy itself with its adapters
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 from torch import Tensor, nn
 
 from gangtrain.data.collate import IGNORE_INDEX
@@ -57,45 +60,187 @@ from units.reference import ReferenceModel
 from units.shared_prompt import shared_prompt_length, shared_prompt_logps
 from units.unit import EvalUnit, TrainUnit
 
-__all__ = ["PreferenceEvalUnit", "PreferenceLoss", "PreferenceUnit", "pair_losses",
-           "side_logps"]
+__all__ = ["DPOLoss", "IPOLoss", "ORPOLoss", "PREFERENCE_LOSS_KINDS", "PreferenceEvalUnit",
+           "PreferenceLoss", "PreferenceLossKind", "PreferenceLossSettings", "PreferenceUnit",
+           "SimPOLoss", "pair_losses", "side_logps"]
 
-LossKind = Literal["dpo", "ipo", "simpo", "orpo"]
-REFERENCE_FREE = ("simpo", "orpo")
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
            "rewards/margins", "logps/chosen", "logps/rejected")
 
 
-@dataclass(frozen=True)
-class PreferenceLoss:
-    """Which loss and its settings (TRL's names and defaults)."""
+class PreferenceLossKind(BaseModel):
+    """What every preference loss kind shares: its settings (TRL's names and defaults,
+    validated by pydantic: a bad value is an error naming the field), whether it needs the
+    reference model, and how a batch becomes ``(summed loss, num_targets)`` (`batch_loss`:
+    for the paired kinds, from the rows' log-probabilities through `pair_loss`). A new kind
+    is one subclass with its own ``kind`` literal and its entry in `PREFERENCE_LOSS_KINDS`
+    and `PreferenceLossSettings`; an unpaired one (KTO) overrides `batch_loss`, which is
+    handed the scorer (`_Pairs`: `policy_logps`, `reference_logps`)."""
 
-    kind: LossKind = "dpo"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str
+    beta: PositiveFloat = 0.1
+    """The loss's temperature (TRL's beta)."""
     rpo_alpha: float | None = None
+    """Weight of an NLL term on the chosen answer (per token, per pair); None: none."""
 
-    def __post_init__(self) -> None:
-        if self.kind not in ("dpo", "ipo", "simpo", "orpo"):
-            raise ValueError(f"loss.kind {self.kind!r}: one of dpo, ipo, simpo, orpo")
-        if not self.beta > 0:
-            raise ValueError(f"loss.beta must be positive, got {self.beta}")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"loss.label_smoothing must be in [0, 0.5), got "
-                             f"{self.label_smoothing}")
-        if self.label_smoothing and self.kind not in ("dpo", "simpo"):
-            raise ValueError(f"loss.label_smoothing applies to dpo and simpo, not "
-                             f"{self.kind}: leave it 0")
+    needs_reference: ClassVar[bool] = True
+    averages: ClassVar[bool] = True
+    """Whether the loss takes log-probabilities averaged per answer token."""
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.kind not in REFERENCE_FREE
+    def __getattr__(self, name: str) -> Any:
+        # The former dataclass had every kind's settings: a kind that does not own one
+        # reads as its former default (code written against that still runs).
+        if name in _FORMER_DEFAULTS:
+            return _FORMER_DEFAULTS[name]
+        return super().__getattr__(name)  # type: ignore[misc]
 
-    @property
-    def averages(self) -> bool:
-        """Whether the loss takes log-probabilities averaged per answer token."""
-        return self.kind != "dpo"
+    def pair_loss(self, pi_c: Tensor, pi_r: Tensor, ref_c: Tensor | None,
+                  ref_r: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """(loss of each pair, chosen reward, rejected reward) from the sides' log-probs
+        (averaged per token where `averages`) and the reference's (None where not needed)."""
+        raise NotImplementedError
+
+    def losses(self, policy: Tensor, counts: Tensor, reference: Tensor | None
+               ) -> tuple[Tensor, dict[str, Tensor]]:
+        """(loss of each pair [n], the per-pair metrics of the module docstring [n] each)
+        from the rows' summed log-probabilities ``policy`` [2n] (chosen rows first), their
+        answer token counts [2n] and the reference's [2n] (None where not needed)."""
+        n = policy.shape[0] // 2
+        average = policy / counts.clamp(min=1)
+        logps = average if self.averages else policy
+        pi_c, pi_r = logps[:n], logps[n:]
+        ref_c = ref_r = None
+        if self.needs_reference:
+            assert reference is not None
+            ref = reference / counts.clamp(min=1) if self.averages else reference
+            ref_c, ref_r = ref[:n], ref[n:]
+        loss, reward_c, reward_r = self.pair_loss(pi_c, pi_r, ref_c, ref_r)
+        if self.rpo_alpha is not None:
+            loss = loss - self.rpo_alpha * average[:n]
+        metrics = {"rewards/chosen": reward_c, "rewards/rejected": reward_r,
+                   "rewards/margins": reward_c - reward_r,
+                   "rewards/accuracies": (reward_c > reward_r).to(loss.dtype),
+                   "logps/chosen": pi_c, "logps/rejected": pi_r}
+        return loss, {k: v.detach() for k, v in metrics.items()}
+
+    def batch_loss(self, scorer: _Pairs, batch: LMBatch, metrics: MetricBag,
+                   prefix: str = "") -> tuple[Tensor, int]:
+        """(the summed loss of the batch's pairs, the number of pairs); the metrics recorded
+        as totals over them under ``prefix``."""
+        reference = scorer.reference_logps(batch) if self.needs_reference else None
+        policy, counts = scorer.policy_logps(batch)
+        losses, values = self.losses(policy, counts, reference)
+        num_pairs = losses.shape[0]
+        for name, value in values.items():
+            metrics.update_total(prefix + name, value.sum(), num_pairs)
+        return losses.sum(), num_pairs
+
+
+def _sigmoid_loss(x: Tensor, smooth: float) -> Tensor:
+    return -(1 - smooth) * F.logsigmoid(x) - smooth * F.logsigmoid(-x)
+
+
+class DPOLoss(PreferenceLossKind):
+    """``dpo``: ``-(1-s) log sig(beta h) - s log sig(-beta h)``, summed log-probs."""
+
+    kind: Literal["dpo"] = "dpo"
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    """Conservative DPO: the share of pairs assumed flipped."""
+    averages: ClassVar[bool] = False
+
+    def pair_loss(self, pi_c: Tensor, pi_r: Tensor, ref_c: Tensor | None,
+                  ref_r: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        assert ref_c is not None and ref_r is not None
+        h = (pi_c - ref_c) - (pi_r - ref_r)
+        return (_sigmoid_loss(self.beta * h, self.label_smoothing),
+                self.beta * (pi_c - ref_c), self.beta * (pi_r - ref_r))
+
+
+class IPOLoss(PreferenceLossKind):
+    """``ipo``: ``(h' - 1/(2 beta))^2`` with averaged log-probs."""
+
+    kind: Literal["ipo"] = "ipo"
+
+    def pair_loss(self, pi_c: Tensor, pi_r: Tensor, ref_c: Tensor | None,
+                  ref_r: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        assert ref_c is not None and ref_r is not None
+        h = (pi_c - ref_c) - (pi_r - ref_r)
+        return ((h - 1 / (2 * self.beta)) ** 2, self.beta * (pi_c - ref_c),
+                self.beta * (pi_r - ref_r))
+
+
+class SimPOLoss(PreferenceLossKind):
+    """``simpo``: reference-free, ``g = avg_c - avg_r - gamma/beta`` through DPO's sigmoid."""
+
+    kind: Literal["simpo"] = "simpo"
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    """The share of pairs assumed flipped."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin."""
+    needs_reference: ClassVar[bool] = False
+
+    def pair_loss(self, pi_c: Tensor, pi_r: Tensor, ref_c: Tensor | None,
+                  ref_r: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        g = pi_c - pi_r - self.simpo_gamma / self.beta
+        return (_sigmoid_loss(self.beta * g, self.label_smoothing), self.beta * pi_c,
+                self.beta * pi_r)
+
+
+class ORPOLoss(PreferenceLossKind):
+    """``orpo``: reference-free, ``-avg_c - beta log sig(log odds_c - log odds_r)``."""
+
+    kind: Literal["orpo"] = "orpo"
+    needs_reference: ClassVar[bool] = False
+
+    def pair_loss(self, pi_c: Tensor, pi_r: Tensor, ref_c: Tensor | None,
+                  ref_r: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        # log odds = avg - log(1 - exp(avg))
+        log_odds = (pi_c - pi_r) - (torch.log1p(-torch.exp(pi_c))
+                                    - torch.log1p(-torch.exp(pi_r)))
+        return -pi_c - self.beta * F.logsigmoid(log_odds), self.beta * pi_c, self.beta * pi_r
+
+
+PREFERENCE_LOSS_KINDS: dict[str, type[PreferenceLossKind]] = {
+    "dpo": DPOLoss, "ipo": IPOLoss, "simpo": SimPOLoss, "orpo": ORPOLoss}
+"""Each kind's class by its name (``loss.kind``)."""
+
+PreferenceLossSettings = Annotated[Union[DPOLoss, IPOLoss, SimPOLoss, ORPOLoss],
+                                   Field(discriminator="kind")]
+"""A config's ``loss:`` section: one kind's settings, picked by ``kind``."""
+
+LossKind = Literal["dpo", "ipo", "simpo", "orpo"]
+REFERENCE_FREE = tuple(k for k, c in PREFERENCE_LOSS_KINDS.items() if not c.needs_reference)
+
+_POSITIONAL = ("beta", "label_smoothing", "simpo_gamma", "rpo_alpha")
+_FORMER_DEFAULTS = {"label_smoothing": 0.0, "simpo_gamma": 0.5}
+
+
+def PreferenceLoss(kind: str = "dpo", *args: Any, **settings: Any  # noqa: N802
+                   ) -> PreferenceLossKind:
+    """The loss of `kind` with `settings` (the former dataclass's signature and order: beta,
+    label_smoothing, simpo_gamma, rpo_alpha). A setting another kind owns is dropped at its
+    former default and refused otherwise; a bad value raises pydantic's `ValidationError`
+    (a `ValueError`) naming the field."""
+    if len(args) > len(_POSITIONAL):
+        raise TypeError(f"PreferenceLoss takes at most {len(_POSITIONAL) + 1} positional "
+                        "arguments")
+    for name, value in zip(_POSITIONAL, args, strict=False):
+        if name in settings:
+            raise TypeError(f"PreferenceLoss got two values for {name!r}")
+        settings[name] = value
+    cls = PREFERENCE_LOSS_KINDS.get(kind)
+    if cls is None:
+        raise ValueError(f"loss.kind {kind!r}: one of {', '.join(PREFERENCE_LOSS_KINDS)}")
+    for name, default in _FORMER_DEFAULTS.items():
+        if name in settings and name not in cls.model_fields:
+            if settings[name] != default:
+                owners = [k for k, c in PREFERENCE_LOSS_KINDS.items() if name in c.model_fields]
+                raise ValueError(f"loss.{name} applies to {' and '.join(owners)}, not {kind}: "
+                                 f"leave it {default}")
+            del settings[name]
+    return cls(**settings)
 
 
 def side_logps(model: nn.Module, batch: LMBatch, use_cache_keyword: bool = False
@@ -124,47 +269,17 @@ def side_logps(model: nn.Module, batch: LMBatch, use_cache_keyword: bool = False
     return -nll.view(targets.shape).sum(-1), (targets != IGNORE_INDEX).sum(-1)
 
 
-def pair_losses(config: PreferenceLoss, policy: Tensor, counts: Tensor,
+def pair_losses(config: PreferenceLossKind, policy: Tensor, counts: Tensor,
                 reference: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-    """(loss of each pair [n], the per-pair metrics of the module docstring [n] each) from
-    the rows' summed log-probabilities ``policy`` [2n] (chosen rows first), their answer
-    token counts [2n] and the reference's [2n] (None for simpo and orpo)."""
-    n = policy.shape[0] // 2
-    average = policy / counts.clamp(min=1)
-    logps = average if config.averages else policy
-    pi_c, pi_r = logps[:n], logps[n:]
-    beta, smooth = config.beta, config.label_smoothing
-    if config.needs_reference:
-        assert reference is not None
-        ref = reference / counts.clamp(min=1) if config.averages else reference
-        reward_c, reward_r = beta * (pi_c - ref[:n]), beta * (pi_r - ref[n:])
-        h = (pi_c - ref[:n]) - (pi_r - ref[n:])
-        if config.kind == "dpo":
-            loss = -(1 - smooth) * F.logsigmoid(beta * h) - smooth * F.logsigmoid(-beta * h)
-        else:  # ipo
-            loss = (h - 1 / (2 * beta)) ** 2
-    else:
-        reward_c, reward_r = beta * pi_c, beta * pi_r
-        if config.kind == "simpo":
-            g = pi_c - pi_r - config.simpo_gamma / beta
-            loss = -(1 - smooth) * F.logsigmoid(beta * g) - smooth * F.logsigmoid(-beta * g)
-        else:  # orpo: log odds = avg - log(1 - exp(avg))
-            log_odds = (pi_c - pi_r) - (torch.log1p(-torch.exp(pi_c))
-                                        - torch.log1p(-torch.exp(pi_r)))
-            loss = -pi_c - beta * F.logsigmoid(log_odds)
-    if config.rpo_alpha is not None:
-        loss = loss - config.rpo_alpha * average[:n]
-    metrics = {"rewards/chosen": reward_c, "rewards/rejected": reward_r,
-               "rewards/margins": reward_c - reward_r,
-               "rewards/accuracies": (reward_c > reward_r).to(loss.dtype),
-               "logps/chosen": pi_c, "logps/rejected": pi_r}
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    """``config.losses(policy, counts, reference)`` (the former function)."""
+    return config.losses(policy, counts, reference)
 
 
 class _Pairs:
-    """What the train and eval units share: the policy, the reference, the loss."""
+    """What the train and eval units share: the policy, the reference, the loss kind (which
+    turns a batch into its loss through `policy_logps` and `reference_logps`)."""
 
-    def __init__(self, model: nn.Module, config: PreferenceLoss,
+    def __init__(self, model: nn.Module, config: PreferenceLossKind,
                  reference: nn.Module | None) -> None:
         self._model = model
         self.config = config
@@ -177,21 +292,19 @@ class _Pairs:
     def model(self) -> nn.Module:
         return self._model
 
-    def _reference_logps(self, batch: LMBatch) -> Tensor | None:
+    def policy_logps(self, batch: LMBatch) -> tuple[Tensor, Tensor]:
+        """`side_logps` of the policy: (summed log-probs [rows], answer token counts)."""
+        return side_logps(self._model, batch, self._use_cache_keyword)
+
+    def reference_logps(self, batch: LMBatch) -> Tensor | None:
+        """The reference's summed log-probs [rows], without gradient (None: no reference)."""
         if self._reference is None:
             return None
         with self._reference.scoring() as model:
             return side_logps(model, batch, self._use_cache_keyword)[0]
 
     def _pairs(self, batch: LMBatch, metrics: MetricBag, prefix: str = "") -> Tensor:
-        """The summed loss of the batch's pairs; the metrics recorded as totals over them."""
-        reference = self._reference_logps(batch)
-        policy, counts = side_logps(self._model, batch, self._use_cache_keyword)
-        losses, values = pair_losses(self.config, policy, counts, reference)
-        num_pairs = losses.shape[0]
-        for name, value in values.items():
-            metrics.update_total(prefix + name, value.sum(), num_pairs)
-        return losses.sum()
+        return self.config.batch_loss(self, batch, metrics, prefix)[0]
 
 
 class PreferenceUnit(_Pairs, TrainUnit[LMBatch]):
@@ -199,13 +312,12 @@ class PreferenceUnit(_Pairs, TrainUnit[LMBatch]):
     mean loss per pair. ``reference``: a frozen copy of the pretrained policy, laid out like
     it (None: the policy with its LoRA adapters disabled; unused by simpo and orpo)."""
 
-    def __init__(self, model: nn.Module, config: PreferenceLoss | None = None,
+    def __init__(self, model: nn.Module, config: PreferenceLossKind | None = None,
                  reference: nn.Module | None = None) -> None:
         super().__init__(model, config or PreferenceLoss(), reference)
 
     def __call__(self, batch: LMBatch, metrics: MetricBag) -> tuple[Tensor, int]:
-        loss = self._pairs(batch, metrics)
-        return loss, batch["input_ids"].shape[0] // 2
+        return self.config.batch_loss(self, batch, metrics)
 
 
 class PreferenceEvalUnit(_Pairs, EvalUnit[LMBatch]):
@@ -216,7 +328,7 @@ class PreferenceEvalUnit(_Pairs, EvalUnit[LMBatch]):
     higher_better_metrics = HIGHER_BETTER_METRICS | {"rewards/accuracies", "rewards/margins",
                                                      "rewards/chosen"}
 
-    def __init__(self, model: nn.Module, config: PreferenceLoss | None = None,
+    def __init__(self, model: nn.Module, config: PreferenceLossKind | None = None,
                  reference: nn.Module | None = None, name: str = "valid") -> None:
         super().__init__(model, config or PreferenceLoss(), reference)
         self.name = name
@@ -225,5 +337,5 @@ class PreferenceEvalUnit(_Pairs, EvalUnit[LMBatch]):
         # The Trainer validates under inference_mode; tensors made there (FSDP2's unsharded
         # root parameters, kept after forward) would then be refused by the next backward.
         with torch.inference_mode(False), torch.no_grad():
-            loss = self._pairs(batch, metrics)
-        metrics.update_total("loss", loss, batch["input_ids"].shape[0] // 2)
+            loss, count = self.config.batch_loss(self, batch, metrics)
+        metrics.update_total("loss", loss, count)

@@ -47,6 +47,14 @@ class TrainUnit(ABC, Generic[BatchT]):
     def set_step_nr(self, step_nr: int) -> None:  # noqa: B027  (optional hook)
         """Called before each step with the step number about to run (1-based)."""
 
+    def set_micro_batch(self, index: int, num_micro_batches: int) -> None:  # noqa: B027
+        """Optional hook: called before each micro-batch's forward with its place in the
+        step (``index`` 0-based; the step ends after ``num_micro_batches - 1``, fewer than
+        ``num_accumulate`` at a short last step): how a unit knows where optimizer steps fall
+        without a copy of the Trainer's accumulation. Not called where a unit does not
+        override it (no cost), nor by a pipeline schedule (its stages run the micro-batches
+        interleaved)."""
+
     def derive_metrics(self, values: dict[str, float]) -> None:  # noqa: B027
         """Add metrics computed from the synced ones (e.g. perplexity from loss), in place."""
 

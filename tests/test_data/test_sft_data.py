@@ -20,7 +20,7 @@ from gangtrain.data.formats import Fields
 from gangtrain.data.mixing import hold_out, mix
 from gangtrain.data.sft import plan_examples, tokenize_files
 from gangtrain.data.token_batches import BinReader, plan_bins
-from recipes.sft.tiny import make_tiny_chat_model
+from gangtrain.tiny.chat import make_tiny_chat_model
 from trainer.errors import UserError
 
 

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gangtrain.data.sft import RECORDS_PER_PROCESS, tokenize_files, tokenizing_processes
-from recipes.sft.tiny import chat_conversations, make_tiny_chat_model
+from gangtrain.tiny.chat import chat_conversations, make_tiny_chat_model
 
 
 def test_default_processes_follow_cores_and_records():

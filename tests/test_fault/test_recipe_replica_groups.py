@@ -5,11 +5,13 @@ Without a failure they equal one process (1e-5) and a second identical run (bit 
 With group 0 (the local lighthouse's owner) SIGKILLed mid-run and started again with the
 same command, the others train on without exiting, every group exits 0, all end with the
 same weights bit for bit, and every committed step trained its global batch once: the rows
-of the three groups' shares together are the one process's rows of that step."""
+of the three groups' shares together are the one process's rows of that step. A group
+restarted after the others reached the end (no hold) recovers their final model: bit-equal."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -95,7 +97,7 @@ def test_group_0_killed_and_restarted_the_others_train_on_and_all_end_the_same(c
     final = {i: weights(out, f"g{i}") for i in range(3)}
     for name, value in final[0].items():
         assert torch.equal(final[1][name], value) and torch.equal(final[2][name], value), name
-    assert "recovered live from a peer" in (out / "g0.log").read_text()
+    assert "recovered live from replica group" in (out / "g0.log").read_text()
     # Every committed step trained its global batch once: the one process's rows.
     reference, got = committed_rows(clean / "one"), committed_rows(out)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -104,3 +106,17 @@ def test_group_0_killed_and_restarted_the_others_train_on_and_all_end_the_same(c
     # The same batches committed: within rounding of the run without the failure.
     clean_run = weights(clean / "a", "g0")
     assert max(float((final[0][k] - v).abs().max()) for k, v in clean_run.items()) < 1e-5
+
+
+def test_a_group_restarted_after_the_others_finished_recovers_their_final_model(tiny, tmp_path):
+    """Group 1 SIGKILLed at step 2 of 4 and started again once the others trained to the end,
+    without holding them: they serve their final state until it has it (it does not retrain
+    alone from the initial model), and all end bit-equal."""
+    out = tmp_path / "late"
+    run_groups(out, *tiny, 4, kill=1, kill_at=2, hold_at=4, hold=False)
+    final = {i: weights(out, f"g{i}") for i in range(3)}
+    for name, value in final[0].items():
+        assert torch.equal(final[1][name], value) and torch.equal(final[2][name], value), name
+    recovered = r"recovered live from replica group [02] at step 4"  # from one that finished
+    assert re.search(recovered, (out / "g1.log").read_text())
+    assert "serves its state" in (out / "g0.log").read_text()

@@ -15,7 +15,7 @@ from gangtrain.data.prompts import read_prompts
 from gangtrain.rl.generation import HFGenerator, sample_seed
 from gangtrain.rl.rewards import RewardFunction
 from gangtrain.rl.windows import PromptWindows
-from recipes.grpo.tiny import low_tokens, make_tiny_chat_model, write_prompts
+from gangtrain.tiny.prompts import low_tokens, make_tiny_chat_model, write_prompts
 from trainer import Callback, Trainer
 from trainer.run_dir import RunDir
 from units.online_rl import GRPOLoss, GRPOUnit, Rollouts

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gangtrain.data.prompts import read_prompts
 from gangtrain.rl.windows import PromptWindows
-from recipes.grpo.tiny import make_tiny_chat_model, write_prompts
+from gangtrain.tiny.prompts import make_tiny_chat_model, write_prompts
 from trainer import Trainer
 from trainer.observe.recorders import read_jsonl
 from units.online_rl import GRPOLoss, GRPOUnit, Rollouts

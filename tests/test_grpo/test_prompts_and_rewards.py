@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from gangtrain.data.prompts import read_prompts
 from gangtrain.rl.advantages import group_advantages, reward_metrics
 from gangtrain.rl.rewards import RewardFunction, score, weighted_sum
-from recipes.grpo.tiny import make_tiny_chat_model, write_prompts
+from gangtrain.tiny.prompts import make_tiny_chat_model, write_prompts
 
 
 @pytest.fixture(scope="module")

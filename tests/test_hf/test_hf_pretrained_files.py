@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from gangs import setup_gangs, setup_root_gang
 from gangtrain.models.hf import load_pretrained
+from gangtrain.tiny.corpus import make_tiny_model, write_tiny_corpus
 from recipes.finetune.recipe import cli as finetune_cli
-from recipes.finetune.tiny import make_tiny_model, write_tiny_corpus
 from trainer.errors import UserError
 
 INDEX = "model.safetensors.index.json"

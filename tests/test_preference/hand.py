@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from recipes.sft.tiny import CHATML_TEMPLATE_WITH_GENERATION
+from gangtrain.tiny.chat import CHATML_TEMPLATE_WITH_GENERATION
 
 
 def answer_tokens(tokenizer: Any, prompt: Any, answer: Any) -> tuple[list[int], list[int]]:

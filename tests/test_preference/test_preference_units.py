@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gangs import FakeGang
 from gangtrain.data.preference import pair_batch, plan_pairs, tokenize_pairs
 from gangtrain.layers.lora import LoraSettings, adapters_disabled, apply_lora
-from recipes.preference.tiny import make_tiny_chat_model, preference_pairs, write_pair_data
+from gangtrain.tiny.pairs import make_tiny_chat_model, preference_pairs, write_pair_data
 from trainer.errors import UserError
 from units.metrics import MetricBag
 from units.preference import PreferenceLoss, PreferenceUnit, side_logps

@@ -17,8 +17,8 @@ from killed_runs import assert_same_state, checkpoint_state, kill_once_then_fini
 from recipe_runs import describe, run_all
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gangtrain.tiny.pairs import make_tiny_chat_model, preference_pairs, write_pair_data
 from recipes.preference.recipe import cli
-from recipes.preference.tiny import make_tiny_chat_model, preference_pairs, write_pair_data
 from trainer.observe.recorders import read_jsonl
 
 MAX_STEPS = 20  # the tiny preset's 30 cut short: validations and checkpoints at 10 and 20

@@ -1,5 +1,5 @@
 """`python -m recipes.finetune` end to end, run as users run it: a tiny Llama and its own
-byte-level BPE tokenizer made here (`recipes.finetune.tiny`), fine-tuned on a text file and
+byte-level BPE tokenizer made here (`gangtrain.tiny.corpus`), fine-tuned on a text file and
 a JSONL file; then read back through what a user relies on: the held-out loss goes down,
 OUT/hf/ loads with `from_pretrained` and scores what training recorded, its config is the
 pretrained one (trained without a KV cache, generating with it), `--eval-only` gives the
@@ -25,10 +25,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from gangs import setup_gangs, setup_root_gang
 from gangtrain.data import pack_windows, read_documents, split_windows, tokenize_documents
+from gangtrain.data.finetune import eval_batches
+from gangtrain.tiny.corpus import make_tiny_model, write_tiny_corpus
 from recipes.finetune.config import FinetuneConfig
-from recipes.finetune.data import eval_batches
 from recipes.finetune.recipe import load_model
-from recipes.finetune.tiny import make_tiny_model, write_tiny_corpus
 from trainer.checkpoint import read_model_state
 from trainer.errors import UserError
 from trainer.observe.recorders import read_jsonl

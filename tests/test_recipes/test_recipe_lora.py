@@ -1,5 +1,5 @@
 """`python -m recipes.finetune ... --set lora.r=8` as users run it: the tiny Llama of
-`recipes.finetune.tiny` fine-tuned with LoRA adapters; a run killed twice (once mid-save)
+`gangtrain.tiny.corpus` fine-tuned with LoRA adapters; a run killed twice (once mid-save)
 ends in the state of a run never stopped; `--eval-only` scores the best adapters again; the
 merged OUT/hf/ carries the tokenizer and generation config; mistakes, and a base changed
 under a resumed run, are one clear line."""
@@ -19,8 +19,8 @@ from killed_runs import assert_same_state, checkpoint_state, kill_repeatedly
 from recipe_runs import REPO, describe, recipe_env, run_module
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from gangtrain.tiny.corpus import make_tiny_model, write_tiny_corpus
 from recipes.finetune.recipe import cli
-from recipes.finetune.tiny import make_tiny_model, write_tiny_corpus
 from trainer.observe.recorders import read_jsonl
 
 STEPS = 20

@@ -1,5 +1,5 @@
 """`python -m recipes.sft` end to end, as users run it: a tiny Llama with a ChatML BPE
-tokenizer and 600 arithmetic conversations made here (`recipes.sft.tiny`); then read back
+tokenizer and 600 arithmetic conversations made here (`gangtrain.tiny.chat`); then read back
 through what a user relies on: masks equal the assistant tokens of `apply_chat_template`,
 `--eval-only`'s loss is the assistant-token NLL computed by hand on OUT/hf, OUT/hf stops
 generating at <|im_end|>, 2-rank layouts give one process's losses, a killed run resumes
@@ -22,13 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gangtrain.data.mixing import hold_out
 from gangtrain.data.sft import tokenize_files
-from recipes.sft.recipe import cli
-from recipes.sft.tiny import (
+from gangtrain.tiny.chat import (
     CHATML_TEMPLATE_WITH_GENERATION,
     chat_conversations,
     make_tiny_chat_model,
     write_chat_data,
 )
+from recipes.sft.recipe import cli
 from trainer.errors import UserError
 from trainer.observe.recorders import read_jsonl
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from gangtrain.tiny.chat import chat_conversations, make_tiny_chat_model, write_chat_data
 from recipes.sft.config import SFTConfig
 from recipes.sft.recipe import cli, load_tokenizer
-from recipes.sft.tiny import chat_conversations, make_tiny_chat_model, write_chat_data
 
 GOOD = chat_conversations(12, seed=5)
 USER = {"role": "user", "content": "What is 1 plus 1?"}
@@ -165,7 +165,7 @@ def test_bad_validation_file_and_model_directories_are_named(tiny, tmp_path, cap
 
 
 def test_chatml_by_name_and_mixed_formats_are_accepted(tiny, tmp_path):
-    from recipes.sft.recipe import prepare_data
+    from gangtrain.posttrain.objectives.sft import prepare_data
 
     model, cache = tiny
     chat = write_chat_data(tmp_path / "chat.jsonl", 30)

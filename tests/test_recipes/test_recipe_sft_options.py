@@ -19,14 +19,15 @@ from gangtrain.app.config.loading import load_config
 from gangtrain.data.sft import tokenize_files
 from gangtrain.layers.neftune import neftune_magnitude
 from gangtrain.models.hf import hf_model_of
-from recipes.sft.config import PRESETS, SFTConfig
-from recipes.sft.recipe import check_inputs, cli, load_model, load_tokenizer, prepare_data
-from recipes.sft.tiny import (
+from gangtrain.posttrain.objectives.sft import load_model, load_tokenizer, prepare_data
+from gangtrain.tiny.chat import (
     CHATML_TEMPLATE_WITH_GENERATION,
     chat_conversations,
     make_tiny_chat_model,
     write_chat_data,
 )
+from recipes.sft.config import PRESETS, SFTConfig
+from recipes.sft.recipe import check_inputs, cli
 from trainer.errors import UserError
 from trainer.lr_schedules import SCHEDULE_TYPES, warmup_decay
 from trainer.observe.recorders import read_jsonl
@@ -122,10 +123,13 @@ def test_an_epochs_only_run_decays_over_epochs_times_batches(model_dir, tmp_path
             r["targets_per_s"] * r["num_tokens"] / r["num_targets"], rel=1e-12)
     assert sorted(logged) == list(range(1, steps + 1))
     hf = hf_rates("linear", warmup, steps)
-    # Logged at step s: the rate after s scheduler steps; HF's one step later in warm-up.
-    expected = {s: 3e-3 * (hf[s + 1] if s < warmup else hf[s]) for s in logged}
+    # Logged at step s: the rate step s trained at, after s - 1 scheduler steps (issue 66);
+    # HF's one step later in warm-up.
+    expected = {s: 3e-3 * (hf[s] if s - 1 < warmup else hf[s - 1]) for s in logged}
     assert logged == pytest.approx(expected, rel=1e-12, abs=1e-15)
-    assert logged[steps] == 0.0  # decayed to the end: not the silent constant of old
+    # Decayed to the end: the last step trains at the last rate before 0, which the schedule
+    # reaches at the run's length (not the silent constant of old).
+    assert logged[steps] > 0.0 and hf[steps] == 0.0
 
 
 # -------------------------------------------------------------------------------------------

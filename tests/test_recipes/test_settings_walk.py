@@ -59,35 +59,35 @@ def recipe(name: str, tmp_path):
         return ClassifyConfig, PRESETS, main, None, partial(
             run_recipe, ClassifyConfig, PRESETS, main, eval_main=eval_main), []
     if name == "sft":
+        from gangtrain.tiny.chat import make_tiny_chat_model, write_chat_data
         from recipes.sft.config import PRESETS, SFTConfig
         from recipes.sft.recipe import check_inputs, cli, main
-        from recipes.sft.tiny import make_tiny_chat_model, write_chat_data
         model = make_tiny_chat_model(tmp_path / "model")
         data = write_chat_data(tmp_path / "chat.jsonl", 100)
         return SFTConfig, PRESETS, main, check_inputs, cli, [
             f"model.path={model}", f"data.files=[{data}]", f"data.cache_dir={tmp_path}/cache"]
     if name == "finetune":
+        from gangtrain.tiny.corpus import make_tiny_model, write_tiny_corpus
         from recipes.finetune.config import PRESETS, FinetuneConfig
         from recipes.finetune.recipe import check_inputs, cli, main
-        from recipes.finetune.tiny import make_tiny_model, write_tiny_corpus
         model = make_tiny_model(tmp_path / "model")
         files = ",".join(map(str, write_tiny_corpus(tmp_path / "corpus")))
         return FinetuneConfig, PRESETS, main, check_inputs, cli, [
             f"model.path={model}", f"data.files=[{files}]"]
     if name == "grpo":
+        from gangtrain.tiny.prompts import make_tiny_chat_model, write_prompts
         from recipes.grpo.config import PRESETS, GRPOConfig
         from recipes.grpo.recipe import check_inputs, cli, main
-        from recipes.grpo.tiny import make_tiny_chat_model, write_prompts
         model = make_tiny_chat_model(tmp_path / "model")
         train = write_prompts(tmp_path / "train.jsonl", 16)
         valid = write_prompts(tmp_path / "valid.jsonl", 4, seed=1)
         return GRPOConfig, PRESETS, main, check_inputs, cli, [
             f"model.path={model}", f"data.files=[{train}]", f"data.valid_files=[{valid}]",
-            'rewards=["recipes.grpo.tiny:low_tokens"]', "loss.beta=0.04",
+            'rewards=["gangtrain.tiny.prompts:low_tokens"]', "loss.beta=0.04",
             "generation.max_new_tokens=4"]
+    from gangtrain.tiny.pairs import make_tiny_chat_model, write_pair_data
     from recipes.preference.config import PRESETS, PreferenceConfig
     from recipes.preference.recipe import cli, main
-    from recipes.preference.tiny import make_tiny_chat_model, write_pair_data
     model = make_tiny_chat_model(tmp_path / "model")
     data = write_pair_data(tmp_path / "pairs.jsonl", 100)
     return PreferenceConfig, PRESETS, main, None, cli, [

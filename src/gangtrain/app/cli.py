@@ -63,6 +63,7 @@ from trainer.run_dir import RunDir
 
 __all__ = [
     "dump_config",
+    "fail_user_error",
     "format_validation_error",
     "load_config",
     "parse_override",
@@ -357,6 +358,11 @@ def _print_presets(presets: Mapping[str, Mapping[str, Any]], default_preset: str
         if name == default_preset:
             doc = f"{doc} (default)".strip()
         print(f"{name:<{width}}  {doc}".rstrip())
+
+
+def fail_user_error(message: str) -> int:
+    """Print `message` as the shared command line prints a user's mistake; exit code 2."""
+    return _fail(message)
 
 
 def _fail(message: str) -> int:

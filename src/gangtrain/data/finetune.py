@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from gangs.errors import UserError
 from gangtrain.data.global_batches import eval_rows
 from gangtrain.data.packing import Batch, to_batch
-from trainer.errors import UserError
 
 __all__ = ["eval_batches"]
 

@@ -93,7 +93,8 @@ class ModelSpec(Protocol):
         `sizes` asks (`parallel.layout_rules` holds the rules every family shares)."""
         ...
 
-    def model_files(self) -> Any:
+    def model_files(self, tokenizer: Any = None) -> Any:
         """The trainer's `ModelFiles` for this family (what a checkpoint keeps beside the
-        weights, what the end of a run exports), or None for the trainer's null default."""
+        weights, what the end of a run exports, with `tokenizer` as the run used it where
+        the family keeps one), or None for the trainer's null default."""
         ...

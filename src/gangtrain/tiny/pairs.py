@@ -1,7 +1,7 @@
-"""Tiny preference data for the tiny chat model of `recipes.sft.tiny`, made here in seconds,
+"""Tiny preference data for the tiny chat model of `gangtrain.tiny.chat`, made here in seconds,
 for tests, docs and benchmarks:
 
-    model_dir = make_tiny_chat_model(tmp / "model")        # recipes.sft.tiny's
+    model_dir = make_tiny_chat_model(tmp / "model")        # gangtrain.tiny.chat's
     pairs = write_pair_data(tmp / "pairs.jsonl", 400)      # a pair a line
 
 An arithmetic question, the right answer in the SFT data's form chosen, a guess rejected
@@ -18,6 +18,8 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
+from gangtrain.tiny.chat import make_tiny_chat_model
+
 __all__ = ["make_tiny_chat_model", "preference_pairs", "write_pair_data"]
 
 Form = Literal["conversational", "implicit", "text"]
@@ -25,14 +27,6 @@ SYSTEMS = ("You are a helpful assistant.", "You answer arithmetic questions.")
 WORDS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b,
          "times": lambda a, b: a * b}
 
-
-def make_tiny_chat_model(directory: Path | str, **kwargs: Any) -> Path:
-    """`recipes.sft.tiny.make_tiny_chat_model`: the tiny chat model a user would have
-    fine-tuned first. Imported here, when called: recipes do not import each other at
-    import time, and one tiny chat model serves both (not a copy)."""
-    from recipes.sft.tiny import make_tiny_chat_model as make
-
-    return make(directory, **kwargs)
 
 
 def preference_pairs(num: int, seed: int = 0, form: Form = "conversational"

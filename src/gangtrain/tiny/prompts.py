@@ -1,10 +1,10 @@
-"""Tiny online-RL data and rewards for the tiny chat model of `recipes.sft.tiny`, made here
+"""Tiny online-RL data and rewards for the tiny chat model of `gangtrain.tiny.chat`, made here
 in seconds, for tests, docs and benchmarks:
 
-    model_dir = make_tiny_chat_model(tmp / "model")           # recipes.sft.tiny's
+    model_dir = make_tiny_chat_model(tmp / "model")           # gangtrain.tiny.chat's
     prompts = write_prompts(tmp / "prompts.jsonl", 64)        # {"prompt": [...], "answer": N}
     python -m recipes.grpo OUT --preset tiny --set model.path=MODEL_DIR \\
-        --set 'data.files=[prompts.jsonl]' --set 'rewards=["recipes.grpo.tiny:exact_match"]'
+        --set 'data.files=[prompts.jsonl]' --set 'rewards=["gangtrain.tiny.prompts:exact_match"]'
 
 Prompts are arithmetic questions in the SFT data's form ("What is 7 plus 5?", as a one-turn
 conversation, or text with ``form="text"``); the ``answer`` field reaches the reward
@@ -20,6 +20,8 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from gangtrain.tiny.chat import make_tiny_chat_model
+
 __all__ = ["answer_form", "completion_text", "exact_match", "low_tokens", "make_tiny_chat_model",
            "prompt_records", "write_prompts", "write_sft_data"]
 
@@ -28,13 +30,6 @@ WORDS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b,
 NUMBER = re.compile(r"-?\d+")
 FORM = re.compile(r"^\s*-?\d+ (plus|minus|times) -?\d+ is -?\d+\.\s*$")
 
-
-def make_tiny_chat_model(directory: Path | str, **kwargs: Any) -> Path:
-    """`recipes.sft.tiny.make_tiny_chat_model` (imported when called: recipes do not import
-    each other at import time)."""
-    from recipes.sft.tiny import make_tiny_chat_model as make
-
-    return make(directory, **kwargs)
 
 
 def prompt_records(num: int, seed: int = 0, form: Literal["conversational", "text"] =

@@ -1,8 +1,8 @@
 """The trainer's one seam for a model family's own files: what a checkpoint keeps beside a
 model's weights, what is checked before loading into a model, and what the end of a run
 exports. The trainer is model-agnostic: it imports no family; a family hands in its
-`ModelFiles` (`Trainer(model_files=...)`), or registers one that recognises its models
-(`gangtrain.models.hf` does, for any transformers model, when it is imported).
+`ModelFiles` (`Trainer(model_files=...)`), or the model carries its own as the attribute
+`gangtrain_model_files` (every model `gangtrain.models.hf.load_pretrained` returns does).
 
 The null default writes nothing beside the weights, checks nothing, and exports the best
 checkpoint as `OUTPUT_DIR/checkpoints/best_model.safetensors`.
@@ -18,14 +18,14 @@ from gangs import Gang
 from gangs.moved import forward_names
 from trainer.checkpoint.export import export_best
 
-__all__ = ["ModelFiles", "model_files_for", "register_model_files"]
+__all__ = ["ModelFiles", "model_files_for"]
 
 
 class ModelFiles:
     """A model family's files. This base class is the null default; a family overrides."""
 
     def is_for(self, model: nn.Module) -> bool:
-        """Whether these are `model`'s files (a registered family claims its own models)."""
+        """Whether these are `model`'s files."""
         return False
 
     def write(self, model: nn.Module, step_dir: Path) -> None:
@@ -42,22 +42,15 @@ class ModelFiles:
         return export_best(checkpoint_dir)
 
 
-_registered: list[ModelFiles] = []
-
-
-def register_model_files(files: ModelFiles) -> None:
-    """Make `files` the default for every model it `is_for` (once per family)."""
-    if not any(type(seen) is type(files) for seen in _registered):
-        _registered.append(files)
-
-
 def model_files_for(model: nn.Module) -> ModelFiles:
-    """The registered family's files for `model`, else the null default."""
-    return next((files for files in _registered if files.is_for(model)), ModelFiles())
+    """The files `model` carries (`gangtrain_model_files`), else the null default."""
+    carried = getattr(model, "gangtrain_model_files", None)
+    return carried if isinstance(carried, ModelFiles) else ModelFiles()
 
 
 # Moved to the family (aliases for one release, `gangs.moved`).
 __getattr__ = forward_names("trainer.checkpoint.model_files", {
     name: f"gangtrain.models.hf.model_files:{name}"
     for name in ("hf_model_of", "write_model_files", "TOKENIZER_FILES", "GENERATION_CONFIG")
-})
+} | {"register_model_files": "gone:Trainer(model_files=...), or the model's own "
+                             "gangtrain_model_files attribute"})

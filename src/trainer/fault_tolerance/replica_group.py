@@ -6,20 +6,17 @@ The groups are the DP-replicate axis, made fault tolerant: each group is a job o
 
 1. `start_step`: a quorum of the live groups (a group that died is left out; one that is
    behind, a restarted one, first receives the model, the optimizer and every stateful
-   component of the Trainer from a healthy peer, live); this group's share of the global
-   batch follows the groups in the quorum (`GlobalBatchReader.set_share`): its rank among
-   them, by replica_id, never the order in which they asked. Before the first step of a
-   run the groups wait (up to `quorum_timeout_s`) until all `replica_groups` are in the
-   quorum, so a run without a failure is trained by every group from its first step, and
-   is the same run whichever group started first;
-2. `step`: the gradients and the target count summed over the groups of the quorum, so
-   the gradient is that of the mean loss over every target the participating groups drew
-   (the exact normalisation, over the groups that took part, not a fixed world size); the
-   optimizer steps only if every group's reduction held (`should_commit`);
+   component of the Trainer from a healthy peer, live: one that finished, see `close`);
+   this group's share of the global batch follows the groups in the quorum
+   (`GlobalBatchReader.set_share`): its rank among them by replica_id. At a run's first
+   step the groups wait for each other (`_meet_every_group`), so a run without a failure
+   is trained by every group from its first step, whichever group started first;
+2. `step`: the gradients and the target count summed over the groups of the quorum (the
+   gradient of the mean loss over every target the groups that took part drew, not over a
+   fixed world size); the optimizer steps only if every group's reduction held;
 3. a step that did not commit is undone at the next `start_step`: every stateful component
-   (step number, data position, random streams, metrics) is put back as it was before the
-   step, so its global batch is drawn again, shared among the groups then alive. No
-   sample is trained twice in a committed step and none is skipped.
+   (step number, data position, random streams, metrics) is put back, so its global batch
+   is drawn again, shared among the groups then alive: none trained twice, none skipped.
 
 torchft is imported only here, and only when the setting is given.
 """
@@ -54,8 +51,7 @@ def import_torchft() -> Any:
         import torchft
     except ImportError:
         raise UserError("gangs.fault_tolerance needs torchft, which is not installed: "
-                        "pip install 'gangtrain[ft]' (or remove gangs.fault_tolerance)"
-                        ) from None
+                        "pip install 'gangtrain[ft]' (or remove gangs.fault_tolerance)") from None
     return torchft
 
 
@@ -69,15 +65,11 @@ class ReplicaGroup:
         if settings.lighthouse is None:
             raise UserError("gangs.fault_tolerance.lighthouse: no address given (the recipe "
                             "starts a lighthouse for a local run; a Trainer needs the address)")
-        self.settings = settings
-        self.gangs = gangs
-        self.lighthouse = lighthouse
+        self.settings, self.gangs, self.lighthouse = settings, gangs, lighthouse
         timeout = timedelta(seconds=settings.timeout_s)
         # The group's own store: torchrun's under torchrun, else one in this process.
-        self._own_store = None
-        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        else:
+        store_addr, store_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if store_addr is None or store_port is None:
             from torch.distributed import TCPStore
             self._own_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             store_addr, store_port = "127.0.0.1", self._own_store.port
@@ -88,7 +80,7 @@ class ReplicaGroup:
             use_async_quorum=False,  # heal before the forward: the step starts in sync
             timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
             rank=gangs.root.rank, world_size=gangs.root.size,
-            store_addr=store_addr, store_port=store_port,
+            store_addr=store_addr, store_port=int(store_port),
             lighthouse_addr=settings.lighthouse,
             replica_id=f"replica_group_{settings.replica_id}",
         )
@@ -96,6 +88,7 @@ class ReplicaGroup:
         self._reader: Any = None
         self._before_step: dict[str, Any] | None = None  # the components before this step
         self._started = False  # the first quorum of this process is behind
+        self._stepped = False  # a step since the last quorum (the run did not end at one)
         self.committed = True  # whether the last step committed
         self.uncommitted_steps = 0  # steps undone in this process (a failure's cost)
         self.healed = 0  # live recoveries of this process from a peer
@@ -119,7 +112,8 @@ class ReplicaGroup:
 
         def state_dict() -> dict[str, Any]:
             return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "components": {name: c.state_dict() for name, c in states().items()}}
+                    "components": {name: c.state_dict() for name, c in states().items()},
+                    "replica_id": self.settings.replica_id}
 
         def load_state_dict(state: dict[str, Any]) -> None:
             model.load_state_dict(state["model"])
@@ -127,8 +121,8 @@ class ReplicaGroup:
             self._load_components(state["components"])
             self._before_step = None  # the peer's state is the committed one
             self.healed += 1
-            log.warning("replica group %d recovered live from a peer at step %d",
-                        self.settings.replica_id, self.manager.current_step())
+            log.warning("replica group %d recovered live from replica group %d at step %d",
+                        self.settings.replica_id, state["replica_id"], self.manager.current_step())
 
         self.manager.register_state_dict_fn("trainer", load_state_dict, state_dict)
 
@@ -139,11 +133,11 @@ class ReplicaGroup:
         if self._before_step is not None and not self.committed:
             self._load_components(self._before_step)
         self.manager.start_quorum()
+        self._stepped = False
         if not self._started:
             self._started = True
-            self._wait_for_every_group()
-        participants = self.manager.num_participants()
-        rank = self.manager.participating_rank()
+            self._meet_every_group(starting=True)
+        rank, participants = self.manager.participating_rank(), self.manager.num_participants()
         if rank is None:  # not in this quorum: nothing to share out (torchft zeroes its part)
             rank, participants = 0, max(participants, 1)
         dp = self.gangs.dp
@@ -152,33 +146,41 @@ class ReplicaGroup:
         self._before_step = {name: copy.deepcopy(c.state_dict())
                              for name, c in self._states().items()}
 
-    def _wait_for_every_group(self) -> None:
-        """At a run's start (no step committed by any group): quorums again until every
-        group is in one, so that the first step, like every later one without a failure,
-        is shared by all of them. A group that never comes is waited for `quorum_timeout_s`
-        (then the run starts without it; it joins, live, when it comes)."""
-        deadline = time.monotonic() + self.settings.quorum_timeout_s
-        wanted = self.settings.replica_groups
-        while self.manager.current_step() == 0 and self.manager.num_participants() < wanted:
-            if time.monotonic() > deadline:
-                log.warning("replica group %d starts with %d of %d groups (the others did "
-                            "not join in %.0f s)", self.settings.replica_id,
-                            self.manager.num_participants(), wanted,
-                            self.settings.quorum_timeout_s)
+    def _meet_every_group(self, starting: bool) -> None:
+        """Quorums again, up to `quorum_timeout_s`, until one holds every group (or this one
+        received a peer's state): at a run's start, so that every group trains its first
+        step; at its end, serving this group's state to any still behind, until two in a row
+        do (one that recovered in the first asked the second with its state) or all finished."""
+        s, m, step = self.settings, self.manager, self.manager.current_step()
+        deadline, wanted, full = time.monotonic() + s.quorum_timeout_s, s.replica_groups, starting
+        while not (full and m.num_participants() == wanted) and m.current_step() == step:
+            full = starting or m.num_participants() == wanted  # the last quorum held all
+            stop = [time.monotonic() > deadline, [i for i in range(wanted) if i != s.replica_id
+                    and self.lighthouse and (self.lighthouse.FOLDER / f"done_{i}").exists()]]
+            self.gangs.root.broadcast_objects(stop)  # the group's first rank decides
+            if stop[0] and starting and stop[1]:  # never retrain alone what others finished
+                raise UserError(f"replica group {s.replica_id} has no peer at step 0 and groups "
+                                f"{stop[1]} finished the run: nothing to recover from")
+            if not starting and len(stop[1]) == wanted - 1:
+                return  # every other group finished: none left to serve
+            if stop[0]:
+                log.warning("replica group %d %s with %d of %d groups (no other came in %.0f "
+                            "s)", s.replica_id, "starts" if starting else "stops serving",
+                            m.num_participants(), wanted, s.quorum_timeout_s)
                 return
             time.sleep(0.05)
-            self.manager.start_quorum()
+            m.start_quorum()
 
     def step(self, optimizer_step: OptimizerStep, loss: Tensor, count: Tensor | int,
              normalised: bool, step_nr: int, measure_norm: bool) -> StepOutcome:
         """`optimizer_step` on the gradients summed over the groups of the quorum, if the
         quorum held; else nothing is stepped and the step is undone at the next start."""
+        self._stepped = True
         count = self._sum_over_groups(optimizer_step.params, count, normalised)
         self.committed = self.manager.should_commit()
         if not self.committed:
             self.uncommitted_steps += 1
-            log.warning("step %d did not commit (a replica group failed): drawn again",
-                        step_nr)
+            log.warning("step %d did not commit (a replica group failed): drawn again", step_nr)
             return StepOutcome(skipped=True)
         # A group that had no target still steps: its optimizer stays with its peers'.
         return optimizer_step(loss, count, False, step_nr, measure_norm)
@@ -201,12 +203,9 @@ class ReplicaGroup:
         flat = torch.cat([g.detach().reshape(-1).cpu().double() * scale for g in local]
                          + [count_t])
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-        offset = 0
-        for g in local:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        device = params[0].device if params else torch.device("cpu")
-        return flat[-1].to(device)
+        for g, summed in zip(local, flat[:-1].split([g.numel() for g in local])):
+            g.copy_(summed.view_as(g))
+        return flat[-1].to(params[0].device if params else "cpu")
 
     @property
     def live_groups(self) -> LiveGroups:
@@ -220,15 +219,15 @@ class ReplicaGroup:
             if name in states:
                 component.load_state_dict(states[name])
 
-    @property
-    def step_nr(self) -> int:
-        """The steps committed by the groups (torchft's count)."""
-        return self.manager.current_step()
-
     def close(self, finished: bool = True) -> None:
-        """Leave the groups. `finished`: this group's training ended (it asks no more
-        quorums; the local lighthouse ends once every group has); a group that failed
-        says nothing, so the lighthouse waits for its restart."""
+        """Leave the groups. `finished`: this group's training ended (the local lighthouse
+        ends once every group has); a group that failed says nothing, so the lighthouse
+        waits for its restart."""
+        if finished and not self._stepped:  # the run's end, not a stop after a step (signal)
+            if self.manager.num_participants() < self.settings.replica_groups:
+                log.info("replica group %d finished: it serves its state to the groups behind",
+                         self.settings.replica_id)
+            self._meet_every_group(starting=False)
         self.manager.shutdown(wait=False)
         if finished and self.lighthouse is not None:
             self.lighthouse.finished()

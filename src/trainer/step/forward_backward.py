@@ -49,7 +49,8 @@ class MicroBatchLoop(Generic[BatchT]):
     last micro-batch only (`sync`, see `accumulation`).
 
     `may_seed_mean` (one process, no loss scale): a one-micro-batch step knows its target
-    count before backward, which then starts from 1/count: the mean, at no extra op."""
+    count before backward, which then starts from 1/count: the mean, at no extra op. A unit
+    overriding `TrainUnit.set_micro_batch` is told each micro-batch's place before its forward."""
 
     def __init__(self, unit: TrainUnit[BatchT], metrics: MetricBag,
                  autocast: AbstractContextManager[Any], sync: MicroBatchSync,
@@ -60,6 +61,8 @@ class MicroBatchLoop(Generic[BatchT]):
         self.sync = sync
         self.scaler = scaler
         self.may_seed_mean = may_seed_mean and scaler is None
+        hook = getattr(type(unit), "set_micro_batch", TrainUnit.set_micro_batch)  # no cost without
+        self.set_micro_batch = None if hook is TrainUnit.set_micro_batch else unit.set_micro_batch
 
     def __call__(self, batches: list[BatchT], step_nr: int) -> StepGradients:
         loss_sum: Tensor | None = None
@@ -67,6 +70,8 @@ class MicroBatchLoop(Generic[BatchT]):
         normalised = False
         tensor_counts: list[Tensor] = []
         for i, batch in enumerate(batches):
+            if self.set_micro_batch is not None:
+                self.set_micro_batch(i, len(batches))
             with self.sync.sync(last=i == len(batches) - 1):
                 with self.autocast:
                     loss, num_targets = self.unit(batch, self.metrics)

@@ -1,7 +1,8 @@
 """Validation of online RL: one greedy completion for each held-out prompt, scored by the
-reward functions. Records ``reward`` (the weighted sum's mean over prompts: a higher-better
-`score_metric`, ``valid/reward``), ``rewards/<fn>/mean`` and ``completions/mean_length``,
-as totals exact over DP.
+reward sources (`gangtrain.rl.rewards.score_completions`, as the train unit scores).
+Records ``reward`` (the weighted sum's mean over prompts: a higher-better `score_metric`,
+``valid/reward``), ``rewards/<source>/mean`` and ``completions/mean_length``, as totals
+exact over DP.
 
 `ValidPrompts` deals the held-out prompts to DP ranks in micro-batches of the same size on
 every rank (a rank short of prompts repeats its last with weight 0), so that under FSDP2
@@ -18,7 +19,7 @@ from torch import nn
 
 from gangtrain.data.prompts import PromptSet
 from gangtrain.rl.generation import Generator
-from gangtrain.rl.rewards import RewardFunction, score, weighted_sum
+from gangtrain.rl.rewards import RewardSource, score_completions, weighted_sum, with_weights
 from units.metrics import MetricBag
 from units.unit import EvalUnit
 
@@ -53,13 +54,14 @@ class GRPOEvalUnit(EvalUnit[dict[str, Any]]):
     metric_names = ("reward", "completions/mean_length")
     higher_better_metrics = frozenset({"reward"})
 
-    def __init__(self, model: nn.Module, prompts: PromptSet, rewards: Sequence[RewardFunction],
+    def __init__(self, model: nn.Module, prompts: PromptSet, rewards: Sequence[RewardSource],
                  generator: Generator, decode: Any, reward_weights: Sequence[float] | None = None,
                  name: str = "valid") -> None:
+        """``rewards``: the sources, each with its weight; ``reward_weights``: the former
+        way (one weight per source, replacing theirs; warned)."""
         self._model = model
         self.prompts = prompts
-        self.rewards = list(rewards)
-        self.weights = list(reward_weights) if reward_weights else [1.0] * len(self.rewards)
+        self.rewards = with_weights(rewards, reward_weights)
         self.generator = generator
         self.decode = decode
         self.name = name
@@ -76,14 +78,9 @@ class GRPOEvalUnit(EvalUnit[dict[str, Any]]):
             completions = self.generator.generate([p.ids for p in prompts],
                                                   [0] * len(prompts))
         weight = torch.tensor(batch["weights"], dtype=torch.float64)
-        texts: list[Any] = [self.decode(c.ids) for c in completions]
-        if self.prompts.conversational:
-            texts = [[{"role": "assistant", "content": t}] for t in texts]
-        columns = {k: [p.columns.get(k) for p in prompts]
-                   for k in sorted({k for p in prompts for k in p.columns})}
-        values = score(self.rewards, [p.prompt for p in prompts], texts,
-                       [c.ids for c in completions], columns)
-        rewards = weighted_sum(values, self.weights)
+        values = score_completions(self.rewards, self.prompts, batch["prompts"],
+                                   [c.ids for c in completions], self.decode)
+        rewards = weighted_sum(values, self.rewards)
         count = float(weight.sum())  # host floats: the bag may live on an accelerator
         metrics.update_total("reward", float((rewards * weight).sum()), count)
         for i, reward in enumerate(self.rewards):

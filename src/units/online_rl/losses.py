@@ -1,6 +1,9 @@
-"""The GRPO family's losses, each returned as ``(loss summed, num_targets)`` so that the
-Trainer's division by the global target count of the optimizer step gives the method's own
-normalisation on every layout, whatever the accumulation and the generation window:
+"""The GRPO family's losses, one class per kind, each owning its settings (TRL's names and
+defaults, validated by pydantic: a bad value is an error naming the field), whether it needs
+the old log-probabilities, its advantages and its loss. Each returns ``(loss summed,
+num_targets, metrics)`` so that the Trainer's division by the global target count of the
+optimizer step gives the method's own normalisation on every layout, whatever the
+accumulation and the generation window:
 
     kind      loss summed over the micro-batch                  num_targets
     grpo      sum over completions of (sum_t l_t) / |o_i|         completions
@@ -23,54 +26,30 @@ of num_targets (TRL's grpo and dr_grpo still count it in their denominator; its 
 until TRL PR 6439). Metrics (TRL's names, token means exact over DP as totals):
 ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
 ``clip_ratio/region_mean``.
+
+`GRPO_LOSS_KINDS` names every kind's class; `GRPOLossSettings` is their union discriminated
+by ``kind``, what a config's ``loss:`` section is (each setting written once, here). A new
+kind is one class (a subclass of `GRPOLossKind` with its own ``kind`` literal) and its entry
+in both. `GRPOLoss(kind=..., ...)` builds one by name (the former dataclass's signature).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, field_validator
 from torch import Tensor
 
-__all__ = ["GRPOLoss", "LossKind", "TokenScores", "loss_and_targets"]
+from gangtrain.rl.advantages import ScaleRewards, group_advantages, leave_one_out_advantages
 
-LossKind = Literal["grpo", "dapo", "dr_grpo", "rloo"]
-KINDS = ("grpo", "dapo", "dr_grpo", "rloo")
+__all__ = ["DAPOLoss", "DrGRPOLoss", "GRPOKindLoss", "GRPOLoss", "GRPOLossKind",
+           "GRPOLossSettings", "GRPO_LOSS_KINDS", "LossKind", "RLOOLoss", "TokenScores",
+           "loss_and_targets"]
 
-
-@dataclass(frozen=True)
-class GRPOLoss:
-    """Which loss and its settings (TRL's names and defaults)."""
-
-    kind: LossKind = "grpo"
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    """The upper clip (DAPO's clip-higher); None: ``epsilon``."""
-    num_iterations: int = 1
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    mask_truncated_completions: bool = False
-    max_new_tokens: int = 256
-    """dr_grpo's constant (TRL's max_completion_length)."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"loss.kind {self.kind!r}: one of {', '.join(KINDS)}")
-        if self.beta < 0:
-            raise ValueError(f"loss.beta must be >= 0, got {self.beta}")
-        if not 0 <= self.epsilon < 1:
-            raise ValueError(f"loss.epsilon must be in [0, 1), got {self.epsilon}")
-        if self.num_iterations < 1:
-            raise ValueError(f"loss.num_iterations must be >= 1, got {self.num_iterations}")
-        if self.kind == "rloo" and self.scale_rewards == "group":
-            raise ValueError("loss.kind=rloo takes its baseline from the group's other "
-                             "rewards: set loss.scale_rewards to none (or batch, TRL's "
-                             "normalize_advantages)")
-
-    @property
-    def upper(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+Metrics = dict[str, tuple[Tensor, Tensor]]
 
 
 @dataclass
@@ -89,56 +68,237 @@ def _segment_sum(values: Tensor, row: Tensor, rows: int) -> Tensor:
     return torch.zeros(rows, dtype=values.dtype, device=values.device).index_add(0, row, values)
 
 
-def loss_and_targets(config: GRPOLoss, s: TokenScores) -> tuple[Tensor, Tensor | int,
-                                                                dict[str, tuple[Tensor, Tensor]]]:
-    """(the summed loss, num_targets, {metric: (total, count)}) of one micro-batch, see the
-    module docstring. Tokens of completions not ``kept`` count nowhere."""
-    rows = s.advantages.shape[0]
-    token_kept = s.kept[s.row]
-    weight = token_kept.to(s.logp.dtype)
-    old = s.logp.detach() if s.old is None else s.old
-    advantage = s.advantages[s.row].to(s.logp.dtype)
-    lengths = _segment_sum(weight, s.row, rows)
-    if config.kind == "rloo":
-        log_ratio = _segment_sum((s.logp - old) * weight, s.row, rows)
-        ratio = torch.exp(log_ratio)
+class GRPOLossKind(BaseModel):
+    """What every GRPO-family kind shares: the clipped-ratio objective's settings (TRL's
+    `GRPOConfig` names and defaults) and the per-token loss; a subclass says how the tokens'
+    losses are normalised (`_normalise`) or replaces the loss (`rloo`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str
+    beta: NonNegativeFloat = 0.0
+    """KL to the reference (TRL's k3 per token; rloo: k1 in the reward); 0: no reference
+    model is needed."""
+    epsilon: float = Field(default=0.2, ge=0, lt=1)
+    """The lower clip of the ratio (and the upper one unless `epsilon_high` is set)."""
+    epsilon_high: NonNegativeFloat | None = None
+    """The upper clip (DAPO's clip-higher, e.g. 0.28); None: `epsilon`."""
+    num_iterations: PositiveInt = 1
+    """Updates per generation window (TRL's mu)."""
+    scale_rewards: ScaleRewards = "group"
+    """The std advantages are divided by: the group's, the window's (``batch``), none."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_new_tokens out of the loss and of its denominator."""
+    max_new_tokens: PositiveInt | None = None
+    """dr_grpo's constant (TRL's max_completion_length); None: the generation's
+    max_new_tokens, filled in by whoever builds the unit (`with_max_new_tokens`)."""
+
+    counts_tokens: ClassVar[bool] = False
+    """Whether a target is a completion token (True) or a completion (False)."""
+    divides_by_max_new_tokens: ClassVar[bool] = False
+    """Whether the loss divides by a fixed completion length (`max_new_tokens`)."""
+
+    @property
+    def upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+    def with_max_new_tokens(self, max_new_tokens: int) -> GRPOLossKind:
+        """This loss with `max_new_tokens` filled in where its kind divides by it and it is
+        unset; else this very object (the config's own section)."""
+        if self.max_new_tokens is not None or not self.divides_by_max_new_tokens:
+            return self
+        return self.model_copy(update={"max_new_tokens": max_new_tokens})
+
+    # -- what the unit asks ---------------------------------------------------------------
+    def needs_old_logps(self, window_outlives_step: bool) -> bool:
+        """Whether the old log-probabilities must be computed when a window opens (else the
+        ratio is exactly 1, TRL's shortcut): some micro-batch of the window is trained after
+        an optimizer step, i.e. more than one update per window, or a window that outlives
+        the step it opens in."""
+        return self.num_iterations > 1 or window_outlives_step
+
+    def needs_sequence_kl(self) -> bool:
+        """Whether the advantages need each completion's summed k1 KL to the reference
+        (``old - ref``), computed when the window opens."""
+        return False
+
+    def advantages(self, rewards: Tensor, num_generations: int,
+                   sequence_kl: Tensor | None = None) -> Tensor:
+        """The advantages of the window's completions from their rewards [N] (every rank's,
+        prompt-major, float64); ``sequence_kl`` [N] when `needs_sequence_kl`."""
+        del sequence_kl
+        return group_advantages(rewards, num_generations, self.scale_rewards)
+
+    def host_targets(self, lengths: Sequence[int], kept: Sequence[bool]) -> int:
+        """The targets of completions of `lengths` on the host (what `loss` counts)."""
+        if self.counts_tokens:
+            return sum(n for n, k in zip(lengths, kept, strict=True) if k)
+        return sum(bool(k) for k in kept)
+
+    # -- the loss -------------------------------------------------------------------------
+    def loss(self, s: TokenScores) -> tuple[Tensor, Tensor | int, Metrics]:
+        """(the summed loss, num_targets, {metric: (total, count)}) of one micro-batch, see
+        the module docstring. Tokens of completions not ``kept`` count nowhere."""
+        token_kept = s.kept[s.row]
+        weight = token_kept.to(s.logp.dtype)
+        old = s.logp.detach() if s.old is None else s.old
+        advantage = s.advantages[s.row].to(s.logp.dtype)
+        ratio = torch.exp(s.logp - old)
+        clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.upper)
+        per_token = -torch.minimum(ratio * advantage, clipped * advantage)
+        metrics: Metrics = {}
+        if s.ref is not None and self.beta > 0:
+            delta = s.ref - s.logp
+            kl = torch.exp(delta) - delta - 1
+            per_token = per_token + self.beta * kl
+            metrics["kl"] = ((kl.detach() * weight).sum().double(), weight.sum().double())
+        per_token = per_token * weight
+        loss, num_targets = self._normalise(per_token, weight, s)
+        tokens = weight.sum().double()
+        low = ((ratio < 1 - self.epsilon) & (advantage < 0)).to(weight.dtype) * weight
+        high = ((ratio > 1 + self.upper) & (advantage > 0)).to(weight.dtype) * weight
+        metrics.update({"clip_ratio/low_mean": (low.sum().double(), tokens),
+                        "clip_ratio/high_mean": (high.sum().double(), tokens),
+                        "clip_ratio/region_mean": ((low + high).sum().double(), tokens)})
+        return loss, num_targets, metrics
+
+    def _normalise(self, per_token: Tensor, weight: Tensor, s: TokenScores
+                   ) -> tuple[Tensor, Tensor | int]:
+        """(the summed loss, num_targets) of the tokens' losses (0 where not kept)."""
+        raise NotImplementedError
+
+
+class GRPOKindLoss(GRPOLossKind):
+    """``grpo``: each completion's token mean, summed over completions; counts completions."""
+
+    kind: Literal["grpo"] = "grpo"
+
+    def _normalise(self, per_token: Tensor, weight: Tensor, s: TokenScores
+                   ) -> tuple[Tensor, Tensor | int]:
+        rows = s.advantages.shape[0]
+        lengths = _segment_sum(weight, s.row, rows)
+        per_sequence = _segment_sum(per_token, s.row, rows) / lengths.clamp(min=1)
+        return per_sequence.sum(), s.kept.sum()  # a tensor count: no host sync
+
+
+class DAPOLoss(GRPOLossKind):
+    """``dapo``: the token sum over the step's completion tokens; counts tokens."""
+
+    kind: Literal["dapo"] = "dapo"
+    counts_tokens: ClassVar[bool] = True
+
+    def _normalise(self, per_token: Tensor, weight: Tensor, s: TokenScores
+                   ) -> tuple[Tensor, Tensor | int]:
+        return per_token.sum(), weight.sum().detach().round().long()
+
+
+class DrGRPOLoss(GRPOLossKind):
+    """``dr_grpo``: the token sum divided by a fixed length (`max_new_tokens`); counts
+    completions (Dr. GRPO: no std scaling, ``scale_rewards="none"``, is TRL's advice)."""
+
+    kind: Literal["dr_grpo"] = "dr_grpo"
+    divides_by_max_new_tokens: ClassVar[bool] = True
+
+    def _normalise(self, per_token: Tensor, weight: Tensor, s: TokenScores
+                   ) -> tuple[Tensor, Tensor | int]:
+        if self.max_new_tokens is None:
+            raise ValueError("loss.kind=dr_grpo divides by max_new_tokens, which is unset: "
+                             "build the loss with_max_new_tokens(generation.max_new_tokens)")
+        return per_token.sum() / self.max_new_tokens, s.kept.sum()
+
+
+class RLOOLoss(GRPOLossKind):
+    """``rloo`` (TRL's RLOOTrainer): a leave-one-out baseline, the ratio of whole sequences,
+    and the KL to the reference in the reward (``r - beta sum_t (old_t - ref_t)``, k1 on the
+    sampled tokens), so the old log-probabilities are needed whenever beta is."""
+
+    kind: Literal["rloo"] = "rloo"
+    scale_rewards: ScaleRewards = "none"
+    """``none`` (the leave-one-out baseline alone) or ``batch`` (TRL's
+    normalize_advantages: the window's advantages standardised); ``group`` is refused."""
+
+    @field_validator("scale_rewards")
+    @classmethod
+    def _not_group(cls, value: str) -> str:
+        if value == "group":
+            raise ValueError("loss.kind=rloo takes its baseline from the group's other "
+                             "rewards: set loss.scale_rewards to none (or batch, TRL's "
+                             "normalize_advantages)")
+        return value
+
+    def needs_old_logps(self, window_outlives_step: bool) -> bool:
+        return super().needs_old_logps(window_outlives_step) or self.beta > 0
+
+    def needs_sequence_kl(self) -> bool:
+        return self.beta > 0
+
+    def advantages(self, rewards: Tensor, num_generations: int,
+                   sequence_kl: Tensor | None = None) -> Tensor:
+        if sequence_kl is not None:
+            rewards = rewards - self.beta * sequence_kl
+        advantages = leave_one_out_advantages(rewards, num_generations)
+        if self.scale_rewards == "batch":
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-4)
+        return advantages
+
+    def loss(self, s: TokenScores) -> tuple[Tensor, Tensor | int, Metrics]:
+        rows = s.advantages.shape[0]
+        weight = s.kept[s.row].to(s.logp.dtype)
+        old = s.logp.detach() if s.old is None else s.old
+        ratio = torch.exp(_segment_sum((s.logp - old) * weight, s.row, rows))
         a = s.advantages.to(ratio.dtype)
-        clipped = torch.clamp(ratio, 1 - config.epsilon, 1 + config.upper)
+        clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.upper)
         per_sequence = -torch.minimum(ratio * a, clipped * a) * s.kept
-        loss = per_sequence.sum()
-        num_targets: Tensor | int = s.kept.sum()  # a tensor: no host sync
-        low = (ratio < 1 - config.epsilon) & (a < 0) & s.kept
-        high = (ratio > 1 + config.upper) & (a > 0) & s.kept
+        low = (ratio < 1 - self.epsilon) & (a < 0) & s.kept
+        high = (ratio > 1 + self.upper) & (a > 0) & s.kept
         seqs = s.kept.sum().to(torch.float64)
-        metrics = {"clip_ratio/low_mean": (low.sum().double(), seqs),
-                   "clip_ratio/high_mean": (high.sum().double(), seqs),
-                   "clip_ratio/region_mean": ((low | high).sum().double(), seqs)}
+        metrics: Metrics = {"clip_ratio/low_mean": (low.sum().double(), seqs),
+                            "clip_ratio/high_mean": (high.sum().double(), seqs),
+                            "clip_ratio/region_mean": ((low | high).sum().double(), seqs)}
         if s.ref is not None:
             kl = (old - s.ref) * weight  # k1 on the sampled tokens, as TRL's RLOO
             metrics["kl"] = (kl.detach().sum().double(), weight.sum().double())
-        return loss, num_targets, metrics
+        return per_sequence.sum(), s.kept.sum(), metrics
 
-    ratio = torch.exp(s.logp - old)
-    clipped = torch.clamp(ratio, 1 - config.epsilon, 1 + config.upper)
-    per_token = -torch.minimum(ratio * advantage, clipped * advantage)
-    metrics = {}
-    if s.ref is not None and config.beta > 0:
-        delta = s.ref - s.logp
-        kl = torch.exp(delta) - delta - 1
-        per_token = per_token + config.beta * kl
-        metrics["kl"] = ((kl.detach() * weight).sum().double(), weight.sum().double())
-    per_token = per_token * weight
-    if config.kind == "grpo":
-        per_sequence = _segment_sum(per_token, s.row, rows) / lengths.clamp(min=1)
-        loss, num_targets = per_sequence.sum(), s.kept.sum()
-    elif config.kind == "dr_grpo":
-        loss, num_targets = per_token.sum() / config.max_new_tokens, s.kept.sum()
-    else:  # dapo
-        loss, num_targets = per_token.sum(), weight.sum().detach().round().long()
-    tokens = weight.sum().double()
-    low = ((ratio < 1 - config.epsilon) & (advantage < 0)).to(weight.dtype) * weight
-    high = ((ratio > 1 + config.upper) & (advantage > 0)).to(weight.dtype) * weight
-    metrics.update({"clip_ratio/low_mean": (low.sum().double(), tokens),
-                    "clip_ratio/high_mean": (high.sum().double(), tokens),
-                    "clip_ratio/region_mean": ((low + high).sum().double(), tokens)})
-    return loss, num_targets, metrics
+
+GRPO_LOSS_KINDS: dict[str, type[GRPOLossKind]] = {
+    "grpo": GRPOKindLoss, "dapo": DAPOLoss, "dr_grpo": DrGRPOLoss, "rloo": RLOOLoss}
+"""Each kind's class by its name (``loss.kind``)."""
+
+GRPOLossSettings = Annotated[Union[GRPOKindLoss, DAPOLoss, DrGRPOLoss, RLOOLoss],
+                             Field(discriminator="kind")]
+"""A config's ``loss:`` section: one kind's settings, picked by ``kind`` (default: write
+``loss: GRPOLossSettings = GRPOKindLoss()``)."""
+
+LossKind = Literal["grpo", "dapo", "dr_grpo", "rloo"]
+
+_POSITIONAL = ("beta", "epsilon", "epsilon_high", "num_iterations", "scale_rewards",
+               "mask_truncated_completions", "max_new_tokens")
+
+
+def GRPOLoss(kind: str = "grpo", *args: Any, **settings: Any) -> GRPOLossKind:  # noqa: N802
+    """The loss of `kind` with `settings` (the former dataclass's signature and order:
+    beta, epsilon, epsilon_high, num_iterations, scale_rewards, mask_truncated_completions,
+    max_new_tokens, whose default stays 256). A bad value raises pydantic's
+    `ValidationError` (a `ValueError`) naming the field."""
+    if len(args) > len(_POSITIONAL):
+        raise TypeError(f"GRPOLoss takes at most {len(_POSITIONAL) + 1} positional arguments")
+    for name, value in zip(_POSITIONAL, args, strict=False):
+        if name in settings:
+            raise TypeError(f"GRPOLoss got two values for {name!r}")
+        settings[name] = value
+    cls = GRPO_LOSS_KINDS.get(kind)
+    if cls is None:
+        raise ValueError(f"loss.kind {kind!r}: one of {', '.join(GRPO_LOSS_KINDS)}")
+    settings.setdefault("max_new_tokens", 256)
+    return cls(**settings)
+
+
+def loss_and_targets(config: GRPOLossKind, s: TokenScores
+                     ) -> tuple[Tensor, Tensor | int, Metrics]:
+    """``config.loss(s)`` (the former function)."""
+    return config.loss(s)

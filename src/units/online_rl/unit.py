@@ -14,9 +14,22 @@ otherwise the ratio is exactly 1 (TRL's shortcut). The reference's log-probabili
 (``loss.beta > 0``) are computed then too. The window is checkpointed (`state_dict`), so a
 run resumed inside a window trains on the same completions and ends bit for bit the same.
 
+Where optimizer steps fall comes from the Trainer (`set_micro_batch`, called before each
+micro-batch with its place in the step); the unit keeps no copy of the accumulation
+(``num_accumulate`` is only a fallback for a caller that never calls the hook). The loss kind
+(`losses`) says whether old log-probabilities are needed, computes the advantages and the
+loss. Rewards come from `gangtrain.rl.rewards` sources (functions, reward models), scored
+through one function (`score_completions`) shared with the eval unit. Token log-probs go
+through the chunked head (`units.linear_cross_entropy`) where the model's head allows it at a
+large vocabulary (`units.causal_lm.auto_loss_chunk_size`): no [tokens, vocab] float32
+log-softmax is held. ``flops_per_token`` given, the unit states its FLOPs per target
+(`flops_per_target`): the training forwards and backwards (and the forwards of old and
+reference log-probs), never generation, so MFU counts the training work.
+
 Metrics (TRL's names; window statistics are computed from the gathered window, identical on
 every rank; token and completion statistics are totals, exact over DP): ``reward``,
-``reward_std``, ``frac_reward_zero_std``, ``rewards/<fn>/mean|std``,
+``reward_std``, ``frac_reward_zero_std``, ``rewards/<source>/mean|std`` (and what a source
+publishes, ``rewards/<source>/<metric>``),
 ``completions/mean_length``, ``completions/min_length``, ``completions/max_length``,
 ``completions/clipped_ratio``, ``kl``, ``entropy``, ``clip_ratio/*``,
 ``generation/completions_per_s``, ``generation/tokens_per_s``.
@@ -28,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -37,12 +50,20 @@ from gangs import FakeGang, Gang
 from gangs.errors import UserError
 from gangtrain.data.prompts import PromptSet
 from gangtrain.layers.wrappers import unwrapped
-from gangtrain.rl.advantages import group_advantages, leave_one_out_advantages, reward_metrics
+from gangtrain.rl.advantages import reward_metrics
 from gangtrain.rl.generation import Completion, Generator, sample_seed
-from gangtrain.rl.rewards import RewardFunction, score, weighted_sum
+from gangtrain.rl.rewards import (
+    RewardSource,
+    reward_weights,
+    score_completions,
+    weighted_sum,
+    with_weights,
+)
 from gangtrain.rl.rollouts import write_rollouts
+from units.causal_lm import auto_loss_chunk_size, chunked_loss_head, output_logits
+from units.linear_cross_entropy import captured_head, linear_log_probs_and_entropy
 from units.metrics import MetricBag
-from units.online_rl.losses import GRPOLoss, TokenScores, loss_and_targets
+from units.online_rl.losses import GRPOLossKind, TokenScores
 from units.online_rl.window import Slice, WindowBuffer, local_indices, slice_tensors
 from units.reference import ReferenceModel
 from units.unit import TrainUnit
@@ -62,11 +83,20 @@ class Rollouts:
     decode: Callable[[Sequence[int]], str] | None = None
 
 
-def token_logps(model: nn.Module, s: Slice, temperature: float, with_entropy: bool = False
+def token_logps(model: nn.Module, s: Slice, temperature: float, with_entropy: bool = False,
+                chunk_size: int | None | Literal["auto"] = "auto"
                 ) -> tuple[Tensor, Tensor | None]:
     """(log-probability of each completion token [n], flattened row by row; its entropy
-    [n] or None) under ``logits / temperature``."""
+    [n] or None) under ``logits / temperature``, float32. `chunk_size`: ``"auto"`` takes the
+    chunked head where `auto_loss_chunk_size` does (a plain linear head of a large
+    vocabulary), an int forces it (refused by name where the head cannot take it), None
+    the plain path (the whole [n, vocab] log-softmax). Both give the same values and
+    gradients to float32 rounding."""
+    if chunk_size == "auto":
+        chunk_size = auto_loss_chunk_size(model)
     keep = torch.nn.functional.pad(s.scored, (0, 1), value=False)
+    if chunk_size is not None:
+        return _chunked_token_logps(model, s, keep, temperature, with_entropy, chunk_size)
     out = model(input_ids=s.input_ids, attention_mask=s.attention_mask, use_cache=False,
                 logits_to_keep=keep)
     logits = out.logits if hasattr(out, "logits") else out
@@ -82,39 +112,68 @@ def token_logps(model: nn.Module, s: Slice, temperature: float, with_entropy: bo
     return logp, entropy
 
 
-class GRPOUnit(TrainUnit[dict[str, Any]]):
-    """``prompts``: the prompt set the windows index; ``rewards`` and ``reward_weights``:
-    TRL's; ``batch_size``: completions per global micro-batch; ``window``: micro-batches
-    per generation; ``num_accumulate``: the Trainer's (to know when a window outlives a
-    step); ``dp``: the data-parallel gang."""
+def _chunked_token_logps(model: nn.Module, s: Slice, keep: Tensor, temperature: float,
+                         with_entropy: bool, chunk_size: int) -> tuple[Tensor, Tensor | None]:
+    """`token_logps` with the head skipped in the model (`captured_head`) and computed
+    `chunk_size` completion tokens at a time (`linear_log_probs_and_entropy`)."""
+    head = chunked_loss_head(model)
+    with captured_head(head) as seen:
+        logits = output_logits(model(input_ids=s.input_ids, attention_mask=s.attention_mask,
+                                     use_cache=False, logits_to_keep=keep))
+    unchanged = getattr(seen, "output_unchanged", None)  # the in-place check, where known
+    if seen.hidden is None or logits is not seen.output or (unchanged and not unchanged(logits)):
+        raise ValueError(f"{type(unwrapped(model)).__name__} changes its logits after its head, "
+                         "which the chunked head would skip: pass chunk_size=None")
+    hidden = seen.hidden.reshape(-1, seen.hidden.shape[-1])
+    assert s.targets is not None
+    return linear_log_probs_and_entropy(hidden, head.weight, head.bias, s.targets, chunk_size,
+                                        temperature, entropy=with_entropy)
 
-    def __init__(self, model: nn.Module, loss: GRPOLoss, prompts: PromptSet,
-                 rewards: Sequence[RewardFunction], rollouts: Rollouts, *,
-                 num_generations: int, batch_size: int, window: int, num_accumulate: int = 1,
-                 temperature: float = 1.0, pad_id: int = 0, seed: int = 0,
-                 reward_weights: Sequence[float] | None = None,
-                 reference: ReferenceModel | None = None, dp: Gang | None = None) -> None:
+
+class GRPOUnit(TrainUnit[dict[str, Any]]):
+    """``loss``: the loss kind with its settings (`losses.GRPO_LOSS_KINDS`); ``prompts``: the
+    prompt set the windows index; ``rewards``: the reward sources, each with its weight
+    (`gangtrain.rl.rewards`); ``batch_size``: completions per global micro-batch;
+    ``window``: micro-batches per generation; ``dp``: the data-parallel gang;
+    ``flops_per_token``: the training FLOPs of one token (forward and backward, as
+    `CausalLMUnit`'s ``flops_per_target``), for `flops_per_target`; ``logps_chunk_size``:
+    see `token_logps`.
+
+    Kept for code written against the former signature: ``num_accumulate`` (used only when
+    the Trainer does not call `set_micro_batch`), ``reward_weights`` (one weight per source,
+    replacing theirs; warned)."""
+
+    def __init__(self, model: nn.Module, loss: GRPOLossKind, prompts: PromptSet,
+                 rewards: Sequence[RewardSource], rollouts: Rollouts, *,
+                 num_generations: int, batch_size: int, window: int,
+                 num_accumulate: int | None = None, temperature: float = 1.0, pad_id: int = 0,
+                 seed: int = 0, reward_weights: Sequence[float] | None = None,
+                 reference: ReferenceModel | None = None, dp: Gang | None = None,
+                 flops_per_token: float | None = None,
+                 logps_chunk_size: int | None | Literal["auto"] = "auto") -> None:
         self._model = model
         self.loss = loss
         self.prompts = prompts
-        self.rewards = list(rewards)
-        self.weights = list(reward_weights) if reward_weights is not None else \
-            [1.0] * len(self.rewards)
+        self.rewards = with_weights(rewards, reward_weights)
         self.rollouts = rollouts
         self.G, self.B, self.W = num_generations, batch_size, window
-        self.num_accumulate = num_accumulate
+        self.num_accumulate = num_accumulate or 1  # only without the Trainer's hook
         self.temperature = temperature
         self.pad_id, self.seed = pad_id, seed
         self.reference = reference
         self.dp = dp or FakeGang()
-        if loss.beta > 0 and reference is None:
+        self.flops_per_token = flops_per_token
+        self.logps_chunk_size = logps_chunk_size
+        if loss.needs_reference and reference is None:
             raise ValueError("loss.beta > 0 needs a reference model")
         if batch_size % self.dp.size:
             raise ValueError(f"data.batch_size {batch_size} is not divisible by the DP size "
                              f"{self.dp.size}")
         self.buffer: WindowBuffer | None = None
         self._step_nr, self._calls_in_step = 0, 0
+        self._place: tuple[int, int] | None = None  # (index, micro-batches) from the Trainer
         self._step_records: list[dict[str, Any]] = []
+        self._flops = (0.0, 0)  # (training FLOPs, targets) of the windows opened so far
 
     @property
     def model(self) -> nn.Module:
@@ -124,6 +183,33 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         if step_nr != self._step_nr:
             self._step_records = []
         self._step_nr, self._calls_in_step = step_nr, 0
+
+    def set_micro_batch(self, index: int, num_micro_batches: int) -> None:
+        """The Trainer's word on where the next micro-batch falls in its step."""
+        self._place = (index, num_micro_batches)
+
+    def _window_outlives_step(self) -> bool:
+        """Whether the window opening now has micro-batches after this step's end."""
+        index, count = self._place or (self._calls_in_step, self.num_accumulate)
+        return index + self.W > count
+
+    def flops_per_target(self) -> float | None:
+        """FLOPs per target of the training work (no generation): measured over the
+        windows opened so far, or, before the first, estimated from the prompts' mean
+        length and ``max_new_tokens`` completions; None without ``flops_per_token``."""
+        if self.flops_per_token is None:
+            return None
+        flops, targets = self._flops
+        if targets > 0:
+            return flops / targets
+        n = len(self.prompts)
+        prompt = sum(len(self.prompts[i].ids) for i in range(n)) / max(n, 1)
+        new = self.loss.max_new_tokens or getattr(self.rollouts.generator, "max_new_tokens",
+                                                  256)
+        forwards = int(self.loss.needs_old_logps(False)) + int(self.loss.needs_reference)
+        cost = self.flops_per_token * (prompt + new) * (
+            1 + forwards / (3 * self.loss.num_iterations))
+        return cost / (new if self.loss.counts_tokens else 1)
 
     # -- checkpointed state: the current window -----------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -143,11 +229,14 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
                                "without its window (a checkpoint saved under another layout "
                                "cannot resume inside a window)")
         self._calls_in_step += 1
+        self._place = None
         s = self.buffer.slices[position % self.W]
-        logp, entropy = token_logps(self._model, s, self.temperature, with_entropy=True)
+        logp, entropy = token_logps(self._model, s, self.temperature, with_entropy=True,
+                                    chunk_size=self.logps_chunk_size)
         row = s.row
+        assert row is not None
         scores = TokenScores(logp, s.old, s.ref, row, s.advantages, s.kept)
-        loss, num_targets, values = loss_and_targets(self.loss, scores)
+        loss, num_targets, values = self.loss.loss(scores)
         weight = s.kept[row].double()
         assert entropy is not None
         values["entropy"] = ((entropy.double() * weight).sum(), weight.sum())
@@ -157,17 +246,12 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         return loss, num_targets
 
     # -- a new window -------------------------------------------------------------------
-    def _needs_old(self) -> bool:
-        """Whether a micro-batch of the window opening now is trained after an update."""
-        return self.loss.num_iterations > 1 or self._calls_in_step + self.W > \
-            self.num_accumulate or (self.loss.kind == "rloo" and self.loss.beta > 0)
-
     def _open(self, window: int, prompt_indices: list[int], metrics: MetricBag
               ) -> WindowBuffer:
         mine = local_indices(self.W, self.B, self.dp.rank, self.dp.size)
         where = [(prompt_indices[c // self.G], c % self.G) for c in mine]
         started = time.perf_counter()
-        completions, values, names = self._sample(window, where)
+        completions, values, names = self._sample(window, where, metrics)
         seconds = time.perf_counter() - started
         prompt_ids = [self.prompts[p].ids for p, _ in where]
         b = self.B // self.dp.size
@@ -183,7 +267,9 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         device = next(self._model.parameters()).device
         slices = [Slice(*(t.to(device) if isinstance(t, Tensor) else t
                           for t in vars(s).values())) for s in slices]
-        kl_sequence = self._score_old_and_reference(slices)
+        needs_old = self.loss.needs_old_logps(self._window_outlives_step())
+        kl_sequence = self._score_old_and_reference(slices, needs_old)
+        self._count_flops(prompt_ids, completions, needs_old)
         advantages = self._advantages(values, kl_sequence, names, metrics)
         local = advantages[torch.tensor(mine)]
         for m, s in enumerate(slices):
@@ -193,7 +279,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
             self._write(window, where, completions, values, names, advantages, mine)
         return WindowBuffer(window, slices)
 
-    def _sample(self, window: int, where: list[tuple[int, int]]
+    def _sample(self, window: int, where: list[tuple[int, int]], metrics: MetricBag
                 ) -> tuple[list[Completion], Tensor, list[str]]:
         """This rank's completions and their reward values [n, functions]."""
         if self.rollouts.replay is not None:
@@ -202,16 +288,10 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         seeds = [sample_seed(self.seed, window, p, s) for p, s in where]
         completions = self.rollouts.generator.generate([self.prompts[p].ids for p, _ in where],
                                                        seeds)
-        prompts = [self.prompts[p] for p, _ in where]
-        decode = self.rollouts.decode or (lambda ids: " ".join(map(str, ids)))
-        texts: list[Any] = [decode(c.ids) for c in completions]
-        if self.prompts.conversational:
-            texts = [[{"role": "assistant", "content": t}] for t in texts]
-        columns: dict[str, list[Any]] = {}
-        for key in sorted({k for p in prompts for k in p.columns}):
-            columns[key] = [p.columns.get(key) for p in prompts]
-        values = score(self.rewards, [p.prompt for p in prompts], texts,
-                       [c.ids for c in completions], columns)
+        values = score_completions(
+            self.rewards, self.prompts, [p for p, _ in where], [c.ids for c in completions],
+            self.rollouts.decode, step_nr=self._step_nr,
+            publish=lambda name, value: metrics.update_mean(name, float(value)))
         return completions, values, [r.name for r in self.rewards]
 
     def _replayed(self, window: int, where: list[tuple[int, int]]
@@ -235,24 +315,43 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         return completions, values.reshape(len(chosen), len(names)), names
 
     @torch.no_grad()
-    def _score_old_and_reference(self, slices: list[Slice]) -> Tensor | None:
-        """Fill each slice's old and reference log-probs when needed; rloo with beta: each
-        completion's k1 KL sum (this rank's, slice by slice)."""
-        needs_old = self._needs_old()
+    def _score_old_and_reference(self, slices: list[Slice], needs_old: bool) -> Tensor | None:
+        """Fill each slice's old and reference log-probs when needed; each completion's k1
+        KL sum (this rank's, slice by slice) where the loss kind wants it in the reward."""
         policy = unwrapped(self._model)
+        sequence_kl = self.loss.needs_sequence_kl()
         kl = []
         for s in slices:
             if needs_old:
-                s.old = token_logps(policy, s, self.temperature)[0].detach()
-            if self.reference is not None and self.loss.beta > 0:
+                s.old = token_logps(policy, s, self.temperature,
+                                    chunk_size=self.logps_chunk_size)[0].detach()
+            if self.reference is not None and self.loss.needs_reference:
                 with self.reference.scoring() as reference:
-                    s.ref = token_logps(unwrapped(reference), s, self.temperature)[0]
-                if self.loss.kind == "rloo":
+                    s.ref = token_logps(unwrapped(reference), s, self.temperature,
+                                        chunk_size=self.logps_chunk_size)[0]
+                if sequence_kl:
                     assert s.old is not None and s.row is not None
                     kl.append(torch.zeros(s.scored.shape[0], dtype=torch.float64,
                                           device=s.row.device).index_add(
                         0, s.row, (s.old - s.ref).double()))
         return torch.cat(kl).cpu() if kl else None
+
+    def _count_flops(self, prompt_ids: list[Any], completions: list[Completion],
+                     needs_old: bool) -> None:
+        """Add the window's training FLOPs and targets (host numbers) for
+        `flops_per_target`: each micro-batch trained num_iterations times, plus a forward
+        (a third of forward and backward) for old and for reference log-probs."""
+        if self.flops_per_token is None:
+            return
+        tokens = sum(len(p) + len(c.ids) for p, c in zip(prompt_ids, completions, strict=True))
+        kept = [not (self.loss.mask_truncated_completions and c.truncated) for c in completions]
+        targets = self.loss.host_targets([len(c.ids) for c in completions], kept)
+        forwards = int(needs_old) + int(self.reference is not None
+                                        and self.loss.needs_reference)
+        iterations = self.loss.num_iterations
+        flops = self.flops_per_token * tokens * (iterations + forwards / 3)
+        total, count = self._flops
+        self._flops = (total + flops, count + targets * iterations)
 
     def _gather(self, local: Tensor) -> Tensor:
         """Every rank's rows of ``local`` [n, k], in window order."""
@@ -270,20 +369,13 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         local = values if kl_sequence is None else torch.cat([values, kl_sequence[:, None]], 1)
         device = next(self._model.parameters()).device
         gathered = self._gather(local.to(device)).cpu()
-        per_function = gathered[:, :len(names)]
-        weights = self.weights if len(self.weights) == len(names) else [1.0] * len(names)
-        rewards = weighted_sum(per_function, weights)
+        per_source = gathered[:, :len(names)]
+        rewards = weighted_sum(per_source, reward_weights(self.rewards, names))
         scale = self.loss.scale_rewards
-        for name, value in reward_metrics(rewards, per_function, names, self.G, scale).items():
+        for name, value in reward_metrics(rewards, per_source, names, self.G, scale).items():
             metrics.update_mean(name, float(value))
-        if self.loss.kind != "rloo":
-            return group_advantages(rewards, self.G, scale)
-        if kl_sequence is not None:
-            rewards = rewards - self.loss.beta * gathered[:, -1]
-        advantages = leave_one_out_advantages(rewards, self.G)
-        if scale == "batch":
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-4)
-        return advantages
+        return self.loss.advantages(rewards, self.G,
+                                    None if kl_sequence is None else gathered[:, -1])
 
     def _record_completions(self, completions: list[Completion], seconds: float,
                             metrics: MetricBag) -> None:
@@ -307,20 +399,12 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         local = [(c, p, s, comp.ids, comp.logprobs, comp.truncated, values[i].tolist())
                  for i, (c, (p, s), comp) in enumerate(zip(mine, where, completions,
                                                            strict=True))]
-        gathered = [local]
-        if self.dp.size > 1:
-            import torch.distributed as dist
-
-            group = self.dp.as_process_group()
-            everything: list[Any] = [None] * self.dp.size if self.dp.rank == 0 else []
-            dist.gather_object(local, everything if self.dp.rank == 0 else None,
-                               dst=dist.get_global_rank(group, 0), group=group)
-            gathered = everything
+        gathered = self.dp.all_gather_objects(local) if self.dp.size > 1 else [local]
         if self.dp.rank != 0:
             return
         decode = self.rollouts.decode or (lambda ids: " ".join(map(str, ids)))
         rows = sorted(row for part in gathered for row in part)
-        weights = self.weights if len(self.weights) == len(names) else [1.0] * len(names)
+        weights = reward_weights(self.rewards, names)
         for c, p, s, ids, logprobs, truncated, reward_values in rows:
             prompt = self.prompts[p]
             rewards = dict(zip(names, reward_values, strict=True))

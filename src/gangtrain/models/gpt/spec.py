@@ -64,7 +64,7 @@ class GPTSpec:
                             "experts under PP yet")
         check_context_split(sizes, config.num_heads, "model.num_heads")
 
-    def model_files(self) -> None:
+    def model_files(self, tokenizer: Any = None) -> None:
         return None  # the trainer's null default: best_model.safetensors
 
 

@@ -9,7 +9,9 @@
 - `export_adapter(checkpoint, output_dir)`: a checkpoint's LoRA adapters in peft's format.
 - `hf_model_of(model)`: the transformers model that `model` is or wraps (through DDP, FSDP2,
   `torch.compile`), else None.
-- `HFModelFiles`: the trainer's files of a HF model (registered here for every HF model).
+- `HFModelFiles`: the trainer's files of a HF model (`step_N/hf/`, `OUT/hf/`): the default of
+  every model `load_pretrained` returns (it carries them as `gangtrain_model_files`), or
+  handed to the Trainer with the tokenizer as used (`gangtrain.posttrain`).
 
 transformers is imported only when these are called.
 """
@@ -19,9 +21,6 @@ from gangtrain.models.hf.load import load_pretrained
 from gangtrain.models.hf.model_files import hf_model_of
 from gangtrain.models.hf.spec import HFSpec, spec_for
 from gangtrain.models.hf.trainer_files import HFModelFiles
-from trainer.checkpoint.model_files import register_model_files
-
-register_model_files(HFModelFiles())
 
 __all__ = ["HFModelFiles", "HFSpec", "export_adapter", "export_best_model", "export_pretrained",
            "hf_model_of", "load_pretrained", "spec_for"]

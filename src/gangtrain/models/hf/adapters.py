@@ -24,7 +24,7 @@ import torch
 from gangtrain.layers.lora import merged_weight
 from gangtrain.models.hf.adapter_files import ADAPTER_CONFIG, BASE_REFERENCE, base_changes
 from gangtrain.models.hf.conversion import ConvertedFiles
-from gangtrain.models.hf.load import build_on_meta, tensor_aliases
+from gangtrain.models.hf.meta import build_on_meta, tensor_aliases
 from gangtrain.models.hf.safetensors_files import WeightFiles
 from trainer.checkpoint.streaming import ModelTensors, TensorInfo
 from trainer.errors import UserError

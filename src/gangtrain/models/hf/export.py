@@ -39,7 +39,7 @@ from gangtrain.models.hf.adapters import (
     merged_tensors,
 )
 from gangtrain.models.hf.conversion import saved_layout
-from gangtrain.models.hf.load import build_on_meta, tensor_aliases
+from gangtrain.models.hf.meta import build_on_meta, tensor_aliases
 from gangtrain.models.hf.model_files import HF_FILES
 from gangtrain.models.hf.safetensors_files import SINGLE_FILE
 from trainer.checkpoint.export import export_best

@@ -30,7 +30,7 @@ from torch import nn
 from gangs import Gangs
 from gangtrain.models.hf.load import load_pretrained
 from gangtrain.models.hf.model_files import hf_model_of
-from gangtrain.models.hf.spec import DecoderStage, spec_for
+from gangtrain.models.hf.spec import DecoderStage, HFSpec, spec_for
 from gangtrain.parallel.pipeline import PipelinedModel, pipeline_model
 from trainer.errors import UserError
 from units.causal_lm import CausalLMEvalUnit, CausalLMUnit
@@ -62,21 +62,22 @@ class HFLayout:
 
 def load_layout(path: str, gangs: Gangs, *, data_parallel: str | None, num_accumulate: int,
                 pp_schedule: str = "1f1b", pp_boundaries: list[int] | None = None,
-                **load_options: Any) -> HFLayout:
+                spec: HFSpec | None = None, **load_options: Any) -> HFLayout:
     """The pretrained model of `path` over `gangs` (see the module docstring);
     `num_accumulate`: the micro-batches of a step (a pipeline schedule's); `load_options`:
-    `load_pretrained`'s (adapters, activation checkpointing, ...)."""
+    `load_pretrained`'s (adapters, activation checkpointing, ...); `spec`: the family's,
+    when the caller has looked it up (else looked up here)."""
     if gangs.pp.size > 1:
         def split(model: nn.Module) -> PipelinedModel:
             return pipeline_model(
-                model, gangs.pp.as_process_group(), spec=spec_for(model),
+                model, gangs.pp.as_process_group(), spec=spec or spec_for(model),
                 loss_fn=summed_lm_loss, num_microbatches=num_accumulate,
                 schedule=pp_schedule, boundaries=pp_boundaries,
                 device=gangs.device)
 
         try:
             pipe = load_pretrained(path, gangs, data_parallel=data_parallel, pipeline=split,
-                                   **load_options)
+                                   spec=spec, **load_options)
         except ValueError as error:  # a schedule, boundaries or options the split refuses
             raise UserError(f"config 'gangs': {error}") from None
         # What no checkpoint holds (rotary tables) is computed by the model's own init: the
@@ -85,12 +86,13 @@ def load_layout(path: str, gangs: Gangs, *, data_parallel: str | None, num_accum
             if isinstance(stage.submod, DecoderStage):
                 stage.submod.initialize_weights()
         return HFLayout(pipe.model, pipe)
-    model = load_pretrained(path, gangs, data_parallel=data_parallel, **load_options)
+    model = load_pretrained(path, gangs, data_parallel=data_parallel, spec=spec,
+                            **load_options)
     if gangs.cp.size > 1:
         hf_model = hf_model_of(model)
         assert hf_model is not None  # load_pretrained builds a transformers model
         try:
-            spec_for(hf_model).attend_over(hf_model, gangs.cp.as_process_group())
+            (spec or spec_for(hf_model)).attend_over(hf_model, gangs.cp.as_process_group())
         except ValueError as error:
             raise UserError(f"config 'gangs.cp_size': {error}") from None
     return HFLayout(model, None)

@@ -23,7 +23,6 @@ HSDP, DP x TP and EP start from the weights `from_pretrained` gives.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -37,10 +36,12 @@ from gangs import Gangs
 from gangtrain.layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
 from gangtrain.models.hf.conversion import ConvertedFiles
 from gangtrain.models.hf.gated_mlp import recompute_gated_activations
-from gangtrain.models.hf.hf_config import read_hf_config
+from gangtrain.models.hf.meta import build_on_meta, named_tensors, tensor_aliases
+from gangtrain.models.hf.model_files import hf_model_of
 from gangtrain.models.hf.safetensors_files import WeightFiles
-from gangtrain.models.hf.spec import spec_for
+from gangtrain.models.hf.spec import HFSpec, spec_for
 from gangtrain.models.hf.tied_embedding import add_tied_embedding_rows_in_place
+from gangtrain.models.hf.trainer_files import HFModelFiles
 from gangtrain.parallel import plan
 from gangtrain.parallel.materialize import local_slices, materialize, seeded_init
 from trainer.errors import UserError
@@ -54,31 +55,6 @@ log = logging.getLogger("gangtrain")
 _HF_INITIALIZED = "_is_hf_initialized"
 
 
-def build_on_meta(path: Path | str, dtype: torch.dtype | None = None,
-                  untie_word_embeddings: bool = False,
-                  attn_implementation: str | None = None) -> nn.Module:
-    """The causal LM of the HF directory `path` (from its `config.json` alone) on the meta
-    device: no memory, no initialisation, no weights read. `untie_word_embeddings` builds
-    it with `tie_word_embeddings` false whatever the file says (see `load_pretrained`);
-    `attn_implementation` (e.g. "sdpa", "eager") as `from_config` takes it."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(path).resolve()  # config.name_or_path: where checkpoints find the tokenizer
-    config = read_hf_config(path)
-    if untie_word_embeddings:
-        config.tie_word_embeddings = False
-    try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32,
-                                                    attn_implementation=attn_implementation)
-    except ValueError as error:  # a config transformers maps to no causal LM, or a kernel
-        first = str(error).strip().splitlines()[0]  # the model does not support
-        if attn_implementation is not None and "attention" in first:
-            raise UserError(f"attn_implementation {attn_implementation!r} for "
-                            f"{path / 'config.json'}: {first}") from error
-        raise UserError(f"{path / 'config.json'}: {error}") from error
-
-
 def load_pretrained(
     path: Path | str,
     gangs: Gangs,
@@ -89,6 +65,7 @@ def load_pretrained(
     seed: int = 0,
     attn_implementation: str | None = None,
     pipeline: plan.Split | None = None,
+    spec: HFSpec | None = None,
     **kwargs: Any,
 ) -> Any:
     """The Hugging Face model saved in the local directory `path` (`config.json` and
@@ -116,6 +93,8 @@ def load_pretrained(
         zero), drawn per name: the same on every rank and layout.
     pipeline: cut the model into pipeline stages (`parallel.plan.Split`); then the
         `PipelinedModel` of this rank's stages is returned, only they read from the files.
+    spec: the model's family spec when the caller has it (`gangtrain.posttrain` hands the
+        one it looked up); None: looked up here (`spec_for`).
 
     The files are read as `from_pretrained` reads them: transformers' own load-time
     conversion rules rename and fuse their tensors into the model's (per-expert tensors
@@ -136,18 +115,22 @@ def load_pretrained(
         raise UserError(f"load_pretrained options {sorted(kwargs)} configure data_parallel, "
                         "which is None")
     pretrained = _Pretrained(Path(path), dtype, seed, attn_implementation)
-    transforms = [] if lora is None else [partial(_with_adapters, settings=lora)]
-    model = plan.build_model(pretrained.on_meta, gangs, tensor_parallel=_tensor_parallel,
+    transforms = [] if lora is None else [partial(_with_adapters, settings=lora, spec=spec)]
+    model = plan.build_model(pretrained.on_meta, gangs,
+                             tensor_parallel=partial(_tensor_parallel, spec=spec),
                              data_parallel=data_parallel, materialize=pretrained.materialize,
                              transforms=transforms, pipeline=pipeline, **kwargs)
     add_tied_embedding_rows_in_place(model)  # where tied and neither wrapped nor sharded
-    recompute_gated_activations(model if isinstance(model, nn.Module) else model.model)
+    trained = model if isinstance(model, nn.Module) else model.model
+    recompute_gated_activations(trained)
+    if hf_model_of(trained) is not None:  # the Trainer's default files for this model
+        trained.gangtrain_model_files = HFModelFiles()
     return model
 
 
-def _with_adapters(model: nn.Module, settings: LoraSettings) -> nn.Module:
+def _with_adapters(model: nn.Module, settings: LoraSettings, spec: HFSpec | None) -> nn.Module:
     if settings.target_modules is None:  # the family's own targets
-        settings = replace(settings, target_modules=spec_for(model).lora_targets)
+        settings = replace(settings, target_modules=(spec or spec_for(model)).lora_targets)
     try:
         return apply_lora(model, settings)
     except ValueError as error:  # a target the model does not have, or not a linear layer
@@ -184,29 +167,10 @@ class _Pretrained:
         _fill(model, self.targets, self.files, device, self.seed)
 
 
-def _tensor_parallel(model: nn.Module, gangs: Gangs) -> None:
+def _tensor_parallel(model: nn.Module, gangs: Gangs, spec: HFSpec | None) -> None:
     """The family's TP step (its spec's: the experts over `gangs.ep`, its TP plan over
     `gangs.tp`)."""
-    spec_for(model).tensor_parallel(model, gangs)
-
-
-def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
-    """`{name: every name of that tensor in the state dict}` for every parameter (a tied one
-    once, under its first name in module order, the one `save_pretrained` keeps) and
-    persistent buffer."""
-    aliases: dict[int, list[str]] = {}
-    first: dict[int, str] = {}
-    state_names = set(model.state_dict().keys())
-    for name, tensor in _named_tensors(model, remove_duplicate=False):
-        if name in state_names:  # non-persistent buffers are not in the files
-            aliases.setdefault(id(tensor), []).append(name)
-            first.setdefault(id(tensor), name)
-    return {first[key]: names for key, names in aliases.items()}
-
-
-def _named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
-    yield from model.named_parameters(remove_duplicate=remove_duplicate)
-    yield from model.named_buffers(remove_duplicate=remove_duplicate)
+    (spec or spec_for(model)).tensor_parallel(model, gangs)
 
 
 def _file_key(names: list[str], files: ConvertedFiles) -> str | None:
@@ -248,7 +212,7 @@ def _check_keys_and_shapes(
 ) -> None:
     """One `UserError` naming the first missing key, unexpected key or shape mismatch, before
     anything is allocated."""
-    tensors = dict(_named_tensors(model))
+    tensors = dict(named_tensors(model))
     where = files.source
     for name, names in targets.items():
         key = _file_key(names, files)
@@ -297,7 +261,7 @@ def _fill(model: nn.Module, targets: dict[str, list[str]], files: ConvertedFiles
     # Non-persistent buffers (e.g. LLaMA's rotary `inv_freq`) are no checkpoint's business:
     # transformers recomputes them in `initialize_weights`, which skips the tensors that
     # carry its "initialised" flag, i.e. every tensor just read.
-    tensors = dict(_named_tensors(model))
+    tensors = dict(named_tensors(model))
     for name in [*targets, *(name for name in tensors if is_adapter(name))]:
         if name in tensors:  # a pipeline stage holds some of the model's tensors
             setattr(tensors[name], _HF_INITIALIZED, True)

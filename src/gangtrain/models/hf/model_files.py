@@ -2,7 +2,9 @@
 exported as a HF directory offline (`gangtrain.models.hf.export_pretrained`) without the code or
 the files the run started from:
 
-    step_{N}/hf/    config.json, generation_config.json, and the tokenizer files of the
+    step_{N}/hf/    config.json, generation_config.json, and the tokenizer as the run used
+                    it (`tokenizer`: the recipe's, its chat template and end token
+                    overrides applied; `save_pretrained`), else the tokenizer files of the
                     directory the model was loaded from (`config.name_or_path`), if any;
                     with LoRA adapters also adapter_config.json and lora_base.json
                     (`gangtrain.models.hf.adapter_files`); the loaded directory's
@@ -20,6 +22,7 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -48,8 +51,10 @@ def hf_model_of(model: nn.Module) -> nn.Module | None:
                  if isinstance(seen, transformers.PreTrainedModel)), None)
 
 
-def write_model_files(model: nn.Module, step_dir: Path) -> None:
-    """Write `step_dir/hf/` for a HF model (see the module docstring); nothing otherwise."""
+def write_model_files(model: nn.Module, step_dir: Path, tokenizer: Any = None) -> None:
+    """Write `step_dir/hf/` for a HF model (see the module docstring); nothing otherwise.
+    `tokenizer`: the one the run used, saved in place of the source directory's files (a
+    run's chat template or end token is then the one a checkpoint exports)."""
     hf_model = hf_model_of(model)
     if hf_model is None:
         return
@@ -67,7 +72,9 @@ def write_model_files(model: nn.Module, step_dir: Path) -> None:
         generation_config = getattr(hf_model, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(target)
-    if from_source:
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target)
+    elif from_source:
         for name in TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copyfile(source / name, target / name)

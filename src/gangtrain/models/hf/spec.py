@@ -139,10 +139,11 @@ class HFSpec:
         refuse_tied_under_pipeline(sizes, bool(getattr(config, "tie_word_embeddings", False)),
                                    model_file="tie_word_embeddings in config.json")
 
-    def model_files(self) -> Any:
+    def model_files(self, tokenizer: Any = None) -> Any:
+        """`tokenizer`: as the run used it, kept in each `step_N/hf/` (see `HFModelFiles`)."""
         from gangtrain.models.hf.trainer_files import HFModelFiles
 
-        return HFModelFiles()
+        return HFModelFiles(tokenizer)
 
     def _layout(self, model: nn.Module) -> PipelineLayout:
         return PipelineLayout(model, self.name, self.pp_plan(model))

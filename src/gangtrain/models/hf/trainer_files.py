@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -19,13 +20,18 @@ __all__ = ["HFModelFiles"]
 class HFModelFiles(ModelFiles):
     """A transformers model's files for the trainer: `step_N/hf/` beside the weights, the
     LoRA base checked before loading, and the best checkpoint exported as a HF directory
-    (`OUTPUT_DIR/hf/`, adapters in `OUTPUT_DIR/adapter/`)."""
+    (`OUTPUT_DIR/hf/`, adapters in `OUTPUT_DIR/adapter/`). `tokenizer`: the tokenizer as
+    the run used it (a recipe's chat template and end token applied), which `step_N/hf/`
+    and so `OUTPUT_DIR/hf/` hold; None: the files of the directory the model came from."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
 
     def is_for(self, model: nn.Module) -> bool:
         return hf_model_of(model) is not None
 
     def write(self, model: nn.Module, step_dir: Path) -> None:
-        write_model_files(model, step_dir)
+        write_model_files(model, step_dir, self.tokenizer)
 
     def check_base(self, step_dir: Path, model: nn.Module, gang: Gang) -> None:
         check_base(step_dir, model, hf_model_of(model), gang)

@@ -1,0 +1,5 @@
+"""Moved to `gangtrain.tiny.prompts` (this alias warns, for one release)."""
+
+from gangs.moved import alias_module
+
+alias_module(__name__, "gangtrain.tiny.prompts")

@@ -1,0 +1,1 @@
+"""The objectives that ship (`gangtrain.posttrain.objective.OBJECTIVES` names them)."""

@@ -1,0 +1,222 @@
+"""Preference optimisation (`recipes.preference`): DPO, IPO, SimPO and ORPO on TRL's pair
+formats (explicit or implicit prompt, conversational or text), the pairs tokenised once into
+a cache (`data.preference`), the preference units (`units.preference`). TRL's `DPOConfig`
+names map to: `beta` -> loss.beta, `loss_type` -> loss.kind, `label_smoothing`,
+`rpo_alpha` -> loss.*, `max_length` -> data.seq_len, `truncation_mode` -> data.over_long
+(the prompt is cut first).
+
+The reference model, by default and for every layout: a frozen copy of the pretrained model
+built by the same plan over the same gangs (TP by the model's plan, FSDP2/HSDP sharded like
+the policy under `trainer.data_parallel=fsdp`, whole on each rank under DDP); with LoRA none:
+the policy with its adapters disabled; simpo and orpo need none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field, PositiveInt
+
+from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
+from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, AdamWConfig, TrainerConfig
+from gangtrain.app.pretrained import check_layout
+from gangtrain.data.mixing import hold_out
+from gangtrain.data.preference import (
+    PairEvalBatches,
+    PairFields,
+    PairReader,
+    plan_pairs,
+    tokenize_pairs,
+)
+from gangtrain.data.sft import Tokenized
+from gangtrain.posttrain.objective import Objective, Parts
+from trainer.errors import UserError
+from units.preference import PreferenceEvalUnit, PreferenceLoss, PreferenceUnit
+
+__all__ = ["RESUME_GUARD", "PairData", "PreferenceConfig", "PreferenceObjective",
+           "prepare_pairs"]
+
+REFERENCE_FREE = ("simpo", "orpo")
+
+class ModelSection(Section):
+    path: str | None = None
+    """A local Hugging Face model directory (config.json, safetensors weights, tokenizer
+    files with a chat template for conversations), usually an SFT result. Required."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward (the policy's)."""
+
+
+class OptimizerSection(AdamWConfig):
+    """AdamW with TRL's DPOConfig defaults (lr 1e-6, betas 0.9/0.999, no weight decay)."""
+
+    lr: float = Field(default=1e-6, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+
+
+class DataSection(Section):
+    files: list[str] = []
+    """Training pairs: JSONL, JSON or Parquet files, or directories of them. Required."""
+    valid_files: list[str] = []
+    """Validation pairs, read like `files`; empty: `valid_fraction` of `files` held out."""
+    prompt_field: str = "prompt"
+    """Absent from a record: the prompt is the beginning `chosen` and `rejected` share."""
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    chat_template: str | None = None
+    """A Jinja chat template file replacing the tokenizer's own; null: the tokenizer's."""
+    seq_len: PositiveInt = 1024
+    """Tokens of a pair's longer side at most (TRL's max_length)."""
+    over_long: Literal["truncate", "drop"] = "truncate"
+    """A longer pair: cut the prompt from its start (both sides alike), then the ends; or
+    leave the pair out. Either is counted in the log."""
+    batch_size: PositiveInt = 16
+    """The GLOBAL micro-batch in pairs, across DP ranks (each pair is two rows)."""
+    valid_batch_size: PositiveInt = 16
+    valid_fraction: float = Field(default=0.05, gt=0, lt=1)
+    split_seed: int = 0
+    shuffle_seed: int = 0
+    cache_dir: str | None = None
+    """Where `datasets` keeps the Arrow copies and tokenised tables; null: its own."""
+    num_workers: PositiveInt | None = None
+    """Processes that tokenise (datasets' num_proc); null: this one."""
+
+
+class LossSection(Section):
+    kind: Literal["dpo", "ipo", "simpo", "orpo"] = "dpo"
+    """dpo (sigmoid), ipo, simpo (reference-free, length-normalised), orpo (NLL + odds
+    ratio, reference-free); see `units.preference`."""
+    beta: float = Field(default=0.1, gt=0)
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    """Conservative DPO / SimPO: the share of pairs assumed flipped."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin."""
+    rpo_alpha: float | None = None
+    """Weight of an NLL term on the chosen answer (per token, per pair); null: none."""
+
+    def settings(self) -> PreferenceLoss:
+        try:
+            return PreferenceLoss(self.kind, self.beta, self.label_smoothing,
+                                  self.simpo_gamma, self.rpo_alpha)
+        except ValueError as error:
+            raise UserError(f"config {error}") from None
+
+
+class PreferenceConfig(Section):
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    loss: LossSection = LossSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    lr_scheduler: LRSchedulerSection = LRSchedulerSection(warmup_steps=10)
+    trainer: TrainerConfig = FINETUNING_TRAINER
+    gangs: GangsSection = GangsSection()
+    lora: LoraSection = LoraSection()
+
+
+# Settings a resumed run may not change: the model, the loss and what a data position means.
+RESUME_GUARD = ("model.path", "data.files", "data.prompt_field", "data.chosen_field",
+                "data.rejected_field", "data.chat_template", "data.seq_len", "data.over_long",
+                "data.batch_size", "data.valid_fraction", "data.split_seed",
+                "data.shuffle_seed", "loss.kind", "loss.beta", *LoraSection.RESUME_GUARD)
+
+
+@dataclass
+class PairData:
+    """Every rank's view of the pairs: the same plan on every rank, each its share."""
+
+    train: PairReader | None
+    valid: PairEvalBatches
+    summary: list[str]
+
+
+def prepare_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0, dp_size: int = 1,
+                  train: bool = True) -> PairData:
+    """Tokenise (or read from the cache), hold out and plan; the readers of this DP rank."""
+    d = config.data
+    fields = PairFields(d.prompt_field, d.chosen_field, d.rejected_field)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+        else tokenizer.eos_token_id
+
+    def tokenize(files: list[str], setting: str) -> Tokenized:
+        return tokenize_pairs(files, tokenizer, name=f"'{config.model.path}'", fields=fields,
+                              cache_dir=d.cache_dir, num_proc=d.num_workers, setting=setting)
+
+    if not d.files and (train or not d.valid_files):
+        raise UserError("config 'data.files' is empty: list the JSONL, JSON or Parquet files "
+                        "of preference pairs, e.g. --set 'data.files=[pairs.jsonl]'")
+    pairs = tokenize(list(d.files), "data.files") if d.files else None
+    if d.valid_files:
+        valid_pairs = tokenize(list(d.valid_files), "data.valid_files")
+        kept, held = (np.arange(len(pairs)) if pairs else None), np.arange(len(valid_pairs))
+    else:
+        assert pairs is not None
+        valid_pairs = pairs
+        kept, held = hold_out(len(pairs), d.valid_fraction, d.split_seed)
+    valid_bins, valid_empty = plan_pairs(valid_pairs, held, d.seq_len, d.over_long)
+    valid = PairEvalBatches(valid_pairs.dataset, valid_bins, d.valid_batch_size, pad_id,
+                            dp_rank, dp_size)
+    summary = [f"valid: {len(valid_bins):,} pairs of {len(held):,}; {_counts(valid_bins)}, "
+               f"{valid_empty} without an answer token left out"]
+    reader = None
+    if train:
+        assert pairs is not None and kept is not None
+        bins, empty = plan_pairs(pairs, kept, d.seq_len, d.over_long)
+        reader = PairReader(pairs.dataset, bins, d.batch_size, pad_id, dp_rank, dp_size,
+                            seed=d.shuffle_seed)
+        summary.insert(0, f"train: {len(bins):,} pairs of {len(kept):,}; {_counts(bins)}, "
+                          f"{empty} without an answer token left out")
+    return PairData(reader, valid, summary)
+
+
+def _counts(bins: Any) -> str:
+    return (f"{bins.num_truncated} truncated, {bins.num_dropped} dropped as longer than "
+            f"data.seq_len={bins.seq_len}")
+
+
+def check_settings(config: PreferenceConfig) -> Any:
+    """The model's HF config, after refusing by name the layouts this recipe does not run
+    exactly, then what the layout's own rules and the model's family refuse
+    (`gangtrain.app.pretrained.check_layout`)."""
+    g = config.gangs
+    for name, size in (("pp_size", g.pp_size), ("cp_size", g.cp_size), ("ep_size", g.ep_size)):
+        if size > 1:
+            raise UserError(f"config 'gangs.{name}={size}': recipes.preference runs data and "
+                            "tensor parallelism (FSDP2, HSDP, DDP, gangs.tp_size) only: a "
+                            "pair's chosen and rejected sides are scored together, which "
+                            f"this parallelism does not do yet; set gangs.{name}=1")
+    return check_layout(config)
+
+
+class PreferenceObjective(Objective):
+    """`preference`: a pair's chosen and rejected sides scored together; data, tensor and
+    expert-free layouts (FSDP2, HSDP, DDP, TP)."""
+
+    name = "preference"
+    config_type = PreferenceConfig
+    resume_guard = RESUME_GUARD
+
+    def check(self, config: PreferenceConfig) -> Any:
+        hf_config = check_settings(config)
+        config.loss.settings()  # a mistake in the loss before anything is loaded
+        return hf_config
+
+    def read_data(self, config: PreferenceConfig, tokenizer: Any, dp_rank: int, dp_size: int,
+                  train: bool) -> PairData:
+        return prepare_pairs(config, tokenizer, dp_rank, dp_size, train)
+
+    def load_reference(self, config: PreferenceConfig, a: Any) -> Any:
+        if config.lora.r is not None or config.loss.kind in REFERENCE_FREE:
+            return None
+        return a.frozen_copy()
+
+    def describe(self, config: PreferenceConfig, a: Any) -> str:
+        reference = ("none" if config.loss.kind in REFERENCE_FREE else
+                     "the base, adapters disabled" if a.reference is None else "a frozen copy")
+        return f"; loss {config.loss.kind}, beta {config.loss.beta}; reference: {reference}"
+
+    def build(self, config: PreferenceConfig, a: Any, data: PairData, train: bool) -> Parts:
+        loss = config.loss.settings()
+        unit = PreferenceUnit(a.model, loss, a.reference) if train else None
+        return Parts(unit, data.train, [PreferenceEvalUnit(a.model, loss, a.reference)],
+                     [data.valid])
