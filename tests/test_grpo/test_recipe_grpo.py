@@ -230,6 +230,7 @@ def test_user_mistakes_are_one_clear_line_and_write_nothing(tiny, tmp_path, caps
                      f"{train}, line 1: the prompt is "),
         "pipeline": (["--set", "gangs.pp_size=2"], "config 'gangs.pp_size=2': recipes.grpo "
                      "runs data parallelism"),
+        "vllm": (["--set", "generation.engine=vllm"], "config 'generation.engine=vllm': "),
     }
     for name, (extra, message) in cases.items():
         out = tmp_path / name

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, field_validator
 from torch import nn
@@ -89,6 +89,9 @@ class GenerationSection(Section):
     instead of sampling."""
     write_rollouts: bool = True
     """Write OUT/rollouts/step_N.jsonl for every window."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """hf: the policy itself through `gangtrain.rl.engine` (slot KV cache, continuous
+    batching). vllm: a colocated vLLM (needs vllm and a GPU; refused by name otherwise)."""
 
 
 class GRPOConfig(Section):
@@ -156,6 +159,8 @@ def check_settings(config: GRPOConfig) -> Any:
         raise UserError(f"config 'generation.num_generations={gen.num_generations}' does not "
                         f"divide the completions of a window (generation.window {window} x "
                         f"data.batch_size {d.batch_size}): a window holds whole groups")
+    if gen.engine == "vllm":
+        _check_vllm()
     if config.rewards and config.reward_weights is not None \
             and len(config.reward_weights) != len(config.rewards):
         raise UserError(f"config 'reward_weights' has {len(config.reward_weights)} weights for "
@@ -164,6 +169,21 @@ def check_settings(config: GRPOConfig) -> Any:
         raise UserError("config 'rewards' is empty: name the reward functions, e.g. "
                         "--set 'rewards=[\"my_rewards:exact_match\"]'")
     return check_model_dir(config.model.path, gen.max_new_tokens + 1)
+
+
+def _check_vllm() -> None:
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("config 'generation.engine=vllm': vllm is not importable here; "
+                        "install it or set generation.engine=hf")
+    if not torch.cuda.is_available():
+        raise UserError("config 'generation.engine=vllm': no GPU here (vLLM runs on one); "
+                        "set generation.engine=hf")
+    raise UserError("config 'generation.engine=vllm': the colocated vLLM generator is not "
+                    "built yet; set generation.engine=hf")
 
 
 def load_rewards(config: GRPOConfig, device: Any = "cpu",
