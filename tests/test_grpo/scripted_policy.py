@@ -2,10 +2,13 @@
 real engine (its slot cache's rows and columns, chunked prefill, continued rows), so that
 tool calls actually happen; a random tiny model would almost never write a parsable call.
 It rebuilds each slot's context from the engine's inputs and puts a +30 logit on the next
-scripted token (probability 1 - V e^-30: the sampled text is the script)."""
+scripted token (probability 1 - V e^-30: the sampled text is the script). ``answer_logit``:
+the logit of the scripted token once a tool result is in the context (e.g. 8: ~90% a
+token, so final answers vary between samples and so do the rewards)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import torch
@@ -13,8 +16,9 @@ from torch import nn
 
 
 class ScriptedLM(nn.Module):
-    def __init__(self, tokenizer, reply):
+    def __init__(self, tokenizer, reply, answer_logit: float = 30.0):
         super().__init__()
+        self.answer_logit = answer_logit
         self.tok, self.reply = tokenizer, reply
         self.config = SimpleNamespace(num_hidden_layers=1)
         self.weight = nn.Parameter(torch.zeros(1))
@@ -44,7 +48,8 @@ class ScriptedLM(nn.Module):
             text = self.tok.decode(seq[:start], skip_special_tokens=False)
             want = self.tok(self.reply(text), add_special_tokens=False)["input_ids"]
             k = len(seq) - start
-            logits[r, want[k] if k < len(want) else self.tok.eos_token_id] = 30.0
+            sure = self.answer_logit if "<tool_response>" in text else 30.0
+            logits[r, want[k] if k < len(want) else self.tok.eos_token_id] = sure
         return SimpleNamespace(logits=logits[:, None])
 
 
@@ -59,8 +64,8 @@ def calculator_reply(text: str) -> str:
     """Calls multiply on the question's numbers, then answers with the tool's result."""
     if "<tool_response>" not in text:
         a, b = question(text)
-        return ('<tool_call>\n{"name": "multiply", "arguments": {"a": %d, "b": %d}}\n'
-                '</tool_call><|im_end|>' % (a, b))
+        call = {"name": "multiply", "arguments": {"a": a, "b": b}}
+        return f"<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>"
     result = text.split("<tool_response>\n")[-1].split("\n</tool_response>")[0]
     return f"It is {result}.<|im_end|>"
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gangtrain.rl.engine import Engine, Request, Turn
+from gangtrain.rl.generation import Completion
 from gangtrain.rl.tools import Tool, ToolResult, parse_tool_calls, run_tool, tool_of
 
 __all__ = ["AgentLoop", "TemplateSuffix", "Trajectory", "environment_tools", "metrics"]
@@ -41,12 +42,12 @@ class Trajectory:
     def sampled_tokens(self) -> int:
         return sum(self.sampled_mask)
 
-    def record(self) -> dict[str, Any]:
-        """A rollout record's multi-turn fields (the unit adds window, indices, rewards)."""
-        return {"prompt_ids": self.prompt_ids, "completion_ids": self.ids,
-                "completion_mask": self.sampled_mask, "logprobs": self.logprobs,
-                "messages": self.messages, "truncated": self.truncated, "turns": self.turns,
-                "tool_calls": self.tool_calls, "tool_failures": self.tool_failures}
+    def completion(self) -> Completion:
+        """The trajectory as the unit trains it: ids after the prompt, the sampled mask."""
+        return Completion(tuple(self.ids), tuple(self.logprobs), self.truncated,
+                          mask=tuple(self.sampled_mask), prompt_ids=tuple(self.prompt_ids),
+                          messages=tuple(self.messages), tool_calls=self.tool_calls,
+                          tool_failures=self.tool_failures)
 
 
 class TemplateSuffix:
@@ -118,6 +119,10 @@ class AgentLoop:
             suffix = TemplateSuffix(self.tokenizer, self.eot, schemas)
             text = suffix.render(messages, True)
             prompts.append(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+            if len(prompts[-1]) + 1 >= self.capacity:
+                raise ValueError(f"a prompt rendered with its tools' schemas is "
+                                 f"{len(prompts[-1])} tokens: no room for a turn in the "
+                                 f"rollout's {self.capacity} (the model's context)")
             toolsets.append({t.name: t for t in tools})
             suffixes.append(suffix)
             histories.append(messages)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -41,7 +41,24 @@ class Completion:
     """The sampled tokens, the stop token included when it stopped."""
     logprobs: tuple[float, ...]
     truncated: bool
-    """Cut at max_new_tokens without a stop token."""
+    """Cut at max_new_tokens without a stop token (multi-turn: the budget ran out in a
+    turn, or the context would not fit)."""
+    mask: tuple[int, ...] | None = None
+    """Multi-turn: 1 where the policy sampled the token, 0 where it is context it did not
+    sample (tool results, the template's turn markers; their log-probs are 0.0). None: every
+    token sampled."""
+    prompt_ids: tuple[int, ...] | None = None
+    """Multi-turn: the context before the first sampled token when it is not the prompt
+    set's (the tools' schemas rendered in it, an environment's first observation)."""
+    messages: tuple[dict[str, Any], ...] | None = None
+    """Multi-turn: the turns after the prompt as messages (calls and results)."""
+    tool_calls: int = 0
+    tool_failures: int = 0
+
+    @property
+    def sampled(self) -> int:
+        """The tokens the policy sampled: the trajectory's length."""
+        return len(self.ids) if self.mask is None else sum(self.mask)
 
 
 class Generator(Protocol):

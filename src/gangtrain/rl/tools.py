@@ -64,24 +64,29 @@ def tool_of(fn: Callable[..., Any], name: str | None = None) -> Tool:
     return Tool(schema["function"]["name"], fn, schema)
 
 
-def load_tools(paths: Sequence[str]) -> list[Tool]:
+def load_tools(paths: Sequence[str], resolve: Callable[[str, str], Any] | None = None
+               ) -> list[Tool]:
     """``["pkg.mod:fn", ...]`` -> tools; a path that does not import, or a schema that cannot
-    be made: ValueError with one line naming it."""
+    be made: ValueError with one line naming it. ``resolve(path, what)``: how a path is
+    imported (the app's `import_object`, under its import gate); None: importlib."""
     tools = []
     for path in paths:
-        module, _, attr = path.partition(":")
-        if not module or not attr:
-            raise ValueError(f"tools: {path!r} is not 'pkg.mod:function'")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"tools: {path!r} does not import: {e}") from None
+        if resolve is not None:
+            fn = resolve(path, "tool")
+        else:
+            module, _, attr = path.partition(":")
+            if not module or not attr:
+                raise ValueError(f"tool {path!r} is not 'pkg.mod:function'")
+            try:
+                fn = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as e:
+                raise ValueError(f"tool {path!r} does not import: {e}") from None
         if not callable(fn):
-            raise ValueError(f"tools: {path!r} is not callable")
+            raise ValueError(f"tool {path!r} is not callable")
         tools.append(tool_of(fn, path))
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
-        raise ValueError(f"tools: two tools share a name: {names}")
+        raise ValueError(f"two tools share a name: {names}")
     return tools
 
 

@@ -51,10 +51,12 @@ from gangs.errors import UserError
 from gangtrain.data.prompts import PromptSet
 from gangtrain.layers.wrappers import unwrapped
 from gangtrain.rl.advantages import reward_metrics
+from gangtrain.rl.agents import AgentLoop
 from gangtrain.rl.generation import Completion, Generator, sample_seed
 from gangtrain.rl.rewards import (
     RewardSource,
     reward_weights,
+    score,
     score_completions,
     weighted_sum,
     with_weights,
@@ -81,6 +83,8 @@ class Rollouts:
     replay: dict[int, list[dict[str, Any]]] | None = None
     file_of: Callable[[int], Path] | None = None
     decode: Callable[[Sequence[int]], str] | None = None
+    agent: AgentLoop | None = None
+    """Multi-turn rollouts with tools or environments (in place of ``generator``)."""
 
 
 def token_logps(model: nn.Module, s: Slice, temperature: float, with_entropy: bool = False,
@@ -253,13 +257,15 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         started = time.perf_counter()
         completions, values, names = self._sample(window, where, metrics)
         seconds = time.perf_counter() - started
-        prompt_ids = [self.prompts[p].ids for p, _ in where]
+        prompt_ids = [c.prompt_ids or self.prompts[p].ids
+                      for (p, _), c in zip(where, completions, strict=True)]
         b = self.B // self.dp.size
         slices = []
         for m in range(self.W):
             part = slice(m * b, (m + 1) * b)
             ids, mask, scored = slice_tensors(prompt_ids[part],
-                                              [c.ids for c in completions[part]], self.pad_id)
+                                              [c.ids for c in completions[part]], self.pad_id,
+                                              [c.mask for c in completions[part]])
             truncated = torch.tensor([c.truncated for c in completions[part]])
             kept = ~truncated if self.loss.mask_truncated_completions else \
                 torch.ones_like(truncated)
@@ -284,14 +290,44 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         """This rank's completions and their reward values [n, functions]."""
         if self.rollouts.replay is not None:
             return self._replayed(window, where)
-        assert self.rollouts.generator is not None
         seeds = [sample_seed(self.seed, window, p, s) for p, s in where]
+        if self.rollouts.agent is not None:
+            return self._rolled_out(where, seeds, metrics)
+        assert self.rollouts.generator is not None
         completions = self.rollouts.generator.generate([self.prompts[p].ids for p, _ in where],
                                                        seeds)
         values = score_completions(
             self.rewards, self.prompts, [p for p, _ in where], [c.ids for c in completions],
             self.rollouts.decode, step_nr=self._step_nr,
             publish=lambda name, value: metrics.update_mean(name, float(value)))
+        return completions, values, [r.name for r in self.rewards]
+
+    def _rolled_out(self, where: list[tuple[int, int]], seeds: list[int], metrics: MetricBag
+                    ) -> tuple[list[Completion], Tensor, list[str]]:
+        """Multi-turn trajectories (`gangtrain.rl.agents`), tools run on this rank; the
+        rewards see the whole conversation after the prompt as messages (TRL's signature,
+        ``environments=`` one per trajectory where there are any)."""
+        assert self.rollouts.agent is not None
+        chosen = [self.prompts[p] for p, _ in where]
+        rows = [{"prompt": p.prompt, **p.columns} for p in chosen]
+        trajectories, environments = self.rollouts.agent.rollout(rows, seeds)
+        completions = [t.completion() for t in trajectories]
+        columns = {key: [p.columns.get(key) for p in chosen]
+                   for key in sorted({k for p in chosen for k in p.columns})}
+        if any(e is not None for e in environments):
+            columns["environments"] = environments
+        values = score(self.rewards, [p.prompt for p in chosen],
+                       [list(c.messages or ()) for c in completions],
+                       [c.ids for c in completions], columns, step_nr=self._step_nr,
+                       publish=lambda name, value: metrics.update_mean(name, float(value)))
+        n = float(len(trajectories))
+        for name, total in (("tools/call_frequency", sum(t.tool_calls for t in trajectories)),
+                            ("tools/failure_frequency",
+                             sum(t.tool_failures for t in trajectories)),
+                            ("turns/mean", sum(t.turns for t in trajectories)),
+                            ("completions/mean_context_tokens",
+                             sum(len(t.ids) for t in trajectories))):
+            metrics.update_total(name, float(total), n)
         return completions, values, [r.name for r in self.rewards]
 
     def _replayed(self, window: int, where: list[tuple[int, int]]
@@ -307,9 +343,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
                             "generation.window and generation.num_generations")
         chosen = [records[w] for w in where]
         names = list(chosen[0]["rewards"])
-        completions = [Completion(tuple(r["completion_ids"]),
-                                  tuple(r.get("logprobs") or ()), bool(r["truncated"]))
-                       for r in chosen]
+        completions = [_replayed_completion(r) for r in chosen]
         values = torch.tensor([[float("nan") if r["rewards"][n] is None else r["rewards"][n]
                                 for n in names] for r in chosen], dtype=torch.float64)
         return completions, values.reshape(len(chosen), len(names)), names
@@ -345,7 +379,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
             return
         tokens = sum(len(p) + len(c.ids) for p, c in zip(prompt_ids, completions, strict=True))
         kept = [not (self.loss.mask_truncated_completions and c.truncated) for c in completions]
-        targets = self.loss.host_targets([len(c.ids) for c in completions], kept)
+        targets = self.loss.host_targets([c.sampled for c in completions], kept)
         forwards = int(needs_old) + int(self.reference is not None
                                         and self.loss.needs_reference)
         iterations = self.loss.num_iterations
@@ -379,7 +413,8 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
 
     def _record_completions(self, completions: list[Completion], seconds: float,
                             metrics: MetricBag) -> None:
-        lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float64)
+        # a trajectory's length is the policy's tokens, not its context's
+        lengths = torch.tensor([c.sampled for c in completions], dtype=torch.float64)
         truncated = torch.tensor([c.truncated for c in completions], dtype=torch.float64)
         n = float(len(completions))
         # host floats: these are CPU values and the bag may live on an accelerator
@@ -396,26 +431,44 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
     def _write(self, window: int, where: list[tuple[int, int]], completions: list[Completion],
                values: Tensor, names: list[str], advantages: Tensor, mine: list[int]) -> None:
         """Append this window to ``rollouts/step_N.jsonl`` (rank 0 writes the file)."""
-        local = [(c, p, s, comp.ids, comp.logprobs, comp.truncated, values[i].tolist())
+        local = [(c, p, s, comp, values[i].tolist())
                  for i, (c, (p, s), comp) in enumerate(zip(mine, where, completions,
                                                            strict=True))]
         gathered = self.dp.all_gather_objects(local) if self.dp.size > 1 else [local]
         if self.dp.rank != 0:
             return
         decode = self.rollouts.decode or (lambda ids: " ".join(map(str, ids)))
-        rows = sorted(row for part in gathered for row in part)
+        rows = sorted((row for part in gathered for row in part), key=lambda r: r[:3])
         weights = reward_weights(self.rewards, names)
-        for c, p, s, ids, logprobs, truncated, reward_values in rows:
+        for c, p, s, comp, reward_values in rows:
             prompt = self.prompts[p]
             rewards = dict(zip(names, reward_values, strict=True))
             total = sum(w * v for w, v in zip(weights, reward_values, strict=True)
                         if v == v)
-            self._step_records.append({
+            record = {
                 "window": window, "prompt_index": p, "sample_index": s,
-                "prompt_ids": list(prompt.ids), "completion_ids": list(ids),
-                "prompt": prompt.prompt, "completion": decode(ids), "truncated": truncated,
+                "prompt_ids": list(comp.prompt_ids or prompt.ids),
+                "completion_ids": list(comp.ids), "prompt": prompt.prompt,
+                "completion": decode(comp.ids), "truncated": comp.truncated,
                 "rewards": rewards, "reward": total, "advantage": float(advantages[c]),
-                "logprobs": list(logprobs)})
+                "logprobs": list(comp.logprobs)}
+            if comp.mask is not None:  # multi-turn: what was sampled, the turns as messages
+                record.update(completion_mask=list(comp.mask), messages=list(comp.messages or ()),
+                              tool_calls=comp.tool_calls, tool_failures=comp.tool_failures)
+            self._step_records.append(record)
         assert self.rollouts.file_of is not None
         write_rollouts(self.rollouts.file_of(self._step_nr),
                        self._step_records)
+
+
+def _replayed_completion(record: dict[str, Any]) -> Completion:
+    """A recorded rollout as the unit trains it (a multi-turn one with its sampled mask and
+    the context it was sampled after)."""
+    multi_turn = "completion_mask" in record
+    return Completion(tuple(record["completion_ids"]), tuple(record.get("logprobs") or ()),
+                      bool(record["truncated"]),
+                      mask=tuple(record["completion_mask"]) if multi_turn else None,
+                      prompt_ids=tuple(record["prompt_ids"]) if multi_turn else None,
+                      messages=tuple(record.get("messages") or ()) if multi_turn else None,
+                      tool_calls=int(record.get("tool_calls", 0)),
+                      tool_failures=int(record.get("tool_failures", 0)))
