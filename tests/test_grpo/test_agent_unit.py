@@ -91,10 +91,9 @@ def test_multi_turn_rollouts_train_record_and_replay(tmp_path):
 def test_the_recipe_runs_with_tools_and_an_environment(tmp_path):
     """`recipes.grpo` with tools= and environment=: the rollouts are multi-turn records (the
     random tiny model seldom writes a parsable call; its turns still go through the loop)."""
-    from recipes.grpo.recipe import cli
-
     from gangtrain.tiny.prompts import write_prompts
     from gangtrain.tiny.tools import write_tool_template
+    from recipes.grpo.recipe import cli
 
     model = make_tiny_chat_model(tmp_path / "model", max_positions=1024)  # room for the schemas
     out = tmp_path / "out"

@@ -73,11 +73,12 @@ def _inverse_cdf(e: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     hi = cdf.gather(1, b[:, None])[:, 0]
     # the clamp only guards the last ulp: inner_u stays inside (0, 1)
     inner_u = ((target - lo) / (hi - lo)).clamp(0.0, 1.0 - 2.0 ** -53)
-    index = b[:, None] * BLOCK + torch.arange(BLOCK, device=e.device)
+    width = min(BLOCK, vocab)  # a vocabulary of one block: no padding columns
+    index = b[:, None] * BLOCK + torch.arange(width, device=e.device)
     valid = index < vocab
     block = e.gather(1, index.clamp(max=vocab - 1)).masked_fill(~valid, 0).double().cumsum(-1)
     k = torch.searchsorted(block, (inner_u * block[:, -1])[:, None], right=True)
-    return index.gather(1, k.clamp(max=BLOCK - 1))[:, 0], cdf[:, -1]
+    return index.gather(1, k.clamp(max=width - 1))[:, 0], cdf[:, -1]
 
 
 def sample_tokens(logits: Tensor, seeds: Tensor, positions: Tensor, temperature: float,

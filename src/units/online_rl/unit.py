@@ -56,7 +56,6 @@ from gangtrain.rl.generation import Completion, Generator, sample_seed
 from gangtrain.rl.rewards import (
     RewardSource,
     reward_weights,
-    score,
     score_completions,
     weighted_sum,
     with_weights,
@@ -66,6 +65,7 @@ from units.causal_lm import auto_loss_chunk_size, chunked_loss_head, output_logi
 from units.linear_cross_entropy import captured_head, linear_log_probs_and_entropy
 from units.metrics import MetricBag
 from units.online_rl.losses import GRPOLossKind, TokenScores
+from units.online_rl.multi_turn import replayed_completion, roll_out
 from units.online_rl.window import Slice, WindowBuffer, local_indices, slice_tensors
 from units.reference import ReferenceModel
 from units.unit import TrainUnit
@@ -292,7 +292,9 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
             return self._replayed(window, where)
         seeds = [sample_seed(self.seed, window, p, s) for p, s in where]
         if self.rollouts.agent is not None:
-            return self._rolled_out(where, seeds, metrics)
+            completions, values = roll_out(self.rollouts.agent, self.prompts, where, seeds,
+                                           self.rewards, self._step_nr, metrics)
+            return completions, values, [r.name for r in self.rewards]
         assert self.rollouts.generator is not None
         completions = self.rollouts.generator.generate([self.prompts[p].ids for p, _ in where],
                                                        seeds)
@@ -300,34 +302,6 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
             self.rewards, self.prompts, [p for p, _ in where], [c.ids for c in completions],
             self.rollouts.decode, step_nr=self._step_nr,
             publish=lambda name, value: metrics.update_mean(name, float(value)))
-        return completions, values, [r.name for r in self.rewards]
-
-    def _rolled_out(self, where: list[tuple[int, int]], seeds: list[int], metrics: MetricBag
-                    ) -> tuple[list[Completion], Tensor, list[str]]:
-        """Multi-turn trajectories (`gangtrain.rl.agents`), tools run on this rank; the
-        rewards see the whole conversation after the prompt as messages (TRL's signature,
-        ``environments=`` one per trajectory where there are any)."""
-        assert self.rollouts.agent is not None
-        chosen = [self.prompts[p] for p, _ in where]
-        rows = [{"prompt": p.prompt, **p.columns} for p in chosen]
-        trajectories, environments = self.rollouts.agent.rollout(rows, seeds)
-        completions = [t.completion() for t in trajectories]
-        columns = {key: [p.columns.get(key) for p in chosen]
-                   for key in sorted({k for p in chosen for k in p.columns})}
-        if any(e is not None for e in environments):
-            columns["environments"] = environments
-        values = score(self.rewards, [p.prompt for p in chosen],
-                       [list(c.messages or ()) for c in completions],
-                       [c.ids for c in completions], columns, step_nr=self._step_nr,
-                       publish=lambda name, value: metrics.update_mean(name, float(value)))
-        n = float(len(trajectories))
-        for name, total in (("tools/call_frequency", sum(t.tool_calls for t in trajectories)),
-                            ("tools/failure_frequency",
-                             sum(t.tool_failures for t in trajectories)),
-                            ("turns/mean", sum(t.turns for t in trajectories)),
-                            ("completions/mean_context_tokens",
-                             sum(len(t.ids) for t in trajectories))):
-            metrics.update_total(name, float(total), n)
         return completions, values, [r.name for r in self.rewards]
 
     def _replayed(self, window: int, where: list[tuple[int, int]]
@@ -343,7 +317,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
                             "generation.window and generation.num_generations")
         chosen = [records[w] for w in where]
         names = list(chosen[0]["rewards"])
-        completions = [_replayed_completion(r) for r in chosen]
+        completions = [replayed_completion(r) for r in chosen]
         values = torch.tensor([[float("nan") if r["rewards"][n] is None else r["rewards"][n]
                                 for n in names] for r in chosen], dtype=torch.float64)
         return completions, values.reshape(len(chosen), len(names)), names
@@ -460,15 +434,3 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         write_rollouts(self.rollouts.file_of(self._step_nr),
                        self._step_records)
 
-
-def _replayed_completion(record: dict[str, Any]) -> Completion:
-    """A recorded rollout as the unit trains it (a multi-turn one with its sampled mask and
-    the context it was sampled after)."""
-    multi_turn = "completion_mask" in record
-    return Completion(tuple(record["completion_ids"]), tuple(record.get("logprobs") or ()),
-                      bool(record["truncated"]),
-                      mask=tuple(record["completion_mask"]) if multi_turn else None,
-                      prompt_ids=tuple(record["prompt_ids"]) if multi_turn else None,
-                      messages=tuple(record.get("messages") or ()) if multi_turn else None,
-                      tool_calls=int(record.get("tool_calls", 0)),
-                      tool_failures=int(record.get("tool_failures", 0)))
