@@ -4,9 +4,11 @@ running to the limit (no stop token; `generate` with ``min_new_tokens``), temper
 top-k, at issue #69's two shapes; and the roofline: the decode step's matmul FLOPs at the
 one-thread matmul rate measured in the same run at the step's shapes. Rates are per CPU
 second of this process (the 2-core machine is shared: one thread's CPU time is its wall time
-on an idle core). ``--today`` adds main's generator (its source from git) for comparison.
+on an idle core); each generator runs ``--repeats`` times, interleaved with one measurement
+of the matmul rate, and the medians are shown. ``--today`` adds main's generator (its source
+from git) for comparison.
 
-    PYTHONPATH=src:. python -m benchmarks.generation [--shape 40m|42m] [--today]
+    PYTHONPATH=src:. python -m benchmarks.generation [--shape 40m|42m] [--today] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def todays_generator() -> type:
     return module.HFGenerator
 
 
-def measure(shape: str, batch: int, today: bool) -> None:
+def measure(shape: str, batch: int, today: bool, repeats: int) -> None:
     vocab, hidden, layers, inter, _, new = SHAPES[shape]
     model = build(shape)
     prompts = make_prompts(batch, vocab)
@@ -102,17 +104,26 @@ def measure(shape: str, batch: int, today: bool) -> None:
                          temperature=temperature)
         return lambda: sum(len(c.ids) for c in generator.generate(prompts, seeds))
 
-    ours(HFGenerator, 1.0)  # warm-up: the allocator, first-call costs
-    rates = {"ours sampled": timed(ours(HFGenerator, 1.0)),
-             "HF generate sampled": timed(lambda: hf_generate(model, prompts, new, True)),
-             "ours greedy": timed(ours(HFGenerator, 0.0)),
-             "HF generate greedy": timed(lambda: hf_generate(model, prompts, new, False))}
+    runs = {"ours sampled": ours(HFGenerator, 1.0),
+            "HF generate sampled": lambda: hf_generate(model, prompts, new, True),
+            "ours greedy": ours(HFGenerator, 0.0),
+            "HF generate greedy": lambda: hf_generate(model, prompts, new, False)}
     if today:
         old = todays_generator()
-        rates["today's HFGenerator sampled"] = timed(ours(old, 1.0))
-        rates["today's HFGenerator greedy"] = timed(ours(old, 0.0))
+        runs["today's HFGenerator sampled"] = ours(old, 1.0)
+        runs["today's HFGenerator greedy"] = ours(old, 0.0)
+    runs["ours sampled"]()  # warm-up: the allocator, first-call costs
+    # each generator `repeats` times, interleaved (the machine's load moves between them);
+    # the median of each
+    seen: dict[str, list[float]] = {name: [] for name in runs}
+    matmul: list[float] = []  # the step's matmul rate, measured in every round too
+    for _ in range(repeats):
+        for name, run in runs.items():
+            seen[name].append(timed(run))
+        matmul.append(min(matmul_rate(batch, hidden, vocab), matmul_rate(batch, hidden, inter)))
+    rates = {name: sorted(r)[len(r) // 2] for name, r in seen.items()}
     per_token = 2 * (layers * (4 * hidden * hidden + 3 * hidden * inter) + hidden * vocab)
-    rate = min(matmul_rate(batch, hidden, vocab), matmul_rate(batch, hidden, inter))
+    rate = sorted(matmul)[len(matmul) // 2]
     roofline = rate / per_token
     hf = rates["HF generate sampled"]
     print(f"\n## {shape}: vocab {vocab}, hidden {hidden}, {layers} layers, batch {batch}, "
@@ -130,10 +141,11 @@ def main() -> None:
     parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--today", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     for shape in list(SHAPES) if args.shape == "both" else [args.shape]:
-        measure(shape, args.batch, args.today)
+        measure(shape, args.batch, args.today, args.repeats)
 
 
 if __name__ == "__main__":
