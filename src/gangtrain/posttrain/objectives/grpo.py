@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 from torch import nn
 
 from gangtrain.app.config.import_path import import_object
@@ -136,6 +136,18 @@ class GRPOConfig(Section):
     def _tools(cls, paths: list[str]) -> list[str]:
         load_tools(paths, resolve=import_object)  # a schema that cannot be made: named here
         return paths
+
+    @model_validator(mode="after")
+    def _turn_settings_need_tools(self) -> GRPOConfig:
+        """A multi-turn setting without tools or an environment would be ignored: refused."""
+        if not self.tools and self.environment is None:
+            gen = self.generation
+            for name in ("max_turns", "tool_timeout"):
+                if getattr(gen, name) != type(gen).model_fields[name].get_default():
+                    raise ValueError(f"generation.{name} is set but there are no tools or "
+                                     "environment (single-turn): set tools= or environment=, "
+                                     "or leave it out")
+        return self
 
     @field_validator("environment")
     @classmethod
