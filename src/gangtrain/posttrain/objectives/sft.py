@@ -8,6 +8,7 @@ stays within each packed example). docs/sft.md maps TRL's `SFTConfig` names to t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -27,7 +28,8 @@ from gangtrain.data.mixing import hold_out, mix
 from gangtrain.data.sft import Tokenized, plan_examples, tokenize_files
 from gangtrain.data.token_batches import BinReader, Bins, EvalBatches
 from gangtrain.layers.neftune import add_neftune
-from gangtrain.models.hf import hf_model_of
+from gangtrain.models.hf import hf_model_of, vision
+from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.document_attention import use_document_attention
 from gangtrain.models.hf.layout import HFLayout
 from gangtrain.posttrain.objective import Objective, Parts
@@ -54,6 +56,10 @@ class ModelSection(_Section):
     attn_implementation: str | None = None
     """transformers' attention kernel (eager, sdpa, flex_attention, ...); null: the model's
     default."""
+    freeze: list[str] = []
+    """Parameters kept as loaded: module-name patterns (fnmatch over parameter names, e.g.
+    'model.vision_tower.*') or a vision-language model's parts: vision_tower, projector,
+    language_model, lm_head. A pattern that matches nothing is an error."""
     neftune_noise_alpha: float | None = Field(default=None, gt=0)
     """NEFTune: uniform noise of alpha / sqrt(length x width) on the input embeddings, in
     training only (HF's formula; length is the packed row's); null: off."""
@@ -256,15 +262,20 @@ def load_model(config: SFTConfig, gangs: Gangs, spec: Any = None) -> HFLayout:
     (built on meta, TP by its own plan, cut into pipeline stages or attending over the cp
     gang, wrapped over DP, each rank reading its slices of the weights), with the attention
     kernel of `model.attn_implementation` and NEFTune's noise when they are set."""
-    layout = load_layout_of(config, gangs, spec=spec, **(
+    layout = load_layout_of(config, gangs, spec=spec, freeze=tuple(config.model.freeze), **(
         {"dtype": torch.bfloat16} if config.model.dtype == "bf16" else {}))
     hf_model = hf_model_of(layout.model)  # inside DDP's wrapper; None for pipeline stages
+    image_text = hf_model is not None and vision.is_vlm(hf_model)
+    if image_text and hf_model.config.model_type == "gemma3":
+        vision.fix_packed_gemma3(hf_model)
     if config.model.attn_implementation is not None and hf_model is not None:
         try:
             hf_model.set_attn_implementation(config.model.attn_implementation)
         except (ValueError, ImportError) as error:
             raise UserError(f"config 'model.attn_implementation': {error}") from None
-    elif hf_model is not None and layout.pipeline is None:
+    elif hf_model is not None and layout.pipeline is None and not image_text:
+        # (A VLM keeps transformers' sdpa, which attends per document in packed rows from
+        # the restarting position_ids; this kernel would also reach the non-causal tower.)
         use_document_attention(hf_model)  # packed rows attend per document, where exact
     if config.model.neftune_noise_alpha is not None and hf_model is not None:
         add_neftune(hf_model.get_input_embeddings(), config.model.neftune_noise_alpha)
@@ -332,7 +343,23 @@ class SFTObjective(Objective):
 
     def read_data(self, config: SFTConfig, tokenizer: Any, dp_rank: int, dp_size: int,
                   train: bool) -> SFTData:
+        from gangtrain.posttrain.objectives import sft_images
+
+        if sft_images.uses_images(config):
+            hf_config = read_hf_config(Path(config.model.path))
+            if not vision.is_vlm(hf_config):
+                raise UserError(f"config 'data.files' holds images, but {config.model.path} "
+                                "is not a vision-language model (no vision_config)")
+            processor = vision.processor_as_used(config.model.path, tokenizer)
+            return sft_images.prepare_image_data(config, processor, hf_config.model_type,
+                                                 dp_rank, dp_size, train)
         return prepare_data(config, tokenizer, dp_rank, dp_size, train)
+
+    def describe(self, config: SFTConfig, a: Any) -> str:
+        hf_model = hf_model_of(a.model)
+        if hf_model is None or not vision.is_vlm(hf_model):
+            return ""
+        return f"; {vision.trained_summary(hf_model)}"
 
     def load_policy(self, config: SFTConfig, a: Any) -> HFLayout:
         return load_model(config, a.gangs, a.spec)
@@ -351,5 +378,5 @@ class SFTObjective(Objective):
 
     def check_inputs(self, config: SFTConfig, tokenizer: Any) -> None:
         optimizer = config.optimizer.build(nn.Linear(1, 1))  # its name and options
-        data = prepare_data(config, tokenizer)
+        data = self.read_data(config, tokenizer, 0, 1, True)
         warmup_decay(optimizer, config.lr_scheduler, _schedule_length(config, data))
