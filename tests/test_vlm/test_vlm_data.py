@@ -1,0 +1,110 @@
+"""Image records into batches (`gangtrain.data.vision`), on tiny LLaVA, Gemma 3 and Idefics3 with
+their own processors: only answer tokens are targets, the planned length is the encoded one,
+packed = padded = a float64 forward of each record alone, freezing and LoRA's targets by
+part, and bad records named by file, line and field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from vlm_reference import answer_nll64, answer_positions
+
+from gangtrain.data import vision
+from gangtrain.layers.lora import LoraSettings, apply_lora
+from gangtrain.models.hf import vision as parts
+from gangtrain.tiny.vision import make_colour_data, make_tiny_vlm
+from trainer.errors import UserError
+from units.causal_lm import lm_loss
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_colour_data(tmp_path_factory.mktemp("vlm_data"), n=6, seed=1)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3"])
+def test_packed_equals_padded_equals_float64_one_by_one(family, data, tmp_path):
+    model_dir = make_tiny_vlm(tmp_path / family, family)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    if family == "gemma3":
+        parts.fix_packed_gemma3(model)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    records = vision.read_records(data)
+    examples = [vision.encode(processor, r, family) for r in records]
+    tokens = processor.tokenizer.convert_tokens_to_ids
+    sizes: dict = {}
+    for record, example in zip(records, examples, strict=True):
+        # Targets: exactly the tokens after each <|assistant|> through its <|end|>.
+        ids = example.tokens["input_ids"].tolist()
+        expected = answer_positions(ids, tokens("<|assistant|>"), tokens("<|end|>"))
+        assert torch.nonzero(example.trained).flatten().tolist() == expected
+        assert vision.planned_length(processor, record, sizes) == len(example)
+    pad = processor.tokenizer.pad_token_id
+    rows = [examples[:3], examples[3:]]
+    seq_len = max(sum(len(e) for e in row) for row in rows) + 3  # padding at the tails
+    packed = vision.packed_batch(rows, seq_len, pad, family)
+    padded = vision.padded_batch(examples, pad, family)
+    if family == "gemma3":  # everything the processor returns reaches the model
+        assert "token_type_ids" in packed and int(packed["token_type_ids"].sum()) > 0
+    with torch.no_grad():
+        packed_sum, packed_n = lm_loss(model, packed, -100, use_cache_keyword=True)
+        padded_sum, padded_n = lm_loss(model, padded, -100, use_cache_keyword=True)
+    reference, count = answer_nll64(model_dir, data)
+    assert int(packed_n) == int(padded_n) == count
+    # float32 against float64: each NLL's relative error is a few eps32 per reduction term
+    # (attention over <= seq_len keys, the hidden size 32), then a sum over `count` terms.
+    tol = reference * torch.finfo(torch.float32).eps * (4 * seq_len + count)
+    print(f"{family}: packed {float(packed_sum):.7f} padded {float(padded_sum):.7f} "
+          f"float64 {reference:.9f} (tolerance {tol:.1e})")
+    assert abs(float(packed_sum) - reference) <= tol
+    assert abs(float(padded_sum) - reference) <= tol
+
+
+def test_freeze_and_lora_targets_by_part(tmp_path):
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    found = parts.vlm_parts(model)
+    assert found == {"vision": ["model.vision_tower"],
+                     "projector": ["model.multi_modal_projector"],
+                     "language": ["model.language_model"], "head": ["lm_head"]}
+    frozen = parts.freeze(model, ["vision_tower"])
+    assert frozen and all(n.startswith("model.vision_tower.") for n in frozen)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if n in frozen)
+    targets = parts.lora_targets(model)
+    assert len(targets) == 4 and all(t.startswith("model.language_model.") for t in targets)
+    adapted = apply_lora(model, LoraSettings(r=2, alpha=4, target_modules=targets))
+    assert not any("lora" in n for n, _ in adapted.named_parameters()
+                   if n.startswith("model.vision_tower."))
+    assert "vision 0 trained / " in parts.trained_summary(adapted)
+    with pytest.raises(UserError, match="'model.freeze': 'nothing.*' matches no parameter"):
+        parts.freeze(model, ["nothing.*"])
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_bad_records_are_named_by_file_line_and_field(data, tmp_path):
+    good = json.loads(data.read_text().splitlines()[1])
+    image = str(data.parent / good["images"][0])
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    cases = {
+        "url": ({**good, "images": ["https://example.com/a.png"]},
+                "field 'images[0]' is a URL (https://example.com/a.png)"),
+        "missing": ({**good, "images": ["gone.png"]},
+                    f"field 'images[0]': cannot read image {tmp_path / 'gone.png'}"),
+        "unreadable": ({**good, "images": ["broken.png"]},
+                       f"field 'images[0]': cannot read image {tmp_path / 'broken.png'}"),
+        "count": ({**good, "images": [image, image]},
+                  "field 'images' holds 2 image(s), 'messages' has 1 image part(s)"),
+    }
+    for name, (record, message) in cases.items():
+        path = _write(tmp_path / f"{name}.jsonl", [{**good, "images": [image]}, record])
+        with pytest.raises(UserError) as caught:
+            vision.read_records(path)
+        assert str(caught.value) == f"data file {path}, line 2: {message}" or \
+            str(caught.value).startswith(f"data file {path}, line 2: {message}"), name
