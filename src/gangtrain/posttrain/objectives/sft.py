@@ -29,8 +29,8 @@ from gangtrain.data.sft import Tokenized, plan_examples, tokenize_files
 from gangtrain.data.token_batches import BinReader, Bins, EvalBatches
 from gangtrain.layers.neftune import add_neftune
 from gangtrain.models.hf import hf_model_of, vision
-from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.document_attention import use_document_attention
+from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.layout import HFLayout
 from gangtrain.posttrain.objective import Objective, Parts
 from trainer.errors import UserError
