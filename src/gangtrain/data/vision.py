@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gangs.errors import UserError
 from gangtrain.data.collate import IGNORE_INDEX, _labels
-from trainer.errors import UserError
 
 __all__ = ["ImageRecord", "VLMExample", "encode", "has_images", "packed_batch", "padded_batch",
            "planned_length", "read_records"]

@@ -351,8 +351,8 @@ class SFTObjective(Objective):
                 raise UserError(f"config 'data.files' holds images, but {config.model.path} "
                                 "is not a vision-language model (no vision_config)")
             processor = vision.processor_as_used(config.model.path, tokenizer)
-            return sft_images.prepare_image_data(config, processor, hf_config.model_type,
-                                                 dp_rank, dp_size, train)
+            return SFTData(*sft_images.prepare_image_data(
+                config, processor, hf_config.model_type, dp_rank, dp_size, train))
         return prepare_data(config, tokenizer, dp_rank, dp_size, train)
 
     def describe(self, config: SFTConfig, a: Any) -> str:

@@ -10,7 +10,7 @@ when its micro-batch is made, so nothing is preprocessed up front.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,8 +18,10 @@ import torch
 from gangtrain.data import vision
 from gangtrain.data.mixing import hold_out
 from gangtrain.data.token_batches import BinReader, Bins, EvalBatches, plan_bins
-from gangtrain.posttrain.objectives.sft import SFTConfig, SFTData
 from trainer.errors import UserError
+
+if TYPE_CHECKING:
+    from gangtrain.posttrain.objectives.sft import SFTConfig
 
 __all__ = ["prepare_image_data", "uses_images"]
 
@@ -74,8 +76,9 @@ def _read(files: list[str], setting: str, messages_field: str) -> list[vision.Im
 
 
 def prepare_image_data(config: SFTConfig, processor: Any, family: str, dp_rank: int = 0,
-                       dp_size: int = 1, train: bool = True) -> SFTData:
-    """`prepare_data` for image records (see the module docstring)."""
+                       dp_size: int = 1, train: bool = True) -> tuple:
+    """`prepare_data` for image records (see the module docstring): the fields of `SFTData`
+    (train reader, valid batches, their bins, the summary lines)."""
     d = config.data
     if d.format not in (None, "chat"):
         raise UserError(f"config 'data.format' is {d.format!r}: image records are "
@@ -132,4 +135,4 @@ def prepare_image_data(config: SFTConfig, processor: Any, family: str, dp_rank: 
                                 batch_size, pad_id, dp_rank, dp_size, seed=d.shuffle_seed)
         summary.insert(0, f"train: {len(selected):,} image records (chat), "
                           f"{train_bins.describe()}")
-    return SFTData(reader, valid, train_bins, valid_bins, summary)
+    return reader, valid, train_bins, valid_bins, summary
