@@ -108,3 +108,41 @@ def test_bad_records_are_named_by_file_line_and_field(data, tmp_path):
             vision.read_records(path)
         assert str(caught.value) == f"data file {path}, line 2: {message}" or \
             str(caught.value).startswith(f"data file {path}, line 2: {message}"), name
+
+
+def test_prompt_completion_trains_the_completion_only(data, tmp_path):
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    lines = [json.loads(line) for line in data.read_text().splitlines()]
+    two_turns = next(r for r in lines if len(r["messages"]) == 4)
+    split = {"prompt": two_turns["messages"][:3], "completion": two_turns["messages"][3:],
+             "images": [str(data.parent / two_turns["images"][0])]}
+    [record] = vision.read_records(_write(tmp_path / "pc.jsonl", [split]))
+    example = vision.encode(processor, record, "llava")
+    ids = example.tokens["input_ids"].tolist()
+    tokens = processor.tokenizer.convert_tokens_to_ids
+    answers = answer_positions(ids, tokens("<|assistant|>"), tokens("<|end|>"))
+    last = ids.index(tokens("<|assistant|>"), ids.index(tokens("<|assistant|>")) + 1)
+    assert torch.nonzero(example.trained).flatten().tolist() == \
+        [p for p in answers if p > last]  # the second answer; the first is prompt
+
+
+def test_over_long_records_are_dropped_and_counted(data, tmp_path):
+    from gangtrain.posttrain.objectives.sft import SFTConfig
+    from gangtrain.posttrain.objectives.sft_images import prepare_image_data
+
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    records = vision.read_records(data)
+    lengths = [vision.planned_length(processor, r, {}) for r in records]
+    seq_len = sorted(lengths)[len(lengths) // 2]  # about half the records are longer
+    config = SFTConfig.model_validate({"model": {"path": str(model_dir)}, "data": {
+        "files": [str(data)], "valid_files": [str(data)], "seq_len": seq_len,
+        "batch_size": 1}})
+    reader, valid, train_bins, valid_bins, summary = prepare_image_data(
+        config, processor, "llava")
+    longer = sum(n > seq_len for n in lengths)
+    assert longer and train_bins.num_dropped == valid_bins.num_dropped == longer
+    assert f"0 truncated, {longer} dropped as longer than data.seq_len={seq_len}" in summary[0]
+    kept = {i for b in range(len(train_bins)) for i in train_bins.bin(b).tolist()}
+    assert kept == {i for i, n in enumerate(lengths) if n <= seq_len}

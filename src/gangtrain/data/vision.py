@@ -6,6 +6,9 @@ A record (JSONL):
                   {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
      "images": ["images/0001.png"]}
 
+or TRL's conversational prompt/completion with images: `prompt` and `completion` lists of
+turns (the completion's assistant turns are the targets), and `images`.
+
 - `read_records`: every record checked up front, named by file, line and field: image paths
   relative to the data file, URLs refused (no network at train time), one file per image
   part, each image's header readable (`PIL.Image.open` decodes no pixels);
@@ -52,11 +55,24 @@ class ImageRecord:
     messages: list[dict[str, Any]]
     images: list[Path]
     where: str  # "data file F, line N"
+    trained_from: int = 0
+    """The first turn whose assistant turns are targets (prompt/completion: the completion's)."""
 
 
 def _image_parts(messages: list[dict[str, Any]]) -> int:
     return sum(1 for m in messages if isinstance(m.get("content"), list)
                for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
+
+
+def _turns(record: dict[str, Any], messages_field: str) -> tuple[Any, int]:
+    """(the record's turns, the first trained one): `messages_field`'s, or `prompt` then
+    `completion` (lists of turns) with the completion trained."""
+    if messages_field in record:
+        return record[messages_field], 0
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return prompt + completion, len(prompt)
+    return None, 0
 
 
 def has_images(path: str | Path, messages_field: str = "messages") -> bool:
@@ -66,8 +82,9 @@ def has_images(path: str | Path, messages_field: str = "messages") -> bool:
         for line in f:
             if line.strip():
                 record = json.loads(line)
+                turns, _ = _turns(record, messages_field)
                 return bool(record.get("images") or record.get("image")
-                            or _image_parts(record.get(messages_field) or []))
+                            or _image_parts(turns if isinstance(turns, list) else []))
     return False
 
 
@@ -116,11 +133,12 @@ def read_records(path: str | Path, messages_field: str = "messages") -> list[Ima
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise UserError(f"{where}: not JSON: {error}") from None
-            messages = record.get(messages_field)
+            messages, trained_from = _turns(record, messages_field)
             if not isinstance(messages, list) or not messages:
-                raise UserError(f"{where}: field '{messages_field}' must be a list of turns")
-            records.append(ImageRecord(messages, _check_images(record, messages, path.parent,
-                                                               where), where))
+                raise UserError(f"{where}: field '{messages_field}' (or 'prompt' and "
+                                "'completion') must be a list of turns")
+            images = _check_images(record, messages, path.parent, where)
+            records.append(ImageRecord(messages, images, where, trained_from))
     return records
 
 
@@ -146,7 +164,7 @@ def _assistant_spans(processor: Any, record: ImageRecord) -> tuple[str, list[tup
     full = _render(processor, messages)
     spans = []
     for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
+        if message.get("role") != "assistant" or i < record.trained_from:
             continue
         before, through = _render(processor, messages[:i], True), \
             _render(processor, messages[: i + 1]).rstrip()
