@@ -133,3 +133,12 @@ def test_bad_images_are_one_line_exit_2_nothing_written(runs, tmp_path, capsys):
         assert "Traceback" not in err
         # Nothing of a run (the command line's own lock file aside, as for text data).
         assert not out.exists() or {p.name for p in out.iterdir()} <= {".run.lock"}
+
+
+def test_model_parallel_layouts_are_refused_by_name(runs, tmp_path, capsys):
+    root, models, _, _ = runs
+    out = tmp_path / "tp"
+    code = cli(sft_args(out, models["llava"], root / "colour", "--set", "gangs.tp_size=2"))
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "error: config 'gangs.tp_size' is 2: " in err and \
+        "is a vision-language model, trained under data parallelism only" in err, err

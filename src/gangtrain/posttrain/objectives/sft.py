@@ -287,6 +287,12 @@ def check_settings(config: SFTConfig) -> Any:
     the others or the model (the layout: its family's spec)."""
     hf_config = check_layout(config)
     g = config.gangs
+    sizes = {"tp_size": g.tp_size, "pp_size": g.pp_size, "cp_size": g.cp_size}
+    split = next((name for name, size in sizes.items() if size > 1), None)
+    if vision.is_vlm(hf_config) and split is not None:
+        raise UserError(f"config 'gangs.{split}' is {sizes[split]}: {config.model.path} is a "
+                        "vision-language model, trained under data parallelism only (DDP, "
+                        "FSDP2/HSDP) for now: set it to 1")
     if g.pp_size > 1 and not config.data.packing:
         raise UserError(f"config 'data.packing' is false; with gangs.pp_size {g.pp_size} it "
                         "must be true: a pipeline schedule runs micro-batches of one shape "

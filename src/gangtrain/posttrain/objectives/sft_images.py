@@ -10,6 +10,7 @@ when its micro-batch is made, so nothing is preprocessed up front.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,8 +31,9 @@ def uses_images(config: SFTConfig) -> bool:
     """Whether the run's data files hold images (JSONL records with `images` or image
     parts)."""
     files = [*config.data.files, *config.data.valid_files]
-    return any(str(f).endswith(".jsonl") and vision.has_images(f, config.data.messages_field)
-               for f in files)
+    # A file that is not there is the text path's to name.
+    return any(str(f).endswith(".jsonl") and Path(f).is_file()
+               and vision.has_images(f, config.data.messages_field) for f in files)
 
 
 class _Examples:
