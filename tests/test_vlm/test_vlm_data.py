@@ -146,3 +146,28 @@ def test_over_long_records_are_dropped_and_counted(data, tmp_path):
     assert f"0 truncated, {longer} dropped as longer than data.seq_len={seq_len}" in summary[0]
     kept = {i for b in range(len(train_bins)) for i in train_bins.bin(b).tolist()}
     assert kept == {i for i, n in enumerate(lengths) if n <= seq_len}
+
+
+def test_a_text_only_record_is_refused_under_data_parallelism(data, tmp_path):
+    from gangtrain.posttrain.objectives.sft import SFTConfig
+    from gangtrain.posttrain.objectives.sft_images import prepare_image_data
+
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    lines = [json.loads(line) for line in data.read_text().splitlines()]
+    text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "it"}]},
+                              {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}
+    for r in lines:
+        r["images"] = [str(data.parent / name) for name in r["images"]]
+    path = _write(tmp_path / "mixed.jsonl", [*lines, text_only])
+    config = SFTConfig.model_validate({"model": {"path": str(model_dir)}, "data": {
+        "files": [str(path)], "valid_files": [str(path)], "batch_size": 2,
+        "packing": False}})
+    reader = prepare_image_data(config, processor, "llava", 0, 1)[0]  # one rank: fine
+    assert len(reader.bins) == 7  # one record a row, the text-only one too
+    bare = next(b for b in range(7) if reader.bins.bin(b).tolist() == [6])
+    batch = reader.dataset.batch(reader.bins, [bare], processor.tokenizer.pad_token_id)
+    assert "pixel_values" not in batch and int((batch["labels"] != -100).sum()) == 2
+    with pytest.raises(UserError, match=f"data file {path}, line 7: a record without images, "
+                                        "under 2 data-parallel ranks"):
+        prepare_image_data(config, processor, "llava", 0, 2)
