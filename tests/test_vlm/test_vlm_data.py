@@ -171,3 +171,30 @@ def test_a_text_only_record_is_refused_under_data_parallelism(data, tmp_path):
     with pytest.raises(UserError, match=f"data file {path}, line 7: a record without images, "
                                         "under 2 data-parallel ranks"):
         prepare_image_data(config, processor, "llava", 0, 2)
+
+
+def test_part_lr_steps_each_part_at_its_own_rate(data, tmp_path):
+    from gangtrain.posttrain.objectives.sft import SFTConfig
+
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    batch = vision.padded_batch([vision.encode(processor, r, "llava")
+                                 for r in vision.read_records(data)],
+                                processor.tokenizer.pad_token_id, "llava")
+    config = SFTConfig.model_validate({"optimizer": {
+        "name": "SGD", "lr": 0.1, "part_lr": {"projector": 0.0, "vision_tower": 0.01}}})
+    optimizer = config.optimizer.build(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss, _ = lm_loss(model, batch, -100, use_cache_keyword=True)
+    loss.backward()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        lr = 0.0 if "multi_modal_projector" in name else 0.01 if "vision_tower" in name \
+            else 0.1
+        # SGD: p - lr * grad, one float32 multiply and subtract per element (exact for lr 0).
+        # (A parameter the forward does not use, CLIP's post_layernorm, has no gradient.)
+        expected = before[name] if p.grad is None else before[name] - lr * p.grad
+        assert torch.allclose(p.detach(), expected, rtol=0, atol=1e-7), name
+        if lr == 0.0:
+            assert torch.equal(p.detach(), before[name]), name

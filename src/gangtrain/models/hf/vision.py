@@ -88,25 +88,46 @@ def parameters_of(model: nn.Module, prefixes: list[str]) -> list[tuple[str, nn.P
             if any(n == pre or n.startswith(pre + ".") for pre in prefixes)]
 
 
-def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
-    """`model.freeze`: each pattern a part ("vision_tower", "projector", "language_model",
-    "lm_head") or an fnmatch pattern over parameter names ("model.vision_tower.*"). Returns the
-    frozen names; a pattern that matches nothing is an error naming it."""
+def matching(model: nn.Module, pattern: str, setting: str) -> list[str]:
+    """The parameter names a part ("vision_tower", "projector", "language_model", "lm_head")
+    or an fnmatch pattern over parameter names ("model.vision_tower.*") names; none is an
+    error naming `setting`."""
     parts = vlm_parts(model) if is_vlm(model) else {}
-    frozen = []
-    for pattern in patterns:
-        if pattern in PART_ALIASES and parts:
-            matched = [n for n, _ in parameters_of(model, parts[PART_ALIASES[pattern]])]
-        else:
-            matched = [n for n, _ in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
-        if not matched:
-            raise UserError(f"config 'model.freeze': {pattern!r} matches no parameter of "
-                             f"{type(model).__name__} (parts: {parts})")
-        frozen += matched
+    if pattern in PART_ALIASES and parts:
+        matched = [n for n, _ in parameters_of(model, parts[PART_ALIASES[pattern]])]
+    else:
+        matched = [n for n, _ in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+    if not matched:
+        raise UserError(f"config '{setting}': {pattern!r} matches no parameter of "
+                        f"{type(model).__name__} (parts: {parts})")
+    return matched
+
+
+def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
+    """`model.freeze`: the parameters each pattern names (`matching`) kept as loaded;
+    returns their names."""
+    frozen = [n for pattern in patterns for n in matching(model, pattern, "model.freeze")]
     named = dict(model.named_parameters())
     for n in frozen:
         named[n].requires_grad_(False)
     return frozen
+
+
+def lr_groups(model: nn.Module, part_lr: dict[str, float]) -> list[dict[str, Any]]:
+    """`optimizer.part_lr` (VeOmni's `vit_lr`): optimizer groups of the trained parameters,
+    those each pattern names (`matching`; the first pattern wins) at its learning rate, the
+    rest at the optimizer's."""
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    taken: set[str] = set()
+    groups = []
+    for pattern, lr in part_lr.items():
+        names = [n for n in matching(model, pattern, "optimizer.part_lr")
+                 if n in named and n not in taken]
+        taken.update(names)
+        if names:
+            groups.append({"params": [named[n] for n in names], "lr": lr})
+    rest = [p for n, p in named.items() if n not in taken]
+    return ([{"params": rest}] if rest else []) + groups
 
 
 def lora_targets(model: nn.Module, layer_names: tuple[str, ...] = LORA_LAYER_NAMES) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gangs import Gangs
-from gangtrain.app.config.optimizers import OptimizerConfig
+from gangtrain.app.config.optimizers import OptimizerConfig, build_optimizer
 from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
 from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, TrainerConfig
 from gangtrain.app.pretrained import check_layout, load_layout_of
@@ -132,6 +132,17 @@ class OptimizerSection(OptimizerConfig):
     lr: float = Field(default=2e-5, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=0.0, ge=0)
+    part_lr: dict[str, float] = {}
+    """Learning rates of their own (VeOmni's vit_lr), by a vision-language model's part
+    (vision_tower, projector, language_model, lm_head) or an fnmatch pattern over parameter
+    names: {vision_tower: 2.0e-6}; the schedule scales each alike. Empty: lr for all."""
+
+    def build(self, model: nn.Module) -> Optimizer:  # type: ignore[override]
+        if not self.part_lr:
+            return super().build(model)
+        hf_model = hf_model_of(model)
+        return build_optimizer(self, model, vision.lr_groups(
+            model if hf_model is None else hf_model, self.part_lr))
 
 
 class ScheduleSection(LRSchedulerSection):
