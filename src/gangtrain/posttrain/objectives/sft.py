@@ -174,7 +174,8 @@ RESUME_GUARD = ("model.path", "data.files", "data.weights", "data.format", "data
                 "data.chat_template", "data.train_on", "data.eos_token", "data.seq_len",
                 "data.packing", "data.padding",
                 "data.over_long", "data.batch_size", "data.max_tokens", "data.valid_fraction",
-                "data.split_seed", "data.shuffle_seed", *LoraSection.RESUME_GUARD)
+                "data.split_seed", "data.shuffle_seed", "model.freeze", "optimizer.part_lr",
+                *LoraSection.RESUME_GUARD)
 
 
 @dataclass
