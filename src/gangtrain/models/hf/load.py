@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
 from gangtrain.layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
+from gangtrain.models.hf import vision
 from gangtrain.models.hf.conversion import ConvertedFiles
 from gangtrain.models.hf.gated_mlp import recompute_gated_activations
 from gangtrain.models.hf.meta import build_on_meta, named_tensors, tensor_aliases
@@ -66,6 +67,7 @@ def load_pretrained(
     attn_implementation: str | None = None,
     pipeline: plan.Split | None = None,
     spec: HFSpec | None = None,
+    freeze: tuple[str, ...] = (),
     **kwargs: Any,
 ) -> Any:
     """The Hugging Face model saved in the local directory `path` (`config.json` and
@@ -93,6 +95,9 @@ def load_pretrained(
         zero), drawn per name: the same on every rank and layout.
     pipeline: cut the model into pipeline stages (`parallel.plan.Split`); then the
         `PipelinedModel` of this rank's stages is returned, only they read from the files.
+    freeze: parameters kept as loaded (`requires_grad` off, on meta before any wrapper):
+        module-name patterns, or a vision-language model's parts ("vision_tower",
+        "projector"; `models.hf.vision.freeze`).
     spec: the model's family spec when the caller has it (`gangtrain.posttrain` hands the
         one it looked up); None: looked up here (`spec_for`).
 
@@ -116,6 +121,8 @@ def load_pretrained(
                         "which is None")
     pretrained = _Pretrained(Path(path), dtype, seed, attn_implementation)
     transforms = [] if lora is None else [partial(_with_adapters, settings=lora, spec=spec)]
+    if freeze:
+        transforms.append(partial(_frozen, patterns=list(freeze)))
     model = plan.build_model(pretrained.on_meta, gangs,
                              tensor_parallel=partial(_tensor_parallel, spec=spec),
                              data_parallel=data_parallel, materialize=pretrained.materialize,
@@ -128,8 +135,16 @@ def load_pretrained(
     return model
 
 
+def _frozen(model: nn.Module, patterns: list[str]) -> nn.Module:
+    vision.freeze(model, patterns)
+    return model
+
+
 def _with_adapters(model: nn.Module, settings: LoraSettings, spec: HFSpec | None) -> nn.Module:
-    if settings.target_modules is None:  # the family's own targets
+    if settings.target_modules is None and vision.is_vlm(model):
+        # The language model's projections only: a vision tower has q_proj/v_proj too.
+        settings = replace(settings, target_modules=vision.lora_targets(model))
+    elif settings.target_modules is None:  # the family's own targets
         settings = replace(settings, target_modules=(spec or spec_for(model)).lora_targets)
     try:
         return apply_lora(model, settings)

@@ -20,11 +20,11 @@ __all__ = ["build_on_meta", "named_tensors", "tensor_aliases"]
 def build_on_meta(path: Path | str, dtype: torch.dtype | None = None,
                   untie_word_embeddings: bool = False,
                   attn_implementation: str | None = None) -> nn.Module:
-    """The causal LM of the HF directory `path` (from its `config.json` alone) on the meta
+    """The causal LM (or vision-language model) of the HF directory `path` (from its `config.json` alone) on the meta
     device: no memory, no initialisation, no weights read. `untie_word_embeddings` builds
     it with `tie_word_embeddings` false whatever the file says (see `load_pretrained`);
     `attn_implementation` (e.g. "sdpa", "eager") as `from_config` takes it."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(path).resolve()  # config.name_or_path: where checkpoints find the tokenizer
     config = read_hf_config(path)
@@ -32,7 +32,11 @@ def build_on_meta(path: Path | str, dtype: torch.dtype | None = None,
         config.tie_word_embeddings = False
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32,
+            # A vision-language model (its config declares a vision tower): transformers'
+            # image-text-to-text class, which AutoModelForCausalLM refuses for most families.
+            auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) \
+                is not None else AutoModelForCausalLM
+            return auto.from_config(config, dtype=dtype or torch.float32,
                                                     attn_implementation=attn_implementation)
     except ValueError as error:  # a config transformers maps to no causal LM, or a kernel
         first = str(error).strip().splitlines()[0]  # the model does not support
