@@ -114,6 +114,7 @@ OBJECTIVES: dict[str, str] = {
     "finetune": "gangtrain.posttrain.objectives.finetune:FinetuneObjective",
     "preference": "gangtrain.posttrain.objectives.preference:PreferenceObjective",
     "grpo": "gangtrain.posttrain.objectives.grpo:GRPOObjective",
+    "reward": "gangtrain.posttrain.objectives.reward:RewardObjective",
 }
 """The objectives by name: the class's import path, imported on first use."""
 

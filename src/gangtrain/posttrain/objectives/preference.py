@@ -134,7 +134,8 @@ def prepare_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0, dp
                   train: bool = True) -> PairData:
     """Tokenise (or read from the cache), hold out and plan; the readers of this DP rank."""
     d = config.data
-    fields = PairFields(d.prompt_field, d.chosen_field, d.rejected_field)
+    fields = PairFields(d.prompt_field, d.chosen_field, d.rejected_field,
+                        getattr(d, "margin_field", None))  # a reward model's
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
         else tokenizer.eos_token_id
 
