@@ -341,7 +341,10 @@ def side_logps(model: nn.Module, batch: LMBatch, use_cache_keyword: bool = False
         sums = torch.zeros(trained.shape[0], dtype=log_probs.dtype, device=log_probs.device)
         return sums.index_add(0, rows, log_probs), trained.sum(-1)
     logits, targets = lm_logits(model, batch, IGNORE_INDEX, use_cache_keyword)
-    nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
+    # float32 at least: a float64 model's log-probabilities stay float64.
+    nll = F.cross_entropy(logits.flatten(0, -2).to(torch.promote_types(logits.dtype,
+                                                                       torch.float32)),
+                          targets.flatten(),
                           ignore_index=IGNORE_INDEX, reduction="none")
     return -nll.view(targets.shape).sum(-1), (targets != IGNORE_INDEX).sum(-1)
 
