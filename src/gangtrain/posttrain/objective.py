@@ -115,6 +115,7 @@ OBJECTIVES: dict[str, str] = {
     "preference": "gangtrain.posttrain.objectives.preference:PreferenceObjective",
     "grpo": "gangtrain.posttrain.objectives.grpo:GRPOObjective",
     "reward": "gangtrain.posttrain.objectives.reward:RewardObjective",
+    "distill": "gangtrain.posttrain.objectives.distill:DistillObjective",
 }
 """The objectives by name: the class's import path, imported on first use."""
 
