@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from recipe_runs import describe, run_all
+from recipe_runs import assert_one_line_errors, describe, run_all
 from transformers import AutoTokenizer
 
 from gangs import FakeGang, setup_gangs
@@ -206,8 +206,4 @@ def test_user_mistakes_are_one_clear_line(tiny, tmp_path, capsys):
                   "config 'loss.lmbda=0.5' trains a share on the records' own 'completion'"),
         "beta": (["--set", "loss.beta=2"], "beta"),
     }
-    for name, (extra, message) in cases.items():
-        assert cli([*map(str, args(tmp_path / name, tiny)), *extra]) == 2, name
-        err = capsys.readouterr().err
-        assert message in err, (name, err)
-        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
+    assert_one_line_errors(cli, lambda out: args(out, tiny), cases, tmp_path, capsys)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from kto_hand import step_by_hand
-from recipe_runs import describe, run_all
+from recipe_runs import assert_one_line_errors, describe, metric_records, run_all
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gangs import FakeGang, setup_gangs
@@ -21,7 +21,6 @@ from gangtrain.models.hf import export_pretrained, load_pretrained
 from gangtrain.posttrain.objectives.preference import PreferenceConfig, prepare_unpaired
 from gangtrain.tiny.pairs import make_tiny_chat_model, unpaired_examples, write_unpaired_data
 from recipes.preference.recipe import cli
-from trainer.observe.recorders import read_jsonl
 from units.metrics import MetricBag
 from units.preference import PreferenceLoss, PreferenceUnit
 
@@ -128,19 +127,11 @@ def runs(tiny, tmp_path_factory):
     return {name: base / name for name in commands}
 
 
-def train_records(out: Path) -> dict[int, dict[str, float]]:
-    merged: dict[int, dict[str, float]] = {}
-    for path in sorted((out / "metrics").glob("train*.jsonl")):
-        for r in read_jsonl(path):
-            merged.setdefault(r["step"], {}).update(r)
-    return merged
-
-
 def test_recipe_step_two_equals_the_hand_computation(runs, tiny, tmp_path):
     """Step 1: the policy is the reference, so the estimate and every log-ratio are 0 and
     the loss is the mean weight times 1/2. Step 2: the policy after step 1 (exported from
     its checkpoint) against the start, by hand in float64."""
-    steps = train_records(runs["straight"])
+    steps = metric_records(runs["straight"], "train")
     first = step_examples(tiny, tiny[3], 1)
     weights = [SETTINGS["desirable_weight"] if e["label"] else SETTINGS["undesirable_weight"]
                for g in first for e in g]
@@ -165,7 +156,8 @@ def test_recipe_step_two_equals_the_hand_computation(runs, tiny, tmp_path):
 
 
 def test_ddp2_equals_one_process(runs):
-    reference, found = train_records(runs["straight"]), train_records(runs["ddp2"])
+    reference = metric_records(runs["straight"], "train")
+    found = metric_records(runs["ddp2"], "train")
     assert found.keys() == reference.keys()
     # The KL estimate is a difference of ~100-nat log-probabilities: its gap is relative to
     # them, not to itself (cancellation).
@@ -195,9 +187,4 @@ def test_user_mistakes_are_one_clear_line(tiny, tmp_path, capsys):
         "weight_for_dpo": (["--set", "loss.kind=dpo", "--set", "loss.undesirable_weight=2"],
                            "loss.undesirable_weight applies to kto"),
     }
-    for name, (extra, message) in cases.items():
-        out = tmp_path / name
-        assert cli([*map(str, args(out, tiny)), *extra]) == 2, name
-        err = capsys.readouterr().err
-        assert message in err, (name, err)
-        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
+    assert_one_line_errors(cli, lambda out: args(out, tiny), cases, tmp_path, capsys)

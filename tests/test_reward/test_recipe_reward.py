@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from recipe_runs import describe, run_all
+from recipe_runs import assert_one_line_errors, describe, metric_records, run_all
 from reward_hand import ranked_right, step_by_hand
 from tolerances import FLOAT32_UNIT
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -26,7 +26,6 @@ from gangtrain.posttrain.objectives.reward import RewardConfig
 from gangtrain.rl.rewards import ModelReward
 from gangtrain.tiny.pairs import make_tiny_chat_model, preference_pairs, write_pair_data
 from recipes.reward.recipe import cli
-from trainer.observe.recorders import read_jsonl
 from units.metrics import MetricBag
 from units.reward import RewardLoss, RewardUnit
 
@@ -86,14 +85,6 @@ def runs(tiny, tmp_path_factory):
     return {name: base / name for name in commands}
 
 
-def records(out: Path, section: str) -> dict[int, dict[str, float]]:
-    merged: dict[int, dict[str, float]] = {}
-    for path in sorted((out / "metrics").glob(f"{section}*.jsonl")):
-        for r in read_jsonl(path):
-            merged.setdefault(r["step"], {}).update(r)
-    return merged
-
-
 def initial_model(model_dir: Path) -> torch.nn.Module:
     """The run's starting model (the backbone from the files, the score head from the run's
     seed, 2 by default), in float64."""
@@ -109,7 +100,7 @@ def test_step_one_loss_and_gradient_norm_equal_the_hand_computation(runs, tiny):
     hand = step_by_hand(initial_model(model_dir), AutoTokenizer.from_pretrained(model_dir),
                         pairs, COEFFICIENT)
     for name in ("hand", "accumulate4"):
-        step1 = records(runs[name], "train")[1]
+        step1 = metric_records(runs[name], "train")[1]
         print(f"{name}: loss {step1['loss']:.9f} (hand {hand['loss']:.9f}), grad_norm "
               f"{step1['grad_norm']:.9f} (hand {hand['grad_norm']:.9f}), accuracy "
               f"{step1['accuracy']} (hand {hand['accuracy']})")
@@ -155,7 +146,7 @@ def test_the_units_whole_step_one_gradient_equals_the_hand_computation(tiny):
 def test_ddp2_equals_one_process(runs):
     for section, prefix, keys in (("train", "", ("loss", "accuracy", "margin")),
                                   ("valid", "valid/", ("loss", "accuracy", "margin"))):
-        reference, found = records(runs["straight"], section), records(runs["ddp2"], section)
+        reference, found = metric_records(runs["straight"], section), metric_records(runs["ddp2"], section)
         assert found.keys() == reference.keys()
         gap = max(abs(found[s][prefix + k] - reference[s][prefix + k])
                   / max(1.0, abs(reference[s][prefix + k])) for s in reference for k in keys)
@@ -167,7 +158,7 @@ def test_ddp2_equals_one_process(runs):
 
 def test_exported_model_ranks_as_the_published_valid_accuracy(runs, tiny):
     out, valid = runs["straight"], tiny[3]
-    best = max(records(out, "valid").values(), key=lambda r: (r["valid/accuracy"], -r["step"]))
+    best = max(metric_records(out, "valid").values(), key=lambda r: (r["valid/accuracy"], -r["step"]))
     model = AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()
     assert model.config.num_labels == 1 and model.config.pad_token_id is not None
     pairs = [json.loads(line) for line in valid.read_text().splitlines()]
@@ -187,14 +178,14 @@ def test_exported_model_ranks_as_the_published_valid_accuracy(runs, tiny):
     assert sum(c > r for c, r in zip(chosen, rejected, strict=True)) == right
     # --eval-only on the exported model directory: the run's best valid metrics.
     assert cli([str(out), "--eval-only"]) == 0
-    last = records(out, "eval")[max(records(out, "eval"))]
+    last = metric_records(out, "eval")[max(metric_records(out, "eval"))]
     assert last["valid/accuracy"] == best["valid/accuracy"]
     assert last["valid/loss"] == pytest.approx(best["valid/loss"], rel=1e-6)
 
 
 def test_lora_trains_the_score_head_and_exports_a_scoring_model(runs, tiny):
     out = runs["lora"]
-    valid = records(out, "valid")
+    valid = metric_records(out, "valid")
     assert valid[STEPS]["valid/loss"] < valid[2]["valid/loss"] < math.log(2) + 0.1
     model = AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()
     start = initial_model(tiny[0])
@@ -218,9 +209,4 @@ def test_user_mistakes_are_one_clear_line(tiny, tmp_path, capsys):
         "coefficient": (["--set", "loss.center_rewards_coefficient=-1"],
                         "center_rewards_coefficient"),
     }
-    for name, (extra, message) in cases.items():
-        out = tmp_path / name
-        assert cli([*map(str, args(out, tiny)), *extra]) == 2, name
-        err = capsys.readouterr().err
-        assert message in err, (name, err)
-        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
+    assert_one_line_errors(cli, lambda out: args(out, tiny), cases, tmp_path, capsys)

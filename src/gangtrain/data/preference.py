@@ -24,7 +24,7 @@ a JSON array, row of a Parquet file) and the field.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from gangtrain.data.token_batches import Bins, EvalBatches
 from gangtrain.data.token_cache import Tokenized, tokenize_cached, tokenizer_digest
 
 __all__ = ["PairFields", "PairReader", "PairEvalBatches", "pair_batch", "plan_pairs",
-           "shared_prefix", "tokenize_pairs"]
+           "records_of", "shared_prefix", "tokenize_pairs"]
 
 ENCODING_VERSION = 1
 """Part of the cache fingerprint: raised when the encoding changes."""
@@ -176,11 +176,9 @@ def _line_numbers(path: Path) -> list[int] | None:
         return [n for n, line in enumerate(f, 1) if line.strip()]
 
 
-def _tokenize_file(path: Path, tokenizer: Any, name: str, fields: PairFields,
-                   cache_dir: str | Path | None, num_proc: int | None) -> Tokenized:
-    from datasets import Sequence as ArrowSequence
-    from datasets import Value
-
+def records_of(path: Path, cache_dir: str | Path | None) -> tuple[Any, Callable[[int], str]]:
+    """(the records of one file, where(index): "FILE, line N" (row or record N of other
+    files) for errors); a file without records is refused."""
     records = load_records([path], cache_dir)
     if len(records) == 0:
         raise UserError(f"data {path} holds no records")
@@ -190,6 +188,15 @@ def _tokenize_file(path: Path, tokenizer: Any, name: str, fields: PairFields,
     def where(index: int) -> str:
         return f"{path}, {unit} {lines[index] if lines is not None else index + 1}"
 
+    return records, where
+
+
+def _tokenize_file(path: Path, tokenizer: Any, name: str, fields: PairFields,
+                   cache_dir: str | Path | None, num_proc: int | None) -> Tokenized:
+    from datasets import Sequence as ArrowSequence
+    from datasets import Value
+
+    records, where = records_of(path, cache_dir)
     missing = [f for f in (fields.chosen, fields.rejected) if f not in records.column_names]
     if missing:
         raise UserError(f"data {path}: preference pairs need fields '{fields.chosen}' and "

@@ -40,9 +40,9 @@ import torch
 from gangs.errors import UserError
 from gangtrain.data.chat import ChatEncoder, encode_prompt_completion
 from gangtrain.data.collate import padded_batch
-from gangtrain.data.formats import list_data_files, load_records
+from gangtrain.data.formats import list_data_files
 from gangtrain.data.global_batches import GlobalBatchReader
-from gangtrain.data.preference import _is_messages, _line_numbers
+from gangtrain.data.preference import _is_messages, records_of
 from gangtrain.data.token_batches import Bins, EvalBatches
 from gangtrain.data.token_cache import Tokenized, tokenize_cached, tokenizer_digest
 
@@ -114,15 +114,7 @@ def _tokenize_file(path: Path, tokenizer: Any, name: str, fields: UnpairedFields
     from datasets import Sequence as ArrowSequence
     from datasets import Value
 
-    records = load_records([path], cache_dir)
-    if len(records) == 0:
-        raise UserError(f"data {path} holds no records")
-    lines = _line_numbers(path)
-    unit = "line" if lines is not None else ("row" if path.suffix == ".parquet" else "record")
-
-    def where(index: int) -> str:
-        return f"{path}, {unit} {lines[index] if lines is not None else index + 1}"
-
+    records, where = records_of(path, cache_dir)
     missing = [f for f in (fields.prompt, fields.completion, fields.label)
                if f not in records.column_names]
     if missing:

@@ -62,11 +62,15 @@ def preference_pairs(num: int, seed: int = 0, form: Form = "conversational"
 def write_pair_data(path: Path | str, num: int, seed: int = 0,
                     form: Form = "conversational") -> Path:
     """Write ``num`` pairs as JSONL, one a line."""
+    return _write_jsonl(path, preference_pairs(num, seed, form))
+
+
+def _write_jsonl(path: Path | str, records: list[dict[str, Any]]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
-        for pair in preference_pairs(num, seed, form):
-            f.write(json.dumps(pair) + "\n")
+        for record in records:
+            f.write(json.dumps(record) + "\n")
     return path
 
 
@@ -87,9 +91,4 @@ def unpaired_examples(num: int, seed: int = 0, form: Form = "conversational"
 def write_unpaired_data(path: Path | str, num: int, seed: int = 0,
                         form: Form = "conversational") -> Path:
     """Write ``num`` KTO examples (`unpaired_examples`) as JSONL, one a line."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for example in unpaired_examples(num, seed, form):
-            f.write(json.dumps(example) + "\n")
-    return path
+    return _write_jsonl(path, unpaired_examples(num, seed, form))

@@ -32,7 +32,7 @@ from gangtrain.data.global_batches import GlobalBatchReader, eval_rows
 from gangtrain.data.prompts import PromptSet, read_prompts
 from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.load import load_pretrained
-from gangtrain.posttrain.objective import Objective, Parts
+from gangtrain.posttrain.objective import Objective, Parts, data_parallel_only
 from gangtrain.rl.generation import HFGenerator
 from trainer.errors import UserError
 from units.distill import DistillEvalUnit, DistillLoss, DistillUnit
@@ -199,12 +199,8 @@ class DistillObjective(Objective):
     resume_guard = RESUME_GUARD
 
     def check(self, config: DistillConfig) -> Any:
-        g = config.gangs
-        for name in ("tp_size", "pp_size", "cp_size", "ep_size"):
-            if getattr(g, name) > 1:
-                raise UserError(f"config 'gangs.{name}={getattr(g, name)}': recipes.distill "
-                                "runs data parallelism only (FSDP2, HSDP, DDP); set "
-                                f"gangs.{name}=1")
+        data_parallel_only(config, "recipes.distill",
+                           "the teacher and the generator are not split over other gangs")
         if config.teacher.path is None:
             raise UserError("config 'teacher.path' is not set: give the teacher's model "
                             "directory, e.g. --set teacher.path=DIR")

@@ -13,6 +13,7 @@ the policy with its adapters disabled; simpo and orpo need none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -162,17 +163,8 @@ def prepare_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0, dp
         return tokenize_pairs(files, tokenizer, name=f"'{config.model.path}'", fields=fields,
                               cache_dir=d.cache_dir, num_proc=d.num_workers, setting=setting)
 
-    if not d.files and (train or not d.valid_files):
-        raise UserError("config 'data.files' is empty: list the JSONL, JSON or Parquet files "
-                        "of preference pairs, e.g. --set 'data.files=[pairs.jsonl]'")
-    pairs = tokenize(list(d.files), "data.files") if d.files else None
-    if d.valid_files:
-        valid_pairs = tokenize(list(d.valid_files), "data.valid_files")
-        kept, held = (np.arange(len(pairs)) if pairs else None), np.arange(len(valid_pairs))
-    else:
-        assert pairs is not None
-        valid_pairs = pairs
-        kept, held = hold_out(len(pairs), d.valid_fraction, d.split_seed)
+    pairs, valid_pairs, kept, held = _split(d, tokenize, train, "preference pairs",
+                                            "pairs.jsonl")
     valid_bins, valid_empty = plan_pairs(valid_pairs, held, d.seq_len, d.over_long)
     valid = PairEvalBatches(valid_pairs.dataset, valid_bins, d.valid_batch_size, pad_id,
                             dp_rank, dp_size)
@@ -189,6 +181,21 @@ def prepare_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0, dp
     return PairData(reader, valid, summary)
 
 
+def _split(d: DataSection, tokenize: Callable[[list[str], str], Tokenized], train: bool,
+           what: str, example: str) -> tuple[Tokenized | None, Tokenized, Any, np.ndarray]:
+    """(the training table, the validation table, the training rows kept, the validation
+    rows): data.valid_files, else data.valid_fraction of data.files held out."""
+    if not d.files and (train or not d.valid_files):
+        raise UserError(f"config 'data.files' is empty: list the JSONL, JSON or Parquet files "
+                        f"of {what}, e.g. --set 'data.files=[{example}]'")
+    table = tokenize(list(d.files), "data.files") if d.files else None
+    if d.valid_files:
+        valid = tokenize(list(d.valid_files), "data.valid_files")
+        return table, valid, np.arange(len(table)) if table else None, np.arange(len(valid))
+    assert table is not None
+    return table, table, *hold_out(len(table), d.valid_fraction, d.split_seed)
+
+
 def prepare_unpaired(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0,
                      dp_size: int = 1, train: bool = True) -> PairData:
     """loss.kind=kto: TRL's unpaired examples (`data.unpaired`), held out and planned as
@@ -203,19 +210,8 @@ def prepare_unpaired(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0,
             files, tokenizer, name=f"'{config.model.path}'", fields=fields,
             cache_dir=d.cache_dir, num_proc=d.num_workers, setting=setting), d.seq_len)
 
-    if not d.files and (train or not d.valid_files):
-        raise UserError("config 'data.files' is empty: list the JSONL, JSON or Parquet files "
-                        "of KTO examples (prompt, completion, label), e.g. "
-                        "--set 'data.files=[examples.jsonl]'")
-    examples = tokenize(list(d.files), "data.files") if d.files else None
-    if d.valid_files:
-        valid_examples = tokenize(list(d.valid_files), "data.valid_files")
-        kept = np.arange(len(examples)) if examples else None
-        held = np.arange(len(valid_examples))
-    else:
-        assert examples is not None
-        valid_examples = examples
-        kept, held = hold_out(len(examples), d.valid_fraction, d.split_seed)
+    examples, valid_examples, kept, held = _split(
+        d, tokenize, train, "KTO examples (prompt, completion, label)", "examples.jsonl")
     valid_bins, valid_empty = plan_examples(valid_examples, held, "padded", d.seq_len,
                                             None, d.over_long)
     valid = KTOEvalBatches(valid_examples.dataset, valid_bins, d.valid_batch_size, pad_id,

@@ -23,7 +23,7 @@ from pydantic import Field
 from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
 from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, AdamWConfig, TrainerConfig
 from gangtrain.app.pretrained import check_layout
-from gangtrain.posttrain.objective import Objective, Parts
+from gangtrain.posttrain.objective import Objective, Parts, data_parallel_only
 from gangtrain.posttrain.objectives.preference import (
     DataSection as PairSection,
 )
@@ -32,7 +32,6 @@ from gangtrain.posttrain.objectives.preference import (
     PairData,
     prepare_pairs,
 )
-from trainer.errors import UserError
 from units.reward import RewardEvalUnit, RewardLoss, RewardUnit
 
 __all__ = ["RESUME_GUARD", "RewardConfig", "RewardObjective"]
@@ -80,13 +79,8 @@ class RewardObjective(Objective):
     resume_guard = RESUME_GUARD
 
     def check(self, config: RewardConfig) -> Any:
-        g = config.gangs
-        for name in ("tp_size", "pp_size", "cp_size", "ep_size"):
-            size = getattr(g, name)
-            if size > 1:
-                raise UserError(f"config 'gangs.{name}={size}': recipes.reward runs data "
-                                "parallelism only (FSDP2, HSDP, DDP): the score head is not "
-                                f"split over other gangs yet; set gangs.{name}=1")
+        data_parallel_only(config, "recipes.reward",
+                           "the score head is not split over other gangs yet")
         return check_layout(config)
 
     def read_data(self, config: RewardConfig, tokenizer: Any, dp_rank: int, dp_size: int,
