@@ -2,8 +2,8 @@
 teacher of its tokenizer: the divergence equals TRL's definition written out as Python sums
 over the vocabulary; the unit's step (on-policy samples from the real generator, or the
 records' own completions) has the loss and whole gradient of a float64 hand computation
-over each sequence unpadded; the run's held-out KL to the teacher falls; DDP2 gives one
-process's numbers (samples seeded per example); mistakes are one clear line."""
+over each sequence unpadded; the run's held-out KL to the teacher falls; DDP2 and FSDP2 give
+one process's numbers (samples seeded per example); mistakes are one clear line."""
 
 from __future__ import annotations
 
@@ -164,6 +164,9 @@ def runs(tiny, tmp_path_factory):
                  "-m", "recipes.distill", *args(base / "ddp2", tiny, "--set",
                                                 "trainer.data_parallel=ddp",
                                                 "--set", "gangs.timeout_s=60")],
+        "fsdp2": ["torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                  "-m", "recipes.distill", *args(base / "fsdp2", tiny, "--set",
+                                                 "gangs.timeout_s=60")],
     }
     for name, proc in run_all(commands).items():
         assert proc.returncode == 0, f"{name}: {describe(proc)}"
@@ -185,12 +188,13 @@ def test_held_out_kl_to_the_teacher_falls_and_eval_only_reads_it(runs):
     assert last[max(last)]["valid/kl"] == pytest.approx(kls[-1], rel=1e-6)
 
 
-def test_ddp2_equals_one_process(runs):
-    reference, found = valid_records(runs["straight"]), valid_records(runs["ddp2"])
+@pytest.mark.parametrize("layout", ["ddp2", "fsdp2"])
+def test_data_parallel_equals_one_process(runs, layout):
+    reference, found = valid_records(runs["straight"]), valid_records(runs[layout])
     assert found.keys() == reference.keys()
     gap = max(abs(found[s][k] - reference[s][k]) / abs(reference[s][k])
               for s in reference for k in ("valid/kl", "valid/loss"))
-    print(f"ddp2: largest valid gap to one process {gap:.1e}")
+    print(f"{layout}: largest valid gap to one process {gap:.1e}")
     # The same samples (seeded per example); float32 sums of the step's tokens in another
     # order, carried by AdamW over 20 steps: ~1e-6 relative at most, 1e-4 for a greedy
     # completion that could flip on a near-tie (then the test says so loudly).

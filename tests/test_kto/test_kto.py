@@ -2,7 +2,7 @@
 tiny chat model: the unit's step-1 loss, KL estimate and whole gradient over a step of two
 micro-batches equal `kto_hand` (float64, one sequence at a time) with the estimate positive
 and clamped; the recipe's published step-2 loss, KL and gradient norm (the policy moved, the
-reference the start) equal the hand's; DDP2 gives one process's numbers (the KL partners
+reference the start) equal the hand's; DDP2 and FSDP2 give one process's numbers (the KL partners
 and the estimate are the step's, not a device's); mistakes are one clear line."""
 
 from __future__ import annotations
@@ -116,6 +116,9 @@ def runs(tiny, tmp_path_factory):
                  "-m", "recipes.preference", *args(base / "ddp2", tiny, "--set",
                                                    "trainer.data_parallel=ddp",
                                                    "--set", "gangs.timeout_s=60")],
+        "fsdp2": ["torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                  "-m", "recipes.preference", *args(base / "fsdp2", tiny, "--set",
+                                                    "gangs.timeout_s=60")],
         "one_step": ["recipes.preference", *args(base / "one_step", tiny,
                                                  "--set", "trainer.max_num_steps=1",
                                                  "--set", "trainer.checkpoint_every_n_steps=1",
@@ -155,9 +158,10 @@ def test_recipe_step_two_equals_the_hand_computation(runs, tiny, tmp_path):
     assert step2["grad_norm"] == pytest.approx(hand["grad_norm"], rel=1e-5)
 
 
-def test_ddp2_equals_one_process(runs):
+@pytest.mark.parametrize("layout", ["ddp2", "fsdp2"])
+def test_data_parallel_equals_one_process(runs, layout):
     reference = metric_records(runs["straight"], "train")
-    found = metric_records(runs["ddp2"], "train")
+    found = metric_records(runs[layout], "train")
     assert found.keys() == reference.keys()
     # The KL estimate is a difference of ~100-nat log-probabilities: its gap is relative to
     # them, not to itself (cancellation).
@@ -165,7 +169,7 @@ def test_ddp2_equals_one_process(runs):
              "kl": lambda r: abs(r["logps/chosen"])}
     gap = max(abs(found[s][k] - reference[s][k]) / max(1.0, scale[k](reference[s]))
               for s in reference for k in scale)
-    print(f"ddp2: largest gap to one process over {len(reference)} steps {gap:.1e}")
+    print(f"{layout}: largest gap to one process over {len(reference)} steps {gap:.1e}")
     # float32 sums in another order (the estimate's all-reduce, DDP's gradient average):
     # 1.5e-7 at step 2; AdamW (lr 1e-2) carries rounding into the weights over 6 steps
     # (tests/tolerances.py): 1e-5 is ~100 float32 roundings.

@@ -1,7 +1,7 @@
 """`python -m recipes.reward` end to end, as users run it, on the tiny chat model: the step-1
 loss and gradient norm the Trainer publishes equal `reward_hand` (float64, one pair at a
 time, with margins and centring); the unit's whole step-1 gradient equals it elementwise;
-DDP2 gives one process's numbers; the exported OUT/hf loads as a sequence-classification
+DDP2 and FSDP2 give one process's numbers; the exported OUT/hf loads as a sequence-classification
 model that ranks the held-out pairs exactly as often as the published valid accuracy says,
 and `--eval-only` on it gives the run's valid metrics; LoRA trains the score head beside
 the adapters; mistakes are one clear line."""
@@ -72,6 +72,9 @@ def runs(tiny, tmp_path_factory):
                  "-m", "recipes.reward", *args(base / "ddp2", tiny, "--set",
                                                "trainer.data_parallel=ddp",
                                                "--set", "gangs.timeout_s=60")],
+        "fsdp2": ["torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                  "-m", "recipes.reward", *args(base / "fsdp2", tiny, "--set",
+                                                "gangs.timeout_s=60")],
         "hand": ["recipes.reward", *args(base / "hand", tiny, *hand, train=tiny[1])],
         "accumulate4": ["recipes.reward", *args(
             base / "accumulate4", tiny, *hand, "--set", "data.batch_size=1",
@@ -143,14 +146,16 @@ def test_the_units_whole_step_one_gradient_equals_the_hand_computation(tiny):
     assert set(ours) == set(hand["grads"])
 
 
-def test_ddp2_equals_one_process(runs):
+@pytest.mark.parametrize("layout", ["ddp2", "fsdp2"])
+def test_data_parallel_equals_one_process(runs, layout):
     for section, prefix, keys in (("train", "", ("loss", "accuracy", "margin")),
                                   ("valid", "valid/", ("loss", "accuracy", "margin"))):
-        reference, found = metric_records(runs["straight"], section), metric_records(runs["ddp2"], section)
+        reference = metric_records(runs["straight"], section)
+        found = metric_records(runs[layout], section)
         assert found.keys() == reference.keys()
         gap = max(abs(found[s][prefix + k] - reference[s][prefix + k])
                   / max(1.0, abs(reference[s][prefix + k])) for s in reference for k in keys)
-        print(f"ddp2 {section}: largest gap to one process {gap:.1e}")
+        print(f"{layout} {section}: largest gap to one process {gap:.1e}")
         # Sums of <= 16 float32 terms in another order, carried by AdamW over 6 steps: a
         # rounding gap of 2 n u per step grows through lr / sqrt(v) moves; 1e-5 is ~100 u.
         assert gap < 1e-5, section
