@@ -158,6 +158,19 @@ def test_recipe_step_two_equals_the_hand_computation(runs, tiny, tmp_path):
     assert step2["grad_norm"] == pytest.approx(hand["grad_norm"], rel=1e-5)
 
 
+def test_eval_only_scores_the_best_checkpoint_as_its_validation_did(runs):
+    out = runs["straight"]
+    valid = metric_records(out, "valid")
+    best = min(valid.values(), key=lambda r: r["valid/loss"])
+    assert cli([str(out), "--eval-only"]) == 0
+    last = metric_records(out, "eval")[max(metric_records(out, "eval"))]
+    print(f"--eval-only: valid/loss {last['valid/loss']:.9f}, kl {last['valid/kl']:.6f}; the "
+          f"run's best (step {best['step']}) {best['valid/loss']:.9f}")
+    # The same model, batches and kernels: the same numbers (the per-batch KL included).
+    assert last["valid/loss"] == pytest.approx(best["valid/loss"], rel=1e-6)
+    assert last["valid/kl"] == pytest.approx(best["valid/kl"], rel=1e-6, abs=1e-9)
+
+
 @pytest.mark.parametrize("layout", ["ddp2", "fsdp2"])
 def test_data_parallel_equals_one_process(runs, layout):
     reference = metric_records(runs["straight"], "train")
