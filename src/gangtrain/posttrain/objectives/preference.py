@@ -1,6 +1,7 @@
 """Preference optimisation (`recipes.preference`): DPO, IPO, SimPO and ORPO on TRL's pair
 formats (explicit or implicit prompt, conversational or text), the pairs tokenised once into
-a cache (`data.preference`), the preference units (`units.preference`). TRL's `DPOConfig`
+a cache (`data.preference`), the preference units (`units.preference`); KTO (loss.kind=kto)
+on TRL's unpaired format instead (`data.unpaired`). TRL's `DPOConfig`
 names map to: `beta` -> loss.beta, `loss_type` -> loss.kind, `label_smoothing`,
 `rpo_alpha` -> loss.*, `max_length` -> data.seq_len, `truncation_mode` -> data.over_long
 (the prompt is cut first).
