@@ -58,3 +58,9 @@ def assert_one_line_errors(cli, args, cases: dict, tmp_path: Path, capsys) -> No
         err = capsys.readouterr().err
         assert message in err, (name, err)
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
+
+
+def torchrun(module: str, *args: str | os.PathLike[str], ranks: int = 2) -> list:
+    """`run_all`'s command for `python -m module args` on `ranks` local processes."""
+    return ["torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", module,
+            *args]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from recipe_runs import assert_one_line_errors, describe, run_all
+from recipe_runs import assert_one_line_errors, describe, run_all, torchrun
 from transformers import AutoTokenizer
 
 from gangs import FakeGang, setup_gangs
@@ -160,13 +160,11 @@ def runs(tiny, tmp_path_factory):
     base = tmp_path_factory.mktemp("distill_runs")
     commands = {
         "straight": ["recipes.distill", *args(base / "straight", tiny)],
-        "ddp2": ["torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 "-m", "recipes.distill", *args(base / "ddp2", tiny, "--set",
+        "ddp2": torchrun("recipes.distill", *args(base / "ddp2", tiny, "--set",
                                                 "trainer.data_parallel=ddp",
-                                                "--set", "gangs.timeout_s=60")],
-        "fsdp2": ["torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                  "-m", "recipes.distill", *args(base / "fsdp2", tiny, "--set",
-                                                 "gangs.timeout_s=60")],
+                                                "--set", "gangs.timeout_s=60")),
+        "fsdp2": torchrun("recipes.distill", *args(base / "fsdp2", tiny, "--set",
+                                                 "gangs.timeout_s=60")),
     }
     for name, proc in run_all(commands).items():
         assert proc.returncode == 0, f"{name}: {describe(proc)}"

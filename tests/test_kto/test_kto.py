@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from kto_hand import step_by_hand
-from recipe_runs import assert_one_line_errors, describe, metric_records, run_all
+from recipe_runs import assert_one_line_errors, describe, metric_records, run_all, torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gangs import FakeGang, setup_gangs
@@ -112,13 +112,11 @@ def runs(tiny, tmp_path_factory):
     base = tmp_path_factory.mktemp("kto_runs")
     commands = {
         "straight": ["recipes.preference", *args(base / "straight", tiny)],
-        "ddp2": ["torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 "-m", "recipes.preference", *args(base / "ddp2", tiny, "--set",
+        "ddp2": torchrun("recipes.preference", *args(base / "ddp2", tiny, "--set",
                                                    "trainer.data_parallel=ddp",
-                                                   "--set", "gangs.timeout_s=60")],
-        "fsdp2": ["torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                  "-m", "recipes.preference", *args(base / "fsdp2", tiny, "--set",
-                                                    "gangs.timeout_s=60")],
+                                                   "--set", "gangs.timeout_s=60")),
+        "fsdp2": torchrun("recipes.preference", *args(base / "fsdp2", tiny, "--set",
+                                                    "gangs.timeout_s=60")),
         "one_step": ["recipes.preference", *args(base / "one_step", tiny,
                                                  "--set", "trainer.max_num_steps=1",
                                                  "--set", "trainer.checkpoint_every_n_steps=1",

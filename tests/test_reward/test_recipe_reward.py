@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from recipe_runs import assert_one_line_errors, describe, metric_records, run_all
+from recipe_runs import assert_one_line_errors, describe, metric_records, run_all, torchrun
 from reward_hand import ranked_right, step_by_hand
 from tolerances import FLOAT32_UNIT
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -68,13 +68,11 @@ def runs(tiny, tmp_path_factory):
             "--set", "trainer.max_num_steps=1")
     commands = {
         "straight": ["recipes.reward", *args(base / "straight", tiny)],
-        "ddp2": ["torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 "-m", "recipes.reward", *args(base / "ddp2", tiny, "--set",
+        "ddp2": torchrun("recipes.reward", *args(base / "ddp2", tiny, "--set",
                                                "trainer.data_parallel=ddp",
-                                               "--set", "gangs.timeout_s=60")],
-        "fsdp2": ["torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                  "-m", "recipes.reward", *args(base / "fsdp2", tiny, "--set",
-                                                "gangs.timeout_s=60")],
+                                               "--set", "gangs.timeout_s=60")),
+        "fsdp2": torchrun("recipes.reward", *args(base / "fsdp2", tiny, "--set",
+                                                "gangs.timeout_s=60")),
         "hand": ["recipes.reward", *args(base / "hand", tiny, *hand, train=tiny[1])],
         "accumulate4": ["recipes.reward", *args(
             base / "accumulate4", tiny, *hand, "--set", "data.batch_size=1",
