@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from gangtrain.posttrain.objectives.reward import RESUME_GUARD, RewardConfig
-from recipes.preference.config import PRESETS as PAIR_PRESETS
 
 __all__ = ["PRESETS", "RESUME_GUARD", "RewardConfig"]
 
@@ -15,5 +14,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "_doc": "pairs of up to 1024 tokens, global batch 16 pairs, lr 1e-4, bf16, FSDP2, "
                 "1000 steps, kept best on valid/accuracy",
     },
-    "tiny": PAIR_PRESETS["tiny"],  # the same pairs, steps and checkpoints as preference's
+    "tiny": {
+        "_doc": "seconds on a CPU, for tests and the docs: pairs of up to 128 tokens, 30 "
+                "steps, fp32",
+        "data": {"seq_len": 128, "batch_size": 4, "valid_batch_size": 8,
+                 "valid_fraction": 0.1},
+        "optimizer": {"lr": 1e-3},
+        "lr_scheduler": {"warmup_steps": 3},
+        "trainer": {"max_num_steps": 30, "validate_every_n_steps": 10,
+                    "checkpoint_every_n_steps": 10, "publish_metrics_every_n_steps": 5,
+                    "dtype": "fp32", "progress": False},
+    },
 }
