@@ -35,3 +35,32 @@ def run_all(commands: dict[str, list]) -> dict[str, subprocess.CompletedProcess[
 
 def describe(proc: subprocess.CompletedProcess[str]) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+
+
+def metric_records(out: Path, section: str) -> dict[int, dict[str, float]]:
+    """{step: record} of a run's metrics section (``train``, ``valid``, ``eval``), the files
+    its metric groups go to (``valid/rewards/...`` in valid_rewards.jsonl) merged in."""
+    import json
+
+    merged: dict[int, dict[str, float]] = {}
+    for path in sorted((out / "metrics").glob(f"{section}*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            merged.setdefault(record["step"], {}).update(record)
+    return merged
+
+
+def assert_one_line_errors(cli, args, cases: dict, tmp_path: Path, capsys) -> None:
+    """Each case `{name: (extra arguments, message)}` of `cli(args(out) + extra)` exits 2
+    with one line on stderr holding the message, no traceback."""
+    for name, (extra, message) in cases.items():
+        assert cli([*map(str, args(tmp_path / name)), *extra]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err, (name, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
+
+
+def torchrun(module: str, *args: str | os.PathLike[str], ranks: int = 2) -> list:
+    """`run_all`'s command for `python -m module args` on `ranks` local processes."""
+    return ["torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", module,
+            *args]

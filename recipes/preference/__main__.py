@@ -2,7 +2,8 @@
 
 Preference tuning of a local Hugging Face causal LM on pairs in TRL's formats (`prompt`,
 `chosen`, `rejected` as text or messages; or two conversations sharing the prompt), with
-`loss.kind` dpo, ipo, simpo or orpo (`units.preference`); the reference model a frozen copy
+`loss.kind` dpo, ipo, simpo or orpo (`units.preference`), or kto on TRL's unpaired
+examples (`prompt`, `completion`, `label`); the reference model a frozen copy
 laid out like the policy, or with LoRA the base with its adapters disabled; the best
 checkpoint exported to OUTPUT_DIR/hf/ (and OUTPUT_DIR/adapter/ with LoRA).
 """

@@ -108,8 +108,15 @@ def takes_keyword(model: nn.Module, name: str) -> bool:
 
 
 def takes_use_cache(model: nn.Module) -> bool:
-    """Whether the model's `forward` takes `use_cache` (Hugging Face causal LMs)."""
-    return takes_keyword(model, "use_cache")
+    """Whether the model's `forward` takes `use_cache` (Hugging Face causal LMs), by name or
+    through `**kwargs` handed to a language model whose config has it (transformers' LLaVA:
+    without `use_cache=False` its decoder keeps a cache and attends across packed examples)."""
+    if takes_keyword(model, "use_cache"):
+        return True
+    config = getattr(unwrapped(model), "config", None)
+    text_config = getattr(config, "get_text_config", None)
+    return callable(text_config) and getattr(text_config(), "use_cache", None) is not None \
+        and takes_keyword(model, "kwargs")
 
 
 def keeps_trained_logits(model: nn.Module) -> bool:

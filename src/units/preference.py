@@ -41,9 +41,10 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PrivateAttr, model_validator
 from torch import Tensor, nn
 
+from gangs import ReduceOperation
 from gangtrain.data.collate import IGNORE_INDEX
 from units.causal_lm import (
     AUTO_CHUNK,
@@ -60,7 +61,7 @@ from units.reference import ReferenceModel
 from units.shared_prompt import shared_prompt_length, shared_prompt_logps
 from units.unit import EvalUnit, TrainUnit
 
-__all__ = ["DPOLoss", "IPOLoss", "ORPOLoss", "PREFERENCE_LOSS_KINDS", "PreferenceEvalUnit",
+__all__ = ["DPOLoss", "IPOLoss", "KTOLoss", "ORPOLoss", "PREFERENCE_LOSS_KINDS", "PreferenceEvalUnit",
            "PreferenceLoss", "PreferenceLossKind", "PreferenceLossSettings", "PreferenceUnit",
            "SimPOLoss", "pair_losses", "side_logps"]
 
@@ -202,19 +203,95 @@ class ORPOLoss(PreferenceLossKind):
         return -pi_c - self.beta * F.logsigmoid(log_odds), self.beta * pi_c, self.beta * pi_r
 
 
+class KTOLoss(PreferenceLossKind):
+    """``kto`` on unpaired examples (`data.unpaired`; TRL 1.16 `KTOTrainer`, kto_trainer.py
+    1442-1484): with ``r = pi - ref`` an example's completion log-ratio (summed) and ``z`` the
+    reference KL estimate, the loss of a desirable example is ``w_d (1 - sig(beta (r - z)))``,
+    of an undesirable one ``w_u (1 - sig(beta (z - r)))``; summed, examples counted. ``z`` is
+    the mean of ``pi - ref`` over the mismatched rows (``kl``) of every example of the STEP
+    (all its micro-batches, all DP ranks), clamped at 0, without gradient: estimated before
+    the step's first loss from the step's micro-batches, which travel with its first
+    (``window``), then one all-reduce of two numbers over the DP gang (`bind`). TRL's is per
+    micro-batch (a mean of DP ranks' means): the two agree at one process and one micro-batch
+    a step. A validation batch estimates ``z`` from its own rows."""
+
+    kind: Literal["kto"] = "kto"
+    desirable_weight: float = Field(default=1.0, ge=0)
+    undesirable_weight: float = Field(default=1.0, ge=0)
+    _dp: Any = PrivateAttr(default=None)
+    _kl: Tensor | None = PrivateAttr(default=None)
+    _reference: list[Tensor] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _no_rpo(self) -> KTOLoss:
+        if self.rpo_alpha is not None:
+            raise ValueError("loss.rpo_alpha applies to the paired kinds, not kto: leave it "
+                             "null")
+        return self
+
+    def bind(self, dp: Any) -> KTOLoss:
+        """Estimate the KL over the DP gang `dp` (a `gangs.Gang`); returns self."""
+        self._dp = dp
+        return self
+
+    @torch.no_grad()
+    def _kl_terms(self, scorer: _Pairs, rows: LMBatch) -> Tensor:
+        reference = scorer.reference_logps(rows)
+        assert reference is not None
+        return scorer.policy_logps(rows)[0].double() - reference.double()
+
+    def _begin_step(self, scorer: _Pairs, window: list[dict[str, Any]]) -> None:
+        terms = [self._kl_terms(scorer, b["kl"]) for b in window]
+        total = torch.stack([sum(t.sum() for t in terms), torch.tensor(
+            float(sum(t.numel() for t in terms)), dtype=torch.float64, device=terms[0].device)])
+        if self._dp is not None and self._dp.size > 1:
+            self._dp.all_reduce(total, ReduceOperation.SUM)
+        self._kl = (total[0] / total[1]).clamp(min=0)
+        self._reference = []
+        for b in window:
+            reference = scorer.reference_logps(b["completions"])
+            assert reference is not None
+            self._reference.append(reference)
+
+    def batch_loss(self, scorer: _Pairs, batch: Any, metrics: MetricBag,
+                   prefix: str = "") -> tuple[Tensor, int]:
+        if "position" in batch:  # training: the step's estimate
+            if "window" in batch:
+                self._begin_step(scorer, batch["window"])
+            assert self._kl is not None, "a KTO step starts with its window (data.unpaired)"
+            kl, reference = self._kl, self._reference[batch["position"]]
+        else:  # validation: the batch's own
+            kl = self._kl_terms(scorer, batch["kl"]).mean().clamp(min=0)
+            reference = scorer.reference_logps(batch["completions"])
+        policy, _ = scorer.policy_logps(batch["completions"])
+        logratio = policy - reference.to(policy.dtype)
+        z = self.beta * (logratio - kl.to(policy.dtype))
+        good = batch["desirable"]
+        losses = torch.where(good, self.desirable_weight * (1 - torch.sigmoid(z)),
+                             self.undesirable_weight * (1 - torch.sigmoid(-z)))
+        n, bad = good.shape[0], ~good
+        rewards, logps = self.beta * logratio.detach().double(), policy.detach().double()
+        metrics.update_total(prefix + "kl", kl.double() * n, n)
+        for name, mask in (("chosen", good), ("rejected", bad)):
+            metrics.update_total(f"{prefix}rewards/{name}", rewards[mask].sum(), mask.sum())
+            metrics.update_total(f"{prefix}logps/{name}", logps[mask].sum(), mask.sum())
+        return losses.sum(), n
+
+
 PREFERENCE_LOSS_KINDS: dict[str, type[PreferenceLossKind]] = {
-    "dpo": DPOLoss, "ipo": IPOLoss, "simpo": SimPOLoss, "orpo": ORPOLoss}
+    "dpo": DPOLoss, "ipo": IPOLoss, "simpo": SimPOLoss, "orpo": ORPOLoss, "kto": KTOLoss}
 """Each kind's class by its name (``loss.kind``)."""
 
-PreferenceLossSettings = Annotated[Union[DPOLoss, IPOLoss, SimPOLoss, ORPOLoss],
+PreferenceLossSettings = Annotated[Union[DPOLoss, IPOLoss, SimPOLoss, ORPOLoss, KTOLoss],
                                    Field(discriminator="kind")]
 """A config's ``loss:`` section: one kind's settings, picked by ``kind``."""
 
-LossKind = Literal["dpo", "ipo", "simpo", "orpo"]
+LossKind = Literal["dpo", "ipo", "simpo", "orpo", "kto"]
 REFERENCE_FREE = tuple(k for k, c in PREFERENCE_LOSS_KINDS.items() if not c.needs_reference)
 
 _POSITIONAL = ("beta", "label_smoothing", "simpo_gamma", "rpo_alpha")
-_FORMER_DEFAULTS = {"label_smoothing": 0.0, "simpo_gamma": 0.5}
+_FORMER_DEFAULTS = {"label_smoothing": 0.0, "simpo_gamma": 0.5, "desirable_weight": 1.0,
+                    "undesirable_weight": 1.0}
 
 
 def PreferenceLoss(kind: str = "dpo", *args: Any, **settings: Any  # noqa: N802
@@ -264,7 +341,10 @@ def side_logps(model: nn.Module, batch: LMBatch, use_cache_keyword: bool = False
         sums = torch.zeros(trained.shape[0], dtype=log_probs.dtype, device=log_probs.device)
         return sums.index_add(0, rows, log_probs), trained.sum(-1)
     logits, targets = lm_logits(model, batch, IGNORE_INDEX, use_cache_keyword)
-    nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
+    # float32 at least: a float64 model's log-probabilities stay float64.
+    nll = F.cross_entropy(logits.flatten(0, -2).to(torch.promote_types(logits.dtype,
+                                                                       torch.float32)),
+                          targets.flatten(),
                           ignore_index=IGNORE_INDEX, reduction="none")
     return -nll.view(targets.shape).sum(-1), (targets != IGNORE_INDEX).sum(-1)
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import torch
-from hf_models import SEQ_LEN, TRAIN, VALID, VOCAB, SampleReader
+from hf_models import SEQ_LEN, SGD_LR, TRAIN, VALID, VOCAB, SampleReader
 
 from gangs import setup_gangs, setup_root_gang
 from gangtrain.models.hf import load_pretrained
@@ -39,14 +39,16 @@ def reference_logits(directory: Path, input_ids: torch.Tensor = INPUT_IDS) -> to
 
 def train_pretrained(directory: Path, output_dir: Path, *, tp_size: int = 1,
                      data_parallel: str | None = "fsdp", max_num_steps: int = 4,
-                     dtype: torch.dtype | None = None,
+                     dtype: torch.dtype | None = None, sgd: bool = False,
                      **trainer_options) -> tuple[list[float], torch.Tensor]:
     """Load `directory`, train it `max_num_steps` through the Trainer (validations and
     checkpoints at half and at the end; `trainer_options` added), return the train losses
-    of every step and the trained model's logits."""
+    of every step and the trained model's logits. AdamW, or with `sgd` SGD with momentum:
+    the optimizer under which two layouts' weights are a float32 claim (tests/tolerances.py)."""
     gangs = setup_gangs(setup_root_gang(), tp_size=tp_size)
     model = load_pretrained(directory, gangs, data_parallel=data_parallel, dtype=dtype)
-    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2, eps=1e-6)
+    optimizer = (torch.optim.SGD(param_groups(model), lr=SGD_LR, momentum=0.9) if sgd
+                 else torch.optim.AdamW(param_groups(model), lr=1e-2, eps=1e-6))
     rank, size = gangs.dp.rank, gangs.dp.size
     Trainer(
         CausalLMUnit(model), SampleReader(TRAIN, 8, rank, size), optimizer,

@@ -17,9 +17,11 @@ from functools import partial
 
 import pytest
 import torch.distributed as dist
-from family_runs import TRAIN, train_family
+from family_runs import SEQ_LEN, TRAIN, train_family
 from model_families import MOE_FAMILIES, save_tiny
 from ranks import run_ranks
+from test_family_tp_ep import STEPS, update_gaps
+from tolerances import reordered_sum_rtol
 from transformers import AutoModelForCausalLM
 
 from gangs import setup_gangs, setup_root_gang
@@ -29,6 +31,10 @@ from units.causal_lm import CausalLMUnit
 from units.metrics import MetricBag
 
 COEF = 0.5  # large, so that the aux loss weighs in the losses and updates compared
+# reason: a loss sums its global batch's 8 x SEQ_LEN token cross-entropies, and the router
+# statistics the same tokens' probabilities, all of one sign, through the 4 layers' sums
+# (<= 64 terms), in another order on 2 ranks: relative
+LOSS_RTOL = reordered_sum_rtol(8 * SEQ_LEN + 4 * 64)
 
 
 @pytest.fixture(scope="module")
@@ -67,23 +73,20 @@ def test_the_aux_loss_trains_on_two_ranks_as_on_one_process(saved, one_process, 
         a = runs[family]
         losses = list(zip(a.train_losses + a.valid_losses, b.train_losses + b.valid_losses,
                           strict=True))
-        loss_gap = max(abs(x - y) / abs(y) for x, y in losses)
+        loss_gap = max(abs(x - y) / abs(y) for x, y in losses) / LOSS_RTOL
         initial = AutoModelForCausalLM.from_pretrained(saved[family]).state_dict()
-        # Each weight's change, 2 ranks against one process, in units of the change itself
-        # (the router's, which the aux loss moves most, included).
-        update_gap = max(((a.params[n] - b.params[n]).abs().max()
-                          / (b.params[n] - initial[n]).abs().max()).item() for n in b.params
-                         if (b.params[n] - initial[n]).abs().max() > 0)
-        print(f"{family} {layout}: loss gap {loss_gap:.1e}, update gap {update_gap:.1e}")
-        assert len(a.train_losses) == 2
-        # float32 sums (the cross-entropy over ~80 targets, the router statistics over ~300
-        # routed tokens a layer, the gradients) taken in another order on 2 ranks, and EP
-        # sums a token's experts in another order: measured loss gaps <= 1.2e-7 relative,
-        # update gaps <= 8.6e-5 of the change. The aux loss per rank (the old rule) was
-        # 3.9e-5 and 1.8 (the router's update 180% off).
-        assert loss_gap <= 1e-6, (family, losses)
-        assert update_gap <= 1e-3, family
-
+        # reason: SGD's update is linear in the gradient, so each weight's change (the
+        # router's, which the aux loss moves most, included) differs GRAD_RTOL relative, plus
+        # one float32 rounding of the weight a step
+        update_gap = max(update_gaps(a.params, b.params, initial))
+        print(f"{family} {layout}: loss gap {loss_gap:.2f}, update gap {update_gap:.2f} "
+              "of allowed")
+        assert len(a.train_losses) == STEPS
+        # The aux loss per rank (the old rule) was 3.9e-5 relative in the losses (within
+        # float32's allowance for them) and 1.8 of the change in the router's update: the
+        # update gap is what tells the rules apart.
+        assert loss_gap <= 1, (family, losses)
+        assert update_gap <= 1, family
 
 def pipeline_refusal(directory):
     gangs = setup_gangs(setup_root_gang(), pp_size=2)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
+from tolerances import reordered_sum_rtol, sgd_weight_atol
 
 from gangs import ProcessGroupGang
 from gangtrain.models.gpt.model import GPT, GPTConfig
@@ -22,7 +23,15 @@ from gangtrain.parallel.pipeline_stages import build_stage, layer_split, merge_s
 
 VOCAB, SEQ, MICRO, ACC, STEPS = 64, 16, 2, 4, 30
 MAX_NORM = 0.5
-LR = 3e-3  # at 1e-2, AdamW amplifies 1e-7 float differences to 1e-4 in the norm by step 30
+# AdamW with eps far above every gradient (clipped to a norm of 0.5): m / (sqrt(v) + eps) is
+# ~m / eps, linear in the gradient like SGD with momentum, so the weights after 30 steps are a
+# float32 claim (at eps 1e-8 an element whose gradient is rounding noise moves ~lr a step, of
+# either sign: tests/tolerances.py).
+EPS, LR = 1.0, 1.0
+# reason: a step's gradient sums its 128 positions' terms in float32, accumulated by
+# micro-batch in another order per schedule (split backward, stages' sums); the clipping
+# norm's sum over two stages adds < 32 roundings
+GRAD_RTOL = reordered_sum_rtol(ACC * MICRO * SEQ + 32)
 
 
 def gpt() -> GPT:
@@ -62,7 +71,7 @@ def step_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def reference(build) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process, by hand: summed losses, divided by the step's target count, clipped."""
     model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses, norms = [], []
     for step in range(STEPS):
         inputs, targets = step_batches(step)
@@ -90,7 +99,7 @@ def pipelined(build, schedule: str):
                               num_microbatches=ACC, schedule=schedule)
         params = list(pipe.model.parameters())
         stages = ProcessGroupGang(dist.group.WORLD, torch.device("cpu"))
-        optimizer = torch.optim.AdamW(params, lr=LR)
+        optimizer = torch.optim.AdamW(params, lr=LR, eps=EPS)
         losses, norms = [], []
         for step in range(STEPS):
             inputs, targets = step_batches(step)
@@ -126,15 +135,28 @@ def test_pp2_trains_like_one_process(family, schedule):
             torch.set_num_threads(threads)
     ref_losses, ref_norms, ref_params = _REFERENCES[family]
     results = pipelined(MODELS[family], schedule)
+    start = dict(MODELS[family]().named_parameters())
+    curve_gap = param_gap = 0.0
     for losses, norms, _ in results:  # every pp rank agrees on the loss and the norm
+        # reason: losses and gradient norms are sums of one sign: relative, at the
+        # gradient's tolerance
         for step in range(STEPS):
-            assert abs(losses[step] / ref_losses[step] - 1) < 1e-5, (step, losses, ref_losses)
-            assert abs(norms[step] / ref_norms[step] - 1) < 1e-5, (step, norms, ref_norms)
+            for got, ref in ((losses[step], ref_losses[step]), (norms[step], ref_norms[step])):
+                assert abs(got / ref - 1) <= GRAD_RTOL, (step, losses, ref_losses, norms)
+                curve_gap = max(curve_gap, abs(got / ref - 1) / GRAD_RTOL)
     names = [set(params) for _, _, params in results]
     assert not names[0] & names[1] and names[0] | names[1] == set(ref_params)
     for _, _, params in results:
         for name, value in params.items():
-            torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5)
+            ref = ref_params[name]
+            # reason: the update is linear in the gradient (EPS), so the moves from the start
+            # differ GRAD_RTOL relative, plus one float32 rounding of the weight a step
+            moved = (ref - start[name].detach()).abs().max().item()
+            atol = sgd_weight_atol(moved, ref.abs().max().item(), GRAD_RTOL, STEPS)
+            torch.testing.assert_close(value, ref, rtol=0, atol=atol, msg=name)
+            param_gap = max(param_gap, (value - ref).abs().max().item() / atol)
+    print(f"gaps (of float32's allowance): loss/grad norm {curve_gap:.2f}, "
+          f"parameters {param_gap:.2f}")
 
 
 def test_layer_split_by_count_and_by_boundaries():

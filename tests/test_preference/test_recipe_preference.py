@@ -171,7 +171,7 @@ def test_user_mistakes_are_one_clear_line(tiny, tmp_path, capsys):
                      f"data {bad}, line 3: field 'chosen' holds no assistant message"),
         "pipeline": (["--set", "gangs.pp_size=2"], "config 'gangs.pp_size=2': "
                      "recipes.preference runs data and tensor parallelism"),
-        "loss_kind": (["--set", "loss.kind=kto"], "loss.kind"),
+        "loss_kind": (["--set", "loss.kind=kpo"], "loss.kind"),
     }
     for name, (extra, message) in cases.items():
         out = tmp_path / name

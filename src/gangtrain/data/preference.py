@@ -24,7 +24,7 @@ a JSON array, row of a Parquet file) and the field.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from gangtrain.data.token_batches import Bins, EvalBatches
 from gangtrain.data.token_cache import Tokenized, tokenize_cached, tokenizer_digest
 
 __all__ = ["PairFields", "PairReader", "PairEvalBatches", "pair_batch", "plan_pairs",
-           "shared_prefix", "tokenize_pairs"]
+           "records_of", "shared_prefix", "tokenize_pairs"]
 
 ENCODING_VERSION = 1
 """Part of the cache fingerprint: raised when the encoding changes."""
@@ -56,6 +56,9 @@ class PairFields:
     prompt: str = "prompt"
     chosen: str = "chosen"
     rejected: str = "rejected"
+    margin: str | None = None
+    """A reward model's margin per pair (TRL's ``margin`` column): a number in every record
+    of a file that has the field, 0 for a file without it; None: not read."""
 
 
 class _BadPair(ValueError):
@@ -144,6 +147,13 @@ def _encoder(tokenizer: Any, name: str, fields: PairFields, where: Any):  # noqa
                 prompt, chosen, rejected = _sides(record, fields)
             except _BadPair as error:
                 raise UserError(f"data {where(index)}: field '{error.field}' {error}") from None
+            if fields.margin is not None:
+                value = record.get(fields.margin, 0.0)
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    what = "nothing" if value is None else type(value).__name__
+                    raise UserError(f"data {where(index)}: field '{fields.margin}' holds "
+                                    f"{what}: a pair's margin is a number")
+                out.setdefault("margin", []).append(float(value))
             sides = [encode(prompt, chosen), encode(prompt, rejected)]
             for key, (ids, trained) in zip(("chosen", "rejected"), sides, strict=True):
                 out[f"{key}_ids"].append(ids)
@@ -166,11 +176,9 @@ def _line_numbers(path: Path) -> list[int] | None:
         return [n for n, line in enumerate(f, 1) if line.strip()]
 
 
-def _tokenize_file(path: Path, tokenizer: Any, name: str, fields: PairFields,
-                   cache_dir: str | Path | None, num_proc: int | None) -> Tokenized:
-    from datasets import Sequence as ArrowSequence
-    from datasets import Value
-
+def records_of(path: Path, cache_dir: str | Path | None) -> tuple[Any, Callable[[int], str]]:
+    """(the records of one file, where(index): "FILE, line N" (row or record N of other
+    files) for errors); a file without records is refused."""
     records = load_records([path], cache_dir)
     if len(records) == 0:
         raise UserError(f"data {path} holds no records")
@@ -180,6 +188,15 @@ def _tokenize_file(path: Path, tokenizer: Any, name: str, fields: PairFields,
     def where(index: int) -> str:
         return f"{path}, {unit} {lines[index] if lines is not None else index + 1}"
 
+    return records, where
+
+
+def _tokenize_file(path: Path, tokenizer: Any, name: str, fields: PairFields,
+                   cache_dir: str | Path | None, num_proc: int | None) -> Tokenized:
+    from datasets import Sequence as ArrowSequence
+    from datasets import Value
+
+    records, where = records_of(path, cache_dir)
     missing = [f for f in (fields.chosen, fields.rejected) if f not in records.column_names]
     if missing:
         raise UserError(f"data {path}: preference pairs need fields '{fields.chosen}' and "
@@ -189,6 +206,8 @@ def _tokenize_file(path: Path, tokenizer: Any, name: str, fields: PairFields,
     columns = {"chosen_ids": ids, "chosen_trained": mask, "rejected_ids": ids,
                "rejected_trained": mask, "prompt_length": Value("int32"),
                "length": Value("int32"), "num_targets": Value("int32")}
+    if fields.margin is not None:
+        columns["margin"] = Value("float64")
     return tokenize_cached(
         records, _encoder(tokenizer, name, fields, where), fmt="preference", columns=columns,
         key=[asdict(fields), tokenizer_digest(tokenizer), ENCODING_VERSION, "preference"],
@@ -240,7 +259,10 @@ def pair_batch(dataset: Any, indices: list[int], seq_len: int, pad_id: int
         prompt_cut = min(max(over, 0), max(rows["prompt_length"][i] - 1, 0))
         chosen.append(_cut(*c, prompt_cut, seq_len))
         rejected.append(_cut(*r, prompt_cut, seq_len))
-    return padded_batch(chosen + rejected, pad_id)
+    batch = padded_batch(chosen + rejected, pad_id)
+    if "margin" in rows:
+        batch["margin"] = torch.tensor(rows["margin"], dtype=torch.float64)
+    return batch
 
 
 class PairReader(GlobalBatchReader[dict[str, torch.Tensor]]):

@@ -36,6 +36,7 @@ from gangtrain.app.pretrained import (
 from gangtrain.models.hf.layout import HFLayout
 from gangtrain.models.hf.load import load_pretrained
 from gangtrain.models.hf.spec import HFSpec, spec_for
+from gangtrain.models.hf.vision import is_vlm, processor_as_used
 from gangtrain.posttrain.objective import Objective
 from trainer.observe.console_log import configure_logging
 
@@ -56,6 +57,8 @@ class Assembly:
     policy: HFLayout | None = None
     reference: Any = None
     output_dir: Path | None = None
+    processor: Any = None
+    """A vision-language model's processor as used (its tokenizer the run's), else None."""
 
     @property
     def model(self) -> nn.Module:
@@ -73,7 +76,7 @@ class Assembly:
 
     @property
     def model_files(self) -> Any:
-        return self.spec.model_files(self.tokenizer)
+        return self.spec.model_files(self.processor or self.tokenizer)
 
     def print(self, line: str) -> None:
         if self.console is not None:
@@ -125,6 +128,8 @@ def assemble(objective: Objective, config: Any, train: bool, output_dir: Path
                                   pp_size=g.pp_size, cp_size=g.cp_size)
     a = Assembly(config, spec_for(hf_config), hf_config, tokenizer, gangs, console,
                  output_dir=output_dir)
+    if is_vlm(hf_config):  # step_N/hf/ and OUT/hf/ keep the processor, AutoProcessor loads
+        a.processor = processor_as_used(config.model.path, tokenizer)
     data = rank0_first(gangs.root, lambda: objective.read_data(
         config, tokenizer, gangs.dp.rank, gangs.dp.size, train))
     for line in getattr(data, "summary", []):
@@ -152,7 +157,8 @@ def train(objective: Objective, config: Any, output_dir: Path, resume: bool) -> 
         run_config=config.model_dump(mode="json"), model_files=a.model_files,
         **({"stateful": parts.stateful} if parts.stateful else {}))
     result = trainer.run()
-    report_run(a.console, result, config.trainer.score_metric, output_dir, a.tokenizer)
+    report_run(a.console, result, config.trainer.score_metric, output_dir,
+               a.processor or a.tokenizer)
     a.gangs.close()
     return 0
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from gangtrain.models.hf.layout import HFLayout
     from gangtrain.posttrain.assembly import Assembly
 
-__all__ = ["OBJECTIVES", "Objective", "Parts", "objective_named"]
+__all__ = ["OBJECTIVES", "Objective", "Parts", "data_parallel_only", "objective_named"]
 
 
 @dataclass
@@ -109,11 +109,23 @@ class Objective:
         self.read_data(config, tokenizer, 0, 1, True)
 
 
+def data_parallel_only(config: Any, recipe: str, why: str) -> None:
+    """A `UserError` naming the first gang other than data parallelism that `config` sets
+    above 1 (for an objective whose step `why` says cannot run there)."""
+    for name in ("tp_size", "pp_size", "cp_size", "ep_size"):
+        size = getattr(config.gangs, name)
+        if size > 1:
+            raise UserError(f"config 'gangs.{name}={size}': {recipe} runs data parallelism "
+                            f"only (FSDP2, HSDP, DDP): {why}; set gangs.{name}=1")
+
+
 OBJECTIVES: dict[str, str] = {
     "sft": "gangtrain.posttrain.objectives.sft:SFTObjective",
     "finetune": "gangtrain.posttrain.objectives.finetune:FinetuneObjective",
     "preference": "gangtrain.posttrain.objectives.preference:PreferenceObjective",
     "grpo": "gangtrain.posttrain.objectives.grpo:GRPOObjective",
+    "reward": "gangtrain.posttrain.objectives.reward:RewardObjective",
+    "distill": "gangtrain.posttrain.objectives.distill:DistillObjective",
 }
 """The objectives by name: the class's import path, imported on first use."""
 

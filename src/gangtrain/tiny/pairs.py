@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from gangtrain.tiny.chat import make_tiny_chat_model
 
-__all__ = ["make_tiny_chat_model", "preference_pairs", "write_pair_data"]
+__all__ = ["make_tiny_chat_model", "preference_pairs", "unpaired_examples", "write_pair_data",
+           "write_unpaired_data"]
 
 Form = Literal["conversational", "implicit", "text"]
 SYSTEMS = ("You are a helpful assistant.", "You answer arithmetic questions.")
@@ -61,9 +62,33 @@ def preference_pairs(num: int, seed: int = 0, form: Form = "conversational"
 def write_pair_data(path: Path | str, num: int, seed: int = 0,
                     form: Form = "conversational") -> Path:
     """Write ``num`` pairs as JSONL, one a line."""
+    return _write_jsonl(path, preference_pairs(num, seed, form))
+
+
+def _write_jsonl(path: Path | str, records: list[dict[str, Any]]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
-        for pair in preference_pairs(num, seed, form):
-            f.write(json.dumps(pair) + "\n")
+        for record in records:
+            f.write(json.dumps(record) + "\n")
     return path
+
+
+def unpaired_examples(num: int, seed: int = 0, form: Form = "conversational"
+                      ) -> list[dict[str, Any]]:
+    """``num`` KTO examples in TRL's unpaired format (``prompt``, ``completion``, ``label``):
+    the pairs of `preference_pairs` unpaired as TRL's ``unpair_preference_dataset`` does,
+    the chosen answer desirable, the rejected one not, the two kinds interleaved."""
+    if form == "implicit":
+        raise ValueError("unpaired examples have an explicit prompt: form 'conversational' "
+                         "or 'text'")
+    pairs = preference_pairs((num + 1) // 2, seed, form)
+    examples = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+                for p in pairs for side in ("chosen", "rejected")]
+    return examples[:num]
+
+
+def write_unpaired_data(path: Path | str, num: int, seed: int = 0,
+                        form: Form = "conversational") -> Path:
+    """Write ``num`` KTO examples (`unpaired_examples`) as JSONL, one a line."""
+    return _write_jsonl(path, unpaired_examples(num, seed, form))

@@ -48,9 +48,11 @@ class OptimizerConfig(AdamWConfig):
         return build_optimizer(self, model)
 
 
-def build_optimizer(section: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer ``section`` names over ``model``'s parameter groups; a name torch does
-    not ship, or a setting the class does not take, is a `UserError` naming it."""
+def build_optimizer(section: OptimizerConfig, model: nn.Module,
+                    groups: list[dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+    """The optimizer ``section`` names over ``model``'s parameter groups (``groups``: the
+    caller's, e.g. with their own learning rates); a name torch does not ship, or a setting
+    the class does not take, is a `UserError` naming it."""
     if section.name not in OPTIMIZERS:
         raise UserError(f"config 'optimizer.name' is {section.name!r}: one of "
                         f"{', '.join(OPTIMIZERS)}")
@@ -72,7 +74,7 @@ def build_optimizer(section: OptimizerConfig, model: nn.Module) -> torch.optim.O
                         f"{', '.join(unknown)}; it takes {', '.join(list(takes)[1:])}")
     kwargs = {k: v for k, v in common.items() if k in takes} | section.options
     try:
-        return cls(param_groups(model), **kwargs)
+        return cls(param_groups(model if groups is None else groups), **kwargs)
     except (ValueError, TypeError, RuntimeError) as error:
         raise UserError(f"config 'optimizer': torch.optim.{section.name} refuses "
                         f"{kwargs}: {error}") from None

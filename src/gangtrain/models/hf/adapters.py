@@ -62,6 +62,9 @@ def merged_tensors(
     files = ConvertedFiles(model, WeightFiles(base))  # as from_pretrained reads them
     infos, key_of = [], {}
     for name, aliases in tensor_aliases(model).items():
+        if name in adapters.infos:  # trained whole beside the adapters (a reward model's
+            infos.append(adapters.infos[name])  # new score head; peft's modules_to_save)
+            continue
         key = next((alias for alias in aliases if alias in files.names), None)
         if key is None:
             raise UserError(f"{files.source} has no weight {name!r}, which "
@@ -71,6 +74,8 @@ def merged_tensors(
         key_of[name] = key
 
     def load(name: str) -> torch.Tensor:
+        if name not in key_of:
+            return adapters.load(name)
         weight = files.read(key_of[name])
         layer = name.removesuffix(".weight")
         if f"{layer}.lora_A.weight" not in adapters.infos:

@@ -100,7 +100,8 @@ def load_tokenizer(path: str) -> Any:
 
 def check_tokenizer_fits(tokenizer: Any, hf_config: Any, path: str) -> None:
     """A `UserError` when the tokenizer of model directory `path` has more tokens than the
-    model's embedding has rows."""
-    if len(tokenizer) > hf_config.vocab_size:
+    model's embedding has rows (a vision-language model's: its language model's)."""
+    vocab_size = hf_config.get_text_config().vocab_size
+    if len(tokenizer) > vocab_size:
         raise UserError(f"the tokenizer of '{path}' has {len(tokenizer)} tokens, beyond the "
-                        f"model's vocab_size {hf_config.vocab_size}")
+                        f"model's vocab_size {vocab_size}")

@@ -34,9 +34,10 @@ from torch.distributed.tensor import DTensor
 
 from gangs import Gangs
 from gangtrain.layers.lora import LoraSettings, apply_lora, init_adapter, is_adapter
+from gangtrain.models.hf import vision
 from gangtrain.models.hf.conversion import ConvertedFiles
 from gangtrain.models.hf.gated_mlp import recompute_gated_activations
-from gangtrain.models.hf.meta import build_on_meta, named_tensors, tensor_aliases
+from gangtrain.models.hf.meta import build_on_meta, head_of, named_tensors, tensor_aliases
 from gangtrain.models.hf.model_files import hf_model_of
 from gangtrain.models.hf.safetensors_files import WeightFiles
 from gangtrain.models.hf.spec import HFSpec, spec_for
@@ -66,6 +67,10 @@ def load_pretrained(
     attn_implementation: str | None = None,
     pipeline: plan.Split | None = None,
     spec: HFSpec | None = None,
+    freeze: tuple[str, ...] = (),
+    head: str | None = None,
+    head_config: dict[str, Any] | None = None,
+    trainable: tuple[str, ...] = (),
     **kwargs: Any,
 ) -> Any:
     """The Hugging Face model saved in the local directory `path` (`config.json` and
@@ -93,8 +98,19 @@ def load_pretrained(
         zero), drawn per name: the same on every rank and layout.
     pipeline: cut the model into pipeline stages (`parallel.plan.Split`); then the
         `PipelinedModel` of this rank's stages is returned, only they read from the files.
+    freeze: parameters kept as loaded (`requires_grad` off, on meta before any wrapper):
+        module-name patterns, or a vision-language model's parts ("vision_tower",
+        "projector"; `models.hf.vision.freeze`).
     spec: the model's family spec when the caller has it (`gangtrain.posttrain` hands the
         one it looked up); None: looked up here (`spec_for`).
+    head, head_config: the model's head (`models.hf.meta.HEADS`; None: the one its
+        config.json names) and the config settings it needs (`build_on_meta`). A head
+        the files lack (a reward model's `score` built on a causal LM's files) is drawn
+        from `seed` per name, normal(0, initializer_range) as transformers initialises
+        it: the same on every rank and layout; the files' causal-LM head (`lm_head`) is
+        then not read.
+    trainable: with `lora`, the modules (by name) that train whole beside the adapters
+        (peft's `modules_to_save`: a reward model's new `score` head).
 
     The files are read as `from_pretrained` reads them: transformers' own load-time
     conversion rules rename and fuse their tensors into the model's (per-expert tensors
@@ -114,8 +130,11 @@ def load_pretrained(
     if data_parallel is None and kwargs and pipeline is None:  # the plan checks a pipeline's
         raise UserError(f"load_pretrained options {sorted(kwargs)} configure data_parallel, "
                         "which is None")
-    pretrained = _Pretrained(Path(path), dtype, seed, attn_implementation)
-    transforms = [] if lora is None else [partial(_with_adapters, settings=lora, spec=spec)]
+    pretrained = _Pretrained(Path(path), dtype, seed, attn_implementation, head, head_config)
+    transforms = [] if lora is None else [partial(_with_adapters, settings=lora, spec=spec,
+                                                  trainable=trainable)]
+    if freeze:
+        transforms.append(partial(_frozen, patterns=list(freeze)))
     model = plan.build_model(pretrained.on_meta, gangs,
                              tensor_parallel=partial(_tensor_parallel, spec=spec),
                              data_parallel=data_parallel, materialize=pretrained.materialize,
@@ -128,13 +147,26 @@ def load_pretrained(
     return model
 
 
-def _with_adapters(model: nn.Module, settings: LoraSettings, spec: HFSpec | None) -> nn.Module:
-    if settings.target_modules is None:  # the family's own targets
+def _frozen(model: nn.Module, patterns: list[str]) -> nn.Module:
+    vision.freeze(model, patterns)
+    return model
+
+
+def _with_adapters(model: nn.Module, settings: LoraSettings, spec: HFSpec | None,
+                   trainable: tuple[str, ...] = ()) -> nn.Module:
+    if settings.target_modules is None and vision.is_vlm(model):
+        # The language model's projections only: a vision tower has q_proj/v_proj too.
+        settings = replace(settings, target_modules=vision.lora_targets(model))
+    elif settings.target_modules is None:  # the family's own targets
         settings = replace(settings, target_modules=(spec or spec_for(model)).lora_targets)
     try:
-        return apply_lora(model, settings)
+        model = apply_lora(model, settings)
     except ValueError as error:  # a target the model does not have, or not a linear layer
         raise UserError(str(error)) from None
+    for name, param in model.named_parameters():
+        if name.split(".")[0] in trainable:
+            param.requires_grad_(True)
+    return model
 
 
 class _Pretrained:
@@ -142,15 +174,18 @@ class _Pretrained:
     against the weight files, and later this rank's slices of those files."""
 
     def __init__(self, path: Path, dtype: torch.dtype | None, seed: int,
-                 attn_implementation: str | None) -> None:
+                 attn_implementation: str | None, head: str | None = None,
+                 head_config: dict[str, Any] | None = None) -> None:
         self.path, self.dtype, self.seed = path, dtype, seed
         self.attn_implementation = attn_implementation
+        self.head, self.head_config = head, head_config
         self.files: ConvertedFiles | None = None
         self.targets: dict[str, list[str]] = {}
 
     def on_meta(self) -> nn.Module:
         model = build_on_meta(self.path, self.dtype,
-                              attn_implementation=self.attn_implementation)
+                              attn_implementation=self.attn_implementation,
+                              head=self.head, head_config=self.head_config)
         weight_files = WeightFiles(self.path)
         self.files = ConvertedFiles(model, weight_files)
         self.targets = tensor_aliases(model)
@@ -158,13 +193,14 @@ class _Pretrained:
             model = _untied(self.path, self.dtype, self.files, self.attn_implementation)
             self.files = ConvertedFiles(model, weight_files)
             self.targets = tensor_aliases(model)
-        _check_keys_and_shapes(model, self.targets, self.files)
+        self.new_head = _new_head(head_of(model.config), self.targets, self.files)
+        _check_keys_and_shapes(model, self.targets, self.files, self.new_head)
         return model
 
     def materialize(self, model: nn.Module, device: torch.device) -> None:
         assert self.files is not None, "on_meta first"
         # to_empty keeps each tied Parameter one object
-        _fill(model, self.targets, self.files, device, self.seed)
+        _fill(model, self.targets, self.files, device, self.seed, self.new_head)
 
 
 def _tensor_parallel(model: nn.Module, gangs: Gangs, spec: HFSpec | None) -> None:
@@ -207,8 +243,35 @@ def _untied(path: Path, dtype: torch.dtype | None, files: ConvertedFiles,
     return model
 
 
+def _new_head(head: str, targets: dict[str, list[str]], files: ConvertedFiles) -> set[str]:
+    """The tensors of a head other than the causal LM's that the files lack (drawn from the
+    seed), after leaving out of `files.unexpected` the causal LM's head they hold instead."""
+    if head != "sequence_classification":  # every other head is in the files
+        return set()
+    files.unexpected = [k for k in files.unexpected if not k.startswith(_CAUSAL_LM_HEAD)]
+    return {name for name, names in targets.items()
+            if name.startswith(_NEW_HEADS) and _file_key(names, files) is None}
+
+
+_CAUSAL_LM_HEAD = ("lm_head.",)
+_NEW_HEADS = ("score.",)  # transformers' *ForSequenceClassification head, every family
+
+
+def _init_new_head(model: nn.Module) -> Any:
+    std = getattr(model.config.get_text_config(), "initializer_range", None) or 0.02
+
+    def init(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        if name.endswith("bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, std, generator=generator)
+
+    return init
+
+
 def _check_keys_and_shapes(
-    model: nn.Module, targets: dict[str, list[str]], files: ConvertedFiles
+    model: nn.Module, targets: dict[str, list[str]], files: ConvertedFiles,
+    new_head: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> None:
     """One `UserError` naming the first missing key, unexpected key or shape mismatch, before
     anything is allocated."""
@@ -216,6 +279,8 @@ def _check_keys_and_shapes(
     where = files.source
     for name, names in targets.items():
         key = _file_key(names, files)
+        if key is None and name in new_head:
+            continue
         if key is None:
             raise UserError(f"{where} has no weight {name!r}, which "
                             f"{type(model).__name__} needs")
@@ -231,7 +296,8 @@ def _check_keys_and_shapes(
 
 
 def _fill(model: nn.Module, targets: dict[str, list[str]], files: ConvertedFiles,
-          device: torch.device, seed: int) -> None:
+          device: torch.device, seed: int,
+          new_head: set[str] = frozenset()) -> None:  # type: ignore[assignment]
     """Allocate this rank's storage and copy its slice of every tensor from the files
     (`parallel.materialize(sliced=True)`, which keeps tied weights tied), adapters from
     their seeded initialisation; then let the model's own initialisation compute what the
@@ -239,6 +305,8 @@ def _fill(model: nn.Module, targets: dict[str, list[str]], files: ConvertedFiles
     keys = {name: _file_key(names, files) for name, names in targets.items()}
     non_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
     adapter_init = seeded_init(seed, init_adapter)
+    head_init = (seeded_init(seed, _init_new_head(hf_model_of(model) or model))
+                 if new_head else None)
 
     def source(name: str, like: torch.Tensor) -> torch.Tensor:
         """This rank's part of `like`, read from the files: a DTensor's slice (the whole
@@ -247,6 +315,9 @@ def _fill(model: nn.Module, targets: dict[str, list[str]], files: ConvertedFiles
         key = keys.get(name)
         if key is None and is_adapter(name):
             return adapter_init(name, like)[part]
+        if key is None and name in new_head:
+            assert head_init is not None
+            return head_init(name, like)[part]
         if key is None:
             if name not in non_persistent:
                 raise RuntimeError(f"{name!r} of the parallelised model is not in its files")

@@ -1,6 +1,7 @@
 """Preference optimisation (`recipes.preference`): DPO, IPO, SimPO and ORPO on TRL's pair
 formats (explicit or implicit prompt, conversational or text), the pairs tokenised once into
-a cache (`data.preference`), the preference units (`units.preference`). TRL's `DPOConfig`
+a cache (`data.preference`), the preference units (`units.preference`); KTO (loss.kind=kto)
+on TRL's unpaired format instead (`data.unpaired`). TRL's `DPOConfig`
 names map to: `beta` -> loss.beta, `loss_type` -> loss.kind, `label_smoothing`,
 `rpo_alpha` -> loss.*, `max_length` -> data.seq_len, `truncation_mode` -> data.over_long
 (the prompt is cut first).
@@ -13,6 +14,7 @@ the policy with its adapters disabled; simpo and orpo need none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,10 +32,17 @@ from gangtrain.data.preference import (
     plan_pairs,
     tokenize_pairs,
 )
-from gangtrain.data.sft import Tokenized
+from gangtrain.data.sft import Tokenized, plan_examples
+from gangtrain.data.unpaired import (
+    KTOEvalBatches,
+    KTOReader,
+    UnpairedFields,
+    tokenize_unpaired,
+    with_room,
+)
 from gangtrain.posttrain.objective import Objective, Parts
 from trainer.errors import UserError
-from units.preference import PreferenceEvalUnit, PreferenceLoss, PreferenceUnit
+from units.preference import KTOLoss, PreferenceEvalUnit, PreferenceLoss, PreferenceUnit
 
 __all__ = ["RESUME_GUARD", "PairData", "PreferenceConfig", "PreferenceObjective",
            "prepare_pairs"]
@@ -64,6 +73,10 @@ class DataSection(Section):
     """Absent from a record: the prompt is the beginning `chosen` and `rejected` share."""
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
+    completion_field: str = "completion"
+    """loss.kind=kto: TRL's unpaired format (prompt, completion, label) instead of pairs."""
+    label_field: str = "label"
+    """loss.kind=kto: true for a desirable completion, false for an undesirable one."""
     chat_template: str | None = None
     """A Jinja chat template file replacing the tokenizer's own; null: the tokenizer's."""
     seq_len: PositiveInt = 1024
@@ -84,9 +97,10 @@ class DataSection(Section):
 
 
 class LossSection(Section):
-    kind: Literal["dpo", "ipo", "simpo", "orpo"] = "dpo"
+    kind: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = "dpo"
     """dpo (sigmoid), ipo, simpo (reference-free, length-normalised), orpo (NLL + odds
-    ratio, reference-free); see `units.preference`."""
+    ratio, reference-free), kto (unpaired examples, `data.unpaired`); see
+    `units.preference`."""
     beta: float = Field(default=0.1, gt=0)
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
     """Conservative DPO / SimPO: the share of pairs assumed flipped."""
@@ -94,11 +108,17 @@ class LossSection(Section):
     """SimPO's target reward margin."""
     rpo_alpha: float | None = None
     """Weight of an NLL term on the chosen answer (per token, per pair); null: none."""
+    desirable_weight: float = 1.0
+    """kto: the weight of a desirable example's loss (TRL's name and default)."""
+    undesirable_weight: float = 1.0
+    """kto: the weight of an undesirable example's loss."""
 
     def settings(self) -> PreferenceLoss:
         try:
             return PreferenceLoss(self.kind, self.beta, self.label_smoothing,
-                                  self.simpo_gamma, self.rpo_alpha)
+                                  self.simpo_gamma, self.rpo_alpha,
+                                  desirable_weight=self.desirable_weight,
+                                  undesirable_weight=self.undesirable_weight)
         except ValueError as error:
             raise UserError(f"config {error}") from None
 
@@ -118,7 +138,8 @@ class PreferenceConfig(Section):
 RESUME_GUARD = ("model.path", "data.files", "data.prompt_field", "data.chosen_field",
                 "data.rejected_field", "data.chat_template", "data.seq_len", "data.over_long",
                 "data.batch_size", "data.valid_fraction", "data.split_seed",
-                "data.shuffle_seed", "loss.kind", "loss.beta", *LoraSection.RESUME_GUARD)
+                "data.shuffle_seed", "loss.kind", "loss.beta", "data.completion_field",
+                "data.label_field", *LoraSection.RESUME_GUARD)
 
 
 @dataclass
@@ -134,7 +155,8 @@ def prepare_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0, dp
                   train: bool = True) -> PairData:
     """Tokenise (or read from the cache), hold out and plan; the readers of this DP rank."""
     d = config.data
-    fields = PairFields(d.prompt_field, d.chosen_field, d.rejected_field)
+    fields = PairFields(d.prompt_field, d.chosen_field, d.rejected_field,
+                        getattr(d, "margin_field", None))  # a reward model's
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
         else tokenizer.eos_token_id
 
@@ -142,17 +164,8 @@ def prepare_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0, dp
         return tokenize_pairs(files, tokenizer, name=f"'{config.model.path}'", fields=fields,
                               cache_dir=d.cache_dir, num_proc=d.num_workers, setting=setting)
 
-    if not d.files and (train or not d.valid_files):
-        raise UserError("config 'data.files' is empty: list the JSONL, JSON or Parquet files "
-                        "of preference pairs, e.g. --set 'data.files=[pairs.jsonl]'")
-    pairs = tokenize(list(d.files), "data.files") if d.files else None
-    if d.valid_files:
-        valid_pairs = tokenize(list(d.valid_files), "data.valid_files")
-        kept, held = (np.arange(len(pairs)) if pairs else None), np.arange(len(valid_pairs))
-    else:
-        assert pairs is not None
-        valid_pairs = pairs
-        kept, held = hold_out(len(pairs), d.valid_fraction, d.split_seed)
+    pairs, valid_pairs, kept, held = _split(d, tokenize, train, "preference pairs",
+                                            "pairs.jsonl")
     valid_bins, valid_empty = plan_pairs(valid_pairs, held, d.seq_len, d.over_long)
     valid = PairEvalBatches(valid_pairs.dataset, valid_bins, d.valid_batch_size, pad_id,
                             dp_rank, dp_size)
@@ -167,6 +180,54 @@ def prepare_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0, dp
         summary.insert(0, f"train: {len(bins):,} pairs of {len(kept):,}; {_counts(bins)}, "
                           f"{empty} without an answer token left out")
     return PairData(reader, valid, summary)
+
+
+def _split(d: DataSection, tokenize: Callable[[list[str], str], Tokenized], train: bool,
+           what: str, example: str) -> tuple[Tokenized | None, Tokenized, Any, np.ndarray]:
+    """(the training table, the validation table, the training rows kept, the validation
+    rows): data.valid_files, else data.valid_fraction of data.files held out."""
+    if not d.files and (train or not d.valid_files):
+        raise UserError(f"config 'data.files' is empty: list the JSONL, JSON or Parquet files "
+                        f"of {what}, e.g. --set 'data.files=[{example}]'")
+    table = tokenize(list(d.files), "data.files") if d.files else None
+    if d.valid_files:
+        valid = tokenize(list(d.valid_files), "data.valid_files")
+        return table, valid, np.arange(len(table)) if table else None, np.arange(len(valid))
+    assert table is not None
+    return table, table, *hold_out(len(table), d.valid_fraction, d.split_seed)
+
+
+def prepare_unpaired(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0,
+                     dp_size: int = 1, train: bool = True) -> PairData:
+    """loss.kind=kto: TRL's unpaired examples (`data.unpaired`), held out and planned as
+    pairs are; the readers of this DP rank."""
+    d = config.data
+    fields = UnpairedFields(d.prompt_field, d.completion_field, d.label_field)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+        else tokenizer.eos_token_id
+
+    def tokenize(files: list[str], setting: str) -> Tokenized:
+        return with_room(tokenize_unpaired(
+            files, tokenizer, name=f"'{config.model.path}'", fields=fields,
+            cache_dir=d.cache_dir, num_proc=d.num_workers, setting=setting), d.seq_len)
+
+    examples, valid_examples, kept, held = _split(
+        d, tokenize, train, "KTO examples (prompt, completion, label)", "examples.jsonl")
+    valid_bins, valid_empty = plan_examples(valid_examples, held, "padded", d.seq_len,
+                                            None, d.over_long)
+    valid = KTOEvalBatches(valid_examples.dataset, valid_bins, d.valid_batch_size, pad_id,
+                           dp_rank, dp_size)
+    summary = [f"valid: {len(valid_bins):,} examples of {len(held):,}; {_counts(valid_bins)}, "
+               f"{valid_empty} without a completion token left out"]
+    reader = None
+    if train:
+        assert examples is not None and kept is not None
+        bins, empty = plan_examples(examples, kept, "padded", d.seq_len, None, d.over_long)
+        reader = KTOReader(examples.dataset, bins, d.batch_size, pad_id, dp_rank, dp_size,
+                           seed=d.shuffle_seed, num_accumulate=config.trainer.num_accumulate)
+        summary.insert(0, f"train: {len(bins):,} examples of {len(kept):,}; {_counts(bins)}, "
+                          f"{empty} without a completion token left out")
+    return PairData(reader, valid, summary)  # type: ignore[arg-type]
 
 
 def _counts(bins: Any) -> str:
@@ -203,6 +264,8 @@ class PreferenceObjective(Objective):
 
     def read_data(self, config: PreferenceConfig, tokenizer: Any, dp_rank: int, dp_size: int,
                   train: bool) -> PairData:
+        if config.loss.kind == "kto":
+            return prepare_unpaired(config, tokenizer, dp_rank, dp_size, train)
         return prepare_pairs(config, tokenizer, dp_rank, dp_size, train)
 
     def load_reference(self, config: PreferenceConfig, a: Any) -> Any:
@@ -217,6 +280,8 @@ class PreferenceObjective(Objective):
 
     def build(self, config: PreferenceConfig, a: Any, data: PairData, train: bool) -> Parts:
         loss = config.loss.settings()
+        if isinstance(loss, KTOLoss):  # its KL estimate is the step's, over the DP gang
+            loss.bind(a.gangs.dp)
         unit = PreferenceUnit(a.model, loss, a.reference) if train else None
         return Parts(unit, data.train, [PreferenceEvalUnit(a.model, loss, a.reference)],
                      [data.valid])

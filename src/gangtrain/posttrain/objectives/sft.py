@@ -8,6 +8,7 @@ stays within each packed example). docs/sft.md maps TRL's `SFTConfig` names to t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -17,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gangs import Gangs
-from gangtrain.app.config.optimizers import OptimizerConfig
+from gangtrain.app.config.optimizers import OptimizerConfig, build_optimizer
 from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
 from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, TrainerConfig
 from gangtrain.app.pretrained import check_layout, load_layout_of
@@ -27,8 +28,9 @@ from gangtrain.data.mixing import hold_out, mix
 from gangtrain.data.sft import Tokenized, plan_examples, tokenize_files
 from gangtrain.data.token_batches import BinReader, Bins, EvalBatches
 from gangtrain.layers.neftune import add_neftune
-from gangtrain.models.hf import hf_model_of
+from gangtrain.models.hf import hf_model_of, vision
 from gangtrain.models.hf.document_attention import use_document_attention
+from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.layout import HFLayout
 from gangtrain.posttrain.objective import Objective, Parts
 from trainer.errors import UserError
@@ -54,6 +56,10 @@ class ModelSection(_Section):
     attn_implementation: str | None = None
     """transformers' attention kernel (eager, sdpa, flex_attention, ...); null: the model's
     default."""
+    freeze: list[str] = []
+    """Parameters kept as loaded: module-name patterns (fnmatch over parameter names, e.g.
+    'model.vision_tower.*') or a vision-language model's parts: vision_tower, projector,
+    language_model, lm_head. A pattern that matches nothing is an error."""
     neftune_noise_alpha: float | None = Field(default=None, gt=0)
     """NEFTune: uniform noise of alpha / sqrt(length x width) on the input embeddings, in
     training only (HF's formula; length is the packed row's); null: off."""
@@ -126,6 +132,17 @@ class OptimizerSection(OptimizerConfig):
     lr: float = Field(default=2e-5, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=0.0, ge=0)
+    part_lr: dict[str, float] = {}
+    """Learning rates of their own (VeOmni's vit_lr), by a vision-language model's part
+    (vision_tower, projector, language_model, lm_head) or an fnmatch pattern over parameter
+    names: {vision_tower: 2.0e-6}; the schedule scales each alike. Empty: lr for all."""
+
+    def build(self, model: nn.Module) -> Optimizer:  # type: ignore[override]
+        if not self.part_lr:
+            return super().build(model)
+        hf_model = hf_model_of(model)
+        return build_optimizer(self, model, vision.lr_groups(
+            model if hf_model is None else hf_model, self.part_lr))
 
 
 class ScheduleSection(LRSchedulerSection):
@@ -157,7 +174,8 @@ RESUME_GUARD = ("model.path", "data.files", "data.weights", "data.format", "data
                 "data.chat_template", "data.train_on", "data.eos_token", "data.seq_len",
                 "data.packing", "data.padding",
                 "data.over_long", "data.batch_size", "data.max_tokens", "data.valid_fraction",
-                "data.split_seed", "data.shuffle_seed", *LoraSection.RESUME_GUARD)
+                "data.split_seed", "data.shuffle_seed", "model.freeze", "optimizer.part_lr",
+                *LoraSection.RESUME_GUARD)
 
 
 @dataclass
@@ -256,15 +274,20 @@ def load_model(config: SFTConfig, gangs: Gangs, spec: Any = None) -> HFLayout:
     (built on meta, TP by its own plan, cut into pipeline stages or attending over the cp
     gang, wrapped over DP, each rank reading its slices of the weights), with the attention
     kernel of `model.attn_implementation` and NEFTune's noise when they are set."""
-    layout = load_layout_of(config, gangs, spec=spec, **(
+    layout = load_layout_of(config, gangs, spec=spec, freeze=tuple(config.model.freeze), **(
         {"dtype": torch.bfloat16} if config.model.dtype == "bf16" else {}))
     hf_model = hf_model_of(layout.model)  # inside DDP's wrapper; None for pipeline stages
+    image_text = hf_model is not None and vision.is_vlm(hf_model)
+    if image_text and hf_model.config.model_type == "gemma3":
+        vision.fix_packed_gemma3(hf_model)
     if config.model.attn_implementation is not None and hf_model is not None:
         try:
             hf_model.set_attn_implementation(config.model.attn_implementation)
         except (ValueError, ImportError) as error:
             raise UserError(f"config 'model.attn_implementation': {error}") from None
-    elif hf_model is not None and layout.pipeline is None:
+    elif hf_model is not None and layout.pipeline is None and not image_text:
+        # (A VLM keeps transformers' sdpa, which attends per document in packed rows from
+        # the restarting position_ids; this kernel would also reach the non-causal tower.)
         use_document_attention(hf_model)  # packed rows attend per document, where exact
     if config.model.neftune_noise_alpha is not None and hf_model is not None:
         add_neftune(hf_model.get_input_embeddings(), config.model.neftune_noise_alpha)
@@ -276,6 +299,12 @@ def check_settings(config: SFTConfig) -> Any:
     the others or the model (the layout: its family's spec)."""
     hf_config = check_layout(config)
     g = config.gangs
+    sizes = {"tp_size": g.tp_size, "pp_size": g.pp_size, "cp_size": g.cp_size}
+    split = next((name for name, size in sizes.items() if size > 1), None)
+    if vision.is_vlm(hf_config) and split is not None:
+        raise UserError(f"config 'gangs.{split}' is {sizes[split]}: {config.model.path} is a "
+                        "vision-language model, trained under data parallelism only (DDP, "
+                        "FSDP2/HSDP) for now: set it to 1")
     if g.pp_size > 1 and not config.data.packing:
         raise UserError(f"config 'data.packing' is false; with gangs.pp_size {g.pp_size} it "
                         "must be true: a pipeline schedule runs micro-batches of one shape "
@@ -332,7 +361,23 @@ class SFTObjective(Objective):
 
     def read_data(self, config: SFTConfig, tokenizer: Any, dp_rank: int, dp_size: int,
                   train: bool) -> SFTData:
+        from gangtrain.posttrain.objectives import sft_images
+
+        if sft_images.uses_images(config):
+            hf_config = read_hf_config(Path(config.model.path))
+            if not vision.is_vlm(hf_config):
+                raise UserError(f"config 'data.files' holds images, but {config.model.path} "
+                                "is not a vision-language model (no vision_config)")
+            processor = vision.processor_as_used(config.model.path, tokenizer)
+            return SFTData(*sft_images.prepare_image_data(
+                config, processor, hf_config.model_type, dp_rank, dp_size, train))
         return prepare_data(config, tokenizer, dp_rank, dp_size, train)
+
+    def describe(self, config: SFTConfig, a: Any) -> str:
+        hf_model = hf_model_of(a.model)
+        if hf_model is None or not vision.is_vlm(hf_model):
+            return ""
+        return f"; {vision.trained_summary(hf_model)}"
 
     def load_policy(self, config: SFTConfig, a: Any) -> HFLayout:
         return load_model(config, a.gangs, a.spec)
@@ -351,5 +396,5 @@ class SFTObjective(Objective):
 
     def check_inputs(self, config: SFTConfig, tokenizer: Any) -> None:
         optimizer = config.optimizer.build(nn.Linear(1, 1))  # its name and options
-        data = prepare_data(config, tokenizer)
+        data = self.read_data(config, tokenizer, 0, 1, True)
         warmup_decay(optimizer, config.lr_scheduler, _schedule_length(config, data))

@@ -1,0 +1,2 @@
+"""Reward modelling (Bradley-Terry) of a local Hugging Face causal LM on pairs of chosen and
+rejected answers: a sequence-classification model with one label."""

@@ -1,0 +1,200 @@
+"""Image records into batches (`gangtrain.data.vision`), on tiny LLaVA, Gemma 3 and Idefics3 with
+their own processors: only answer tokens are targets, the planned length is the encoded one,
+packed = padded = a float64 forward of each record alone, freezing and LoRA's targets by
+part, and bad records named by file, line and field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from vlm_reference import answer_nll64, answer_positions
+
+from gangtrain.data import vision
+from gangtrain.layers.lora import LoraSettings, apply_lora
+from gangtrain.models.hf import vision as parts
+from gangtrain.tiny.vision import make_colour_data, make_tiny_vlm
+from trainer.errors import UserError
+from units.causal_lm import lm_loss
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_colour_data(tmp_path_factory.mktemp("vlm_data"), n=6, seed=1)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3"])
+def test_packed_equals_padded_equals_float64_one_by_one(family, data, tmp_path):
+    model_dir = make_tiny_vlm(tmp_path / family, family)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    if family == "gemma3":
+        parts.fix_packed_gemma3(model)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    records = vision.read_records(data)
+    examples = [vision.encode(processor, r, family) for r in records]
+    tokens = processor.tokenizer.convert_tokens_to_ids
+    sizes: dict = {}
+    for record, example in zip(records, examples, strict=True):
+        # Targets: exactly the tokens after each <|assistant|> through its <|end|>.
+        ids = example.tokens["input_ids"].tolist()
+        expected = answer_positions(ids, tokens("<|assistant|>"), tokens("<|end|>"))
+        assert torch.nonzero(example.trained).flatten().tolist() == expected
+        assert vision.planned_length(processor, record, sizes) == len(example)
+    pad = processor.tokenizer.pad_token_id
+    rows = [examples[:3], examples[3:]]
+    seq_len = max(sum(len(e) for e in row) for row in rows) + 3  # padding at the tails
+    packed = vision.packed_batch(rows, seq_len, pad, family)
+    padded = vision.padded_batch(examples, pad, family)
+    if family == "gemma3":  # everything the processor returns reaches the model
+        assert "token_type_ids" in packed and int(packed["token_type_ids"].sum()) > 0
+    with torch.no_grad():
+        packed_sum, packed_n = lm_loss(model, packed, -100, use_cache_keyword=True)
+        padded_sum, padded_n = lm_loss(model, padded, -100, use_cache_keyword=True)
+    reference, count = answer_nll64(model_dir, data)
+    assert int(packed_n) == int(padded_n) == count
+    # float32 against float64: each NLL's relative error is a few eps32 per reduction term
+    # (attention over <= seq_len keys, the hidden size 32), then a sum over `count` terms.
+    tol = reference * torch.finfo(torch.float32).eps * (4 * seq_len + count)
+    print(f"{family}: packed {float(packed_sum):.7f} padded {float(padded_sum):.7f} "
+          f"float64 {reference:.9f} (tolerance {tol:.1e})")
+    assert abs(float(packed_sum) - reference) <= tol
+    assert abs(float(padded_sum) - reference) <= tol
+
+
+def test_freeze_and_lora_targets_by_part(tmp_path):
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    found = parts.vlm_parts(model)
+    assert found == {"vision": ["model.vision_tower"],
+                     "projector": ["model.multi_modal_projector"],
+                     "language": ["model.language_model"], "head": ["lm_head"]}
+    frozen = parts.freeze(model, ["vision_tower"])
+    assert frozen and all(n.startswith("model.vision_tower.") for n in frozen)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if n in frozen)
+    targets = parts.lora_targets(model)
+    assert len(targets) == 4 and all(t.startswith("model.language_model.") for t in targets)
+    adapted = apply_lora(model, LoraSettings(r=2, alpha=4, target_modules=targets))
+    assert not any("lora" in n for n, _ in adapted.named_parameters()
+                   if n.startswith("model.vision_tower."))
+    assert "vision 0 trained / " in parts.trained_summary(adapted)
+    with pytest.raises(UserError, match="'model.freeze': 'nothing.*' matches no parameter"):
+        parts.freeze(model, ["nothing.*"])
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_bad_records_are_named_by_file_line_and_field(data, tmp_path):
+    good = json.loads(data.read_text().splitlines()[1])
+    image = str(data.parent / good["images"][0])
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    cases = {
+        "url": ({**good, "images": ["https://example.com/a.png"]},
+                "field 'images[0]' is a URL (https://example.com/a.png)"),
+        "missing": ({**good, "images": ["gone.png"]},
+                    f"field 'images[0]': cannot read image {tmp_path / 'gone.png'}"),
+        "unreadable": ({**good, "images": ["broken.png"]},
+                       f"field 'images[0]': cannot read image {tmp_path / 'broken.png'}"),
+        "count": ({**good, "images": [image, image]},
+                  "field 'images' holds 2 image(s), 'messages' has 1 image part(s)"),
+    }
+    for name, (record, message) in cases.items():
+        path = _write(tmp_path / f"{name}.jsonl", [{**good, "images": [image]}, record])
+        with pytest.raises(UserError) as caught:
+            vision.read_records(path)
+        assert str(caught.value) == f"data file {path}, line 2: {message}" or \
+            str(caught.value).startswith(f"data file {path}, line 2: {message}"), name
+
+
+def test_prompt_completion_trains_the_completion_only(data, tmp_path):
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    lines = [json.loads(line) for line in data.read_text().splitlines()]
+    two_turns = next(r for r in lines if len(r["messages"]) == 4)
+    split = {"prompt": two_turns["messages"][:3], "completion": two_turns["messages"][3:],
+             "images": [str(data.parent / two_turns["images"][0])]}
+    [record] = vision.read_records(_write(tmp_path / "pc.jsonl", [split]))
+    example = vision.encode(processor, record, "llava")
+    ids = example.tokens["input_ids"].tolist()
+    tokens = processor.tokenizer.convert_tokens_to_ids
+    answers = answer_positions(ids, tokens("<|assistant|>"), tokens("<|end|>"))
+    last = ids.index(tokens("<|assistant|>"), ids.index(tokens("<|assistant|>")) + 1)
+    assert torch.nonzero(example.trained).flatten().tolist() == \
+        [p for p in answers if p > last]  # the second answer; the first is prompt
+
+
+def test_over_long_records_are_dropped_and_counted(data, tmp_path):
+    from gangtrain.posttrain.objectives.sft import SFTConfig
+    from gangtrain.posttrain.objectives.sft_images import prepare_image_data
+
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    records = vision.read_records(data)
+    lengths = [vision.planned_length(processor, r, {}) for r in records]
+    seq_len = sorted(lengths)[len(lengths) // 2]  # about half the records are longer
+    config = SFTConfig.model_validate({"model": {"path": str(model_dir)}, "data": {
+        "files": [str(data)], "valid_files": [str(data)], "seq_len": seq_len,
+        "batch_size": 1}})
+    reader, valid, train_bins, valid_bins, summary = prepare_image_data(
+        config, processor, "llava")
+    longer = sum(n > seq_len for n in lengths)
+    assert longer and train_bins.num_dropped == valid_bins.num_dropped == longer
+    assert f"0 truncated, {longer} dropped as longer than data.seq_len={seq_len}" in summary[0]
+    kept = {i for b in range(len(train_bins)) for i in train_bins.bin(b).tolist()}
+    assert kept == {i for i, n in enumerate(lengths) if n <= seq_len}
+
+
+def test_a_text_only_record_is_refused_under_data_parallelism(data, tmp_path):
+    from gangtrain.posttrain.objectives.sft import SFTConfig
+    from gangtrain.posttrain.objectives.sft_images import prepare_image_data
+
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    lines = [json.loads(line) for line in data.read_text().splitlines()]
+    text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "it"}]},
+                              {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}
+    for r in lines:
+        r["images"] = [str(data.parent / name) for name in r["images"]]
+    path = _write(tmp_path / "mixed.jsonl", [*lines, text_only])
+    config = SFTConfig.model_validate({"model": {"path": str(model_dir)}, "data": {
+        "files": [str(path)], "valid_files": [str(path)], "batch_size": 2,
+        "packing": False}})
+    reader = prepare_image_data(config, processor, "llava", 0, 1)[0]  # one rank: fine
+    assert len(reader.bins) == 7  # one record a row, the text-only one too
+    bare = next(b for b in range(7) if reader.bins.bin(b).tolist() == [6])
+    batch = reader.dataset.batch(reader.bins, [bare], processor.tokenizer.pad_token_id)
+    assert "pixel_values" not in batch and int((batch["labels"] != -100).sum()) == 2
+    with pytest.raises(UserError, match=f"data file {path}, line 7: a record without images, "
+                                        "under 2 data-parallel ranks"):
+        prepare_image_data(config, processor, "llava", 0, 2)
+
+
+def test_part_lr_steps_each_part_at_its_own_rate(data, tmp_path):
+    from gangtrain.posttrain.objectives.sft import SFTConfig
+
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    batch = vision.padded_batch([vision.encode(processor, r, "llava")
+                                 for r in vision.read_records(data)],
+                                processor.tokenizer.pad_token_id, "llava")
+    config = SFTConfig.model_validate({"optimizer": {
+        "name": "SGD", "lr": 0.1, "part_lr": {"projector": 0.0, "vision_tower": 0.01}}})
+    optimizer = config.optimizer.build(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss, _ = lm_loss(model, batch, -100, use_cache_keyword=True)
+    loss.backward()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        lr = 0.0 if "multi_modal_projector" in name else 0.01 if "vision_tower" in name \
+            else 0.1
+        # SGD: p - lr * grad, one float32 multiply and subtract per element (exact for lr 0).
+        # (A parameter the forward does not use, CLIP's post_layernorm, has no gradient.)
+        expected = before[name] if p.grad is None else before[name] - lr * p.grad
+        assert torch.allclose(p.detach(), expected, rtol=0, atol=1e-7), name
+        if lr == 0.0:
+            assert torch.equal(p.detach(), before[name]), name
