@@ -31,14 +31,26 @@ LENGTHS = [3, 7, 5, 9, 4, MAX_NEW, 6, 2]
 REWARDS = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 1.0, 1.0]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    base = tmp_path_factory.mktemp("grpo_exact")
+def replay_inputs(base):
+    """(the tiny chat model's directory, two prompts, its end-of-turn id) under ``base``."""
     model_dir = make_tiny_chat_model(base / "model")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = read_prompts([write_prompts(base / "prompts.jsonl", 2)], tokenizer,
                            max_prompt_tokens=200)
-    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return model_dir, prompts, tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def write_replay(base, records):
+    """``records`` as step 1's rollouts of a run directory ``base / "replay"``."""
+    replay = base / "replay"
+    replay.mkdir()
+    (replay / "step_1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.mktemp("grpo_exact")
+    model_dir, prompts, stop = replay_inputs(base)
     generator = torch.Generator().manual_seed(3)
     records = []
     for c, (length, reward) in enumerate(zip(LENGTHS, REWARDS, strict=True)):
@@ -49,9 +61,7 @@ def tiny(tmp_path_factory):
         records.append({"window": 0, "prompt_index": c // G, "sample_index": c % G,
                         "prompt_ids": list(prompts[c // G].ids), "completion_ids": ids,
                         "truncated": truncated, "rewards": {"r": reward}})
-    replay = base / "replay"
-    replay.mkdir()
-    (replay / "step_1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_replay(base, records)
     return model_dir, prompts, records, base
 
 
@@ -88,7 +98,7 @@ def run_trainer(tiny, case: dict, out):
         for p in reference.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     start = copy.deepcopy(policy)
-    loss = GRPOLoss(num_iterations=2, max_new_tokens=MAX_NEW, **case)
+    loss = GRPOLoss(**{"num_iterations": 2, "max_new_tokens": MAX_NEW, **case})
     unit = GRPOUnit(policy, loss, prompts, [], Rollouts(replay=read_replay(base / "replay")),
                     num_generations=G, batch_size=4, window=2, num_accumulate=2,
                     temperature=TEMPERATURE, pad_id=0,
@@ -99,6 +109,27 @@ def run_trainer(tiny, case: dict, out):
             progress=False, seed=0).run()
     logged = {r["step"]: r for r in read_jsonl(out / "metrics" / "train.jsonl")}
     return start, reference, optimizer.seen, logged
+
+
+def assert_both_steps_match(start, grads, logged, hand_loss):
+    """Step 1 at the start's weights (ratio 1), step 2 at step 1's (the same window again):
+    the logged loss and the optimizer's gradient equal ``hand_loss(model, old_model)``'s
+    float64 value and autograd gradient."""
+    model0 = copy.deepcopy(start).double()
+    model1 = copy.deepcopy(start)
+    with torch.no_grad():
+        for p, g in zip(model1.parameters(), grads[0], strict=True):
+            p.add_(g, alpha=-LR)  # SGD's own float32 update
+    model1 = model1.double()
+    for step, (model, old) in enumerate(((model0, None), (model1, model0)), start=1):
+        hand = hand_loss(model, old)
+        expected = torch.autograd.grad(hand, list(model.parameters()), allow_unused=True)
+        scale = max(float(e.abs().max()) for e in expected if e is not None)
+        for got, want in zip(grads[step - 1], expected, strict=True):
+            want = torch.zeros_like(got, dtype=torch.float64) if want is None else want
+            # float32 forward against float64: measured up to ~2e-7 of the largest entry
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6 * scale)
+        assert logged[step]["loss"] == pytest.approx(float(hand.detach()), rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -117,23 +148,9 @@ def test_loss_and_gradient_equal_the_hand_computation(tiny, name, tmp_path):
         rewards = kl_penalised(REWARDS, completions, model0, ref64, beta, TEMPERATURE)
     adv = advantages(rewards, G, case.get("scale_rewards", "group"), kind)
     assert adv[4:] == [0.0] * 4 or kind == "rloo" and beta  # the zero-std group
-    # step 1 at the start's weights (ratio 1), step 2 at step 1's (the same window again)
-    model1 = copy.deepcopy(start)
-    with torch.no_grad():
-        for p, g in zip(model1.parameters(), grads[0], strict=True):
-            p.add_(g, alpha=-LR)  # SGD's own float32 update
-    model1 = model1.double()
-    for step, (model, old) in enumerate(((model0, None), (model1, model0)), start=1):
-        hand = step_loss(model, ref64, old, completions, adv, kind=kind, beta=beta,
-                         epsilon=epsilon, epsilon_high=high, max_new_tokens=MAX_NEW,
-                         temperature=TEMPERATURE, kept=kept)
-        expected = torch.autograd.grad(hand, list(model.parameters()), allow_unused=True)
-        scale = max(float(e.abs().max()) for e in expected if e is not None)
-        for got, want in zip(grads[step - 1], expected, strict=True):
-            want = torch.zeros_like(got, dtype=torch.float64) if want is None else want
-            # float32 forward against float64: measured up to ~2e-7 of the largest entry
-            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6 * scale)
-        assert logged[step]["loss"] == pytest.approx(float(hand.detach()), rel=1e-6, abs=1e-7)
+    assert_both_steps_match(start, grads, logged, lambda model, old: step_loss(
+        model, ref64, old, completions, adv, kind=kind, beta=beta, epsilon=epsilon,
+        epsilon_high=high, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, kept=kept))
     assert logged[2]["clip_ratio/region_mean"] > 0  # clipping was active at step 2
     if beta:
         assert logged[1]["kl"] > 0

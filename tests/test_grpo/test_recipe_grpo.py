@@ -230,6 +230,12 @@ def test_user_mistakes_are_one_clear_line_and_write_nothing(tiny, tmp_path, caps
                      f"{train}, line 1: the prompt is "),
         "pipeline": (["--set", "gangs.pp_size=2"], "config 'gangs.pp_size=2': recipes.grpo "
                      "runs data parallelism"),
+        "vllm": (["--set", "generation.engine=vllm"], "config 'generation.engine=vllm': "),
+        "tool_import": (["--set", 'tools=["no_such_module:f"]'], "no_such_module"),
+        "tool_schema": (["--set", 'tools=["agent_tools:undocumented"]'],
+                        "tool 'agent_tools:undocumented': no JSON schema can be made"),
+        "environment": (["--set", "environment=agent_tools:slow"], "environment"),
+        "max_turns": (["--set", "generation.max_turns=0"], "generation.max_turns"),
     }
     for name, (extra, message) in cases.items():
         out = tmp_path / name

@@ -51,6 +51,7 @@ from gangs.errors import UserError
 from gangtrain.data.prompts import PromptSet
 from gangtrain.layers.wrappers import unwrapped
 from gangtrain.rl.advantages import reward_metrics
+from gangtrain.rl.agents import AgentLoop
 from gangtrain.rl.generation import Completion, Generator, sample_seed
 from gangtrain.rl.rewards import (
     RewardSource,
@@ -64,6 +65,7 @@ from units.causal_lm import auto_loss_chunk_size, chunked_loss_head, output_logi
 from units.linear_cross_entropy import captured_head, linear_log_probs_and_entropy
 from units.metrics import MetricBag
 from units.online_rl.losses import GRPOLossKind, TokenScores
+from units.online_rl.multi_turn import replayed_completion, roll_out
 from units.online_rl.window import Slice, WindowBuffer, local_indices, slice_tensors
 from units.reference import ReferenceModel
 from units.unit import TrainUnit
@@ -81,6 +83,8 @@ class Rollouts:
     replay: dict[int, list[dict[str, Any]]] | None = None
     file_of: Callable[[int], Path] | None = None
     decode: Callable[[Sequence[int]], str] | None = None
+    agent: AgentLoop | None = None
+    """Multi-turn rollouts with tools or environments (in place of ``generator``)."""
 
 
 def token_logps(model: nn.Module, s: Slice, temperature: float, with_entropy: bool = False,
@@ -253,13 +257,15 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         started = time.perf_counter()
         completions, values, names = self._sample(window, where, metrics)
         seconds = time.perf_counter() - started
-        prompt_ids = [self.prompts[p].ids for p, _ in where]
+        prompt_ids = [c.prompt_ids or self.prompts[p].ids
+                      for (p, _), c in zip(where, completions, strict=True)]
         b = self.B // self.dp.size
         slices = []
         for m in range(self.W):
             part = slice(m * b, (m + 1) * b)
             ids, mask, scored = slice_tensors(prompt_ids[part],
-                                              [c.ids for c in completions[part]], self.pad_id)
+                                              [c.ids for c in completions[part]], self.pad_id,
+                                              [c.mask for c in completions[part]])
             truncated = torch.tensor([c.truncated for c in completions[part]])
             kept = ~truncated if self.loss.mask_truncated_completions else \
                 torch.ones_like(truncated)
@@ -284,8 +290,12 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         """This rank's completions and their reward values [n, functions]."""
         if self.rollouts.replay is not None:
             return self._replayed(window, where)
-        assert self.rollouts.generator is not None
         seeds = [sample_seed(self.seed, window, p, s) for p, s in where]
+        if self.rollouts.agent is not None:
+            completions, values = roll_out(self.rollouts.agent, self.prompts, where, seeds,
+                                           self.rewards, self._step_nr, metrics)
+            return completions, values, [r.name for r in self.rewards]
+        assert self.rollouts.generator is not None
         completions = self.rollouts.generator.generate([self.prompts[p].ids for p, _ in where],
                                                        seeds)
         values = score_completions(
@@ -307,9 +317,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
                             "generation.window and generation.num_generations")
         chosen = [records[w] for w in where]
         names = list(chosen[0]["rewards"])
-        completions = [Completion(tuple(r["completion_ids"]),
-                                  tuple(r.get("logprobs") or ()), bool(r["truncated"]))
-                       for r in chosen]
+        completions = [replayed_completion(r) for r in chosen]
         values = torch.tensor([[float("nan") if r["rewards"][n] is None else r["rewards"][n]
                                 for n in names] for r in chosen], dtype=torch.float64)
         return completions, values.reshape(len(chosen), len(names)), names
@@ -345,7 +353,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
             return
         tokens = sum(len(p) + len(c.ids) for p, c in zip(prompt_ids, completions, strict=True))
         kept = [not (self.loss.mask_truncated_completions and c.truncated) for c in completions]
-        targets = self.loss.host_targets([len(c.ids) for c in completions], kept)
+        targets = self.loss.host_targets([c.sampled for c in completions], kept)
         forwards = int(needs_old) + int(self.reference is not None
                                         and self.loss.needs_reference)
         iterations = self.loss.num_iterations
@@ -379,7 +387,8 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
 
     def _record_completions(self, completions: list[Completion], seconds: float,
                             metrics: MetricBag) -> None:
-        lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float64)
+        # a trajectory's length is the policy's tokens, not its context's
+        lengths = torch.tensor([c.sampled for c in completions], dtype=torch.float64)
         truncated = torch.tensor([c.truncated for c in completions], dtype=torch.float64)
         n = float(len(completions))
         # host floats: these are CPU values and the bag may live on an accelerator
@@ -396,26 +405,32 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
     def _write(self, window: int, where: list[tuple[int, int]], completions: list[Completion],
                values: Tensor, names: list[str], advantages: Tensor, mine: list[int]) -> None:
         """Append this window to ``rollouts/step_N.jsonl`` (rank 0 writes the file)."""
-        local = [(c, p, s, comp.ids, comp.logprobs, comp.truncated, values[i].tolist())
+        local = [(c, p, s, comp, values[i].tolist())
                  for i, (c, (p, s), comp) in enumerate(zip(mine, where, completions,
                                                            strict=True))]
         gathered = self.dp.all_gather_objects(local) if self.dp.size > 1 else [local]
         if self.dp.rank != 0:
             return
         decode = self.rollouts.decode or (lambda ids: " ".join(map(str, ids)))
-        rows = sorted(row for part in gathered for row in part)
+        rows = sorted((row for part in gathered for row in part), key=lambda r: r[:3])
         weights = reward_weights(self.rewards, names)
-        for c, p, s, ids, logprobs, truncated, reward_values in rows:
+        for c, p, s, comp, reward_values in rows:
             prompt = self.prompts[p]
             rewards = dict(zip(names, reward_values, strict=True))
             total = sum(w * v for w, v in zip(weights, reward_values, strict=True)
                         if v == v)
-            self._step_records.append({
+            record = {
                 "window": window, "prompt_index": p, "sample_index": s,
-                "prompt_ids": list(prompt.ids), "completion_ids": list(ids),
-                "prompt": prompt.prompt, "completion": decode(ids), "truncated": truncated,
+                "prompt_ids": list(comp.prompt_ids or prompt.ids),
+                "completion_ids": list(comp.ids), "prompt": prompt.prompt,
+                "completion": decode(comp.ids), "truncated": comp.truncated,
                 "rewards": rewards, "reward": total, "advantage": float(advantages[c]),
-                "logprobs": list(logprobs)})
+                "logprobs": list(comp.logprobs)}
+            if comp.mask is not None:  # multi-turn: what was sampled, the turns as messages
+                record.update(completion_mask=list(comp.mask), messages=list(comp.messages or ()),
+                              tool_calls=comp.tool_calls, tool_failures=comp.tool_failures)
+            self._step_records.append(record)
         assert self.rollouts.file_of is not None
         write_rollouts(self.rollouts.file_of(self._step_nr),
                        self._step_records)
+

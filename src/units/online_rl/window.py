@@ -33,7 +33,7 @@ class Slice:
 
     input_ids: Tensor  # [b, L] prompt then completion, right-padded
     attention_mask: Tensor  # [b, L]
-    scored: Tensor  # [b, L - 1] bool: target positions that are completion tokens
+    scored: Tensor  # [b, L - 1] bool: target positions that are sampled completion tokens
     advantages: Tensor  # [b] float32
     kept: Tensor  # [b] bool: counted by the loss (mask_truncated_completions)
     row: Tensor | None = None  # [n] the row of each completion token (no sync to find it)
@@ -57,8 +57,11 @@ class Slice:
 
 
 def slice_tensors(prompts: list[tuple[int, ...]], completions: list[tuple[int, ...]],
-                  pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(input_ids, attention_mask, scored) of rows ``prompt + completion``."""
+                  pad_id: int, masks: list[tuple[int, ...] | None] | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """(input_ids, attention_mask, scored) of rows ``prompt + completion``. ``masks``: each
+    completion's sampled-token mask (multi-turn; None: every token sampled): only sampled
+    tokens are scored, so tool results and turn markers are neither targets nor counted."""
     width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     rows = len(prompts)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
@@ -67,7 +70,10 @@ def slice_tensors(prompts: list[tuple[int, ...]], completions: list[tuple[int, .
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         ids[i, :len(p) + len(c)] = torch.tensor(list(p) + list(c), dtype=torch.long)
         mask[i, :len(p) + len(c)] = 1
-        scored[i, len(p) - 1:len(p) - 1 + len(c)] = True  # target t predicts token t + 1
+        sampled = masks[i] if masks is not None else None
+        # target t predicts token t + 1
+        scored[i, len(p) - 1:len(p) - 1 + len(c)] = True if sampled is None else \
+            torch.tensor(sampled, dtype=torch.bool)
     return ids, mask, scored
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 from torch import nn
 
 from gangtrain.app.config.import_path import import_object
@@ -27,9 +27,11 @@ from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, TrainerConfi
 from gangtrain.data.prompts import PromptSet, read_prompts
 from gangtrain.models.hf.hf_config import check_model_dir, read_hf_config
 from gangtrain.posttrain.objective import Objective, Parts
+from gangtrain.rl.agents import AgentLoop, environment_tools
 from gangtrain.rl.generation import HFGenerator
 from gangtrain.rl.rewards import RewardSource, build_reward_sources, score
 from gangtrain.rl.rollouts import read_replay
+from gangtrain.rl.tools import load_tools
 from gangtrain.rl.windows import PromptWindows
 from trainer.errors import UserError
 from trainer.run_dir import RunDir
@@ -89,6 +91,14 @@ class GenerationSection(Section):
     instead of sampling."""
     write_rollouts: bool = True
     """Write OUT/rollouts/step_N.jsonl for every window."""
+    max_turns: PositiveInt = 4
+    """With tools or an environment: the most assistant turns of a trajectory (its budget
+    of sampled tokens is max_new_tokens, over all its turns)."""
+    tool_timeout: float = Field(default=10.0, gt=0)
+    """Seconds a tool call may run; past it, the policy reads a timeout error."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """hf: the policy itself through `gangtrain.rl.engine` (slot KV cache, continuous
+    batching). vllm: a colocated vLLM (needs vllm and a GPU; refused by name otherwise)."""
 
 
 class GRPOConfig(Section):
@@ -113,6 +123,47 @@ class GRPOConfig(Section):
         "checkpoint_every_n_steps": 50})
     gangs: GangsSection = GangsSection()
     lora: LoraSection = LoraSection()
+    tools: list[str] = []
+    """Tools for multi-turn rollouts, import paths 'pkg.mod:function' (TRL's tools=): the
+    JSON schema comes from the signature and Google-style docstring, the template gets them
+    as tools=; the policy's calls are run and their results appended as tool turns."""
+    environment: str | None = None
+    """An environment factory 'pkg.mod:Factory' (TRL's environment_factory): one environment
+    per trajectory, reset(**row) its first observation, its public methods its tools."""
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, paths: list[str]) -> list[str]:
+        load_tools(paths, resolve=import_object)  # a schema that cannot be made: named here
+        return paths
+
+    @model_validator(mode="after")
+    def _turn_settings_need_tools(self) -> GRPOConfig:
+        """A multi-turn setting without tools or an environment would be ignored: refused."""
+        if not self.tools and self.environment is None:
+            gen = self.generation
+            for name in ("max_turns", "tool_timeout"):
+                if getattr(gen, name) != type(gen).model_fields[name].get_default():
+                    raise ValueError(f"generation.{name} is set but there are no tools or "
+                                     "environment (single-turn): set tools= or environment=, "
+                                     "or leave it out")
+        return self
+
+    @field_validator("environment")
+    @classmethod
+    def _environment(cls, path: str | None) -> str | None:
+        if path is not None:
+            factory = import_object(path, "environment")
+            if not callable(factory):
+                raise ValueError(f"environment '{path}' is a {type(factory).__name__}, not a "
+                                 "factory")
+            try:  # one environment, to make its tools' schemas here, before the run
+                environment = factory()
+            except Exception as error:  # noqa: BLE001 - the user's code: named, one line
+                raise ValueError(f"environment '{path}': making one raised "
+                                 f"{type(error).__name__}: {error}") from None
+            environment_tools(environment)
+        return path
 
     @field_validator("rewards")
     @classmethod
@@ -156,6 +207,8 @@ def check_settings(config: GRPOConfig) -> Any:
         raise UserError(f"config 'generation.num_generations={gen.num_generations}' does not "
                         f"divide the completions of a window (generation.window {window} x "
                         f"data.batch_size {d.batch_size}): a window holds whole groups")
+    if gen.engine == "vllm":
+        _check_vllm()
     if config.rewards and config.reward_weights is not None \
             and len(config.reward_weights) != len(config.rewards):
         raise UserError(f"config 'reward_weights' has {len(config.reward_weights)} weights for "
@@ -164,6 +217,21 @@ def check_settings(config: GRPOConfig) -> Any:
         raise UserError("config 'rewards' is empty: name the reward functions, e.g. "
                         "--set 'rewards=[\"my_rewards:exact_match\"]'")
     return check_model_dir(config.model.path, gen.max_new_tokens + 1)
+
+
+def _check_vllm() -> None:
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("config 'generation.engine=vllm': vllm is not importable here; "
+                        "install it or set generation.engine=hf")
+    if not torch.cuda.is_available():
+        raise UserError("config 'generation.engine=vllm': no GPU here (vLLM runs on one); "
+                        "set generation.engine=hf")
+    raise UserError("config 'generation.engine=vllm': the colocated vLLM generator is not "
+                    "built yet; set generation.engine=hf")
 
 
 def load_rewards(config: GRPOConfig, device: Any = "cpu",
@@ -216,6 +284,10 @@ def read_inputs(config: GRPOConfig, tokenizer: Any, train: bool) -> _Inputs:
     for some in (prompts, valid):
         if some is not None and rewards:
             _probe(rewards, some)
+    if (config.tools or config.environment) and prompts is not None \
+            and not prompts.conversational:
+        raise UserError("config 'tools'/'environment': multi-turn rollouts need conversational "
+                        "prompts (a 'prompt' of messages)")
     replay = read_replay(config.generation.replay) if config.generation.replay and train \
         else None
     return _Inputs(hf_config, tokenizer, prompts, valid, rewards, replay)
@@ -270,12 +342,12 @@ class GRPOObjective(Objective):
         assert data.train is not None
         window = gen.window or t.num_accumulate
         loss = config.loss.with_max_new_tokens(gen.max_new_tokens)
+        generator = None if data.replay is not None else _generator(config, a, gen.temperature)
         rollouts = Rollouts(
-            generator=None if data.replay is not None else _generator(config, a,
-                                                                      gen.temperature),
-            replay=data.replay,
+            generator=generator, replay=data.replay,
             file_of=RunDir(a.output_dir).rollout_file if gen.write_rollouts else None,
-            decode=_decoder(a.tokenizer))
+            decode=_decoder(a.tokenizer),
+            agent=_agent(config, a, generator, data) if generator is not None else None)
         try:
             unit = GRPOUnit(a.model, loss, data.train, rewards, rollouts,
                             num_generations=gen.num_generations,
@@ -298,6 +370,26 @@ class GRPOObjective(Objective):
     def check_inputs(self, config: GRPOConfig, tokenizer: Any) -> None:
         read_inputs(config, tokenizer, train=True)
         config.optimizer.build(nn.Linear(1, 1))  # its name and options
+
+
+def _agent(config: GRPOConfig, a: Any, generator: HFGenerator, data: _Inputs
+           ) -> AgentLoop | None:
+    """The multi-turn loop over the generator's engine when tools or an environment are set."""
+    if not config.tools and config.environment is None:
+        return None
+    gen, prompts = config.generation, data.train
+    assert prompts is not None
+    context = getattr(data.hf_config, "max_position_embeddings", None) or 1 << 15
+    longest = max(len(prompts[i].ids) for i in range(len(prompts)))
+    # the KV slots hold the prompt (plus the tools' schemas), every turn and every result;
+    # a trajectory that would outgrow them is cut (truncated), never an error
+    capacity = min(context, 2 * longest + gen.max_new_tokens + gen.max_turns * 512)
+    factory = import_object(config.environment, "environment") if config.environment else None
+    return AgentLoop(generator.engine, a.tokenizer,
+                     tools=load_tools(config.tools, resolve=import_object),
+                     environment_factory=factory, max_turns=gen.max_turns,
+                     max_new_tokens=gen.max_new_tokens, capacity=capacity,
+                     tool_timeout=gen.tool_timeout)
 
 
 def _valid(config: GRPOConfig, a: Any, data: _Inputs, rewards: list[RewardSource]
