@@ -40,6 +40,8 @@ CONDITIONAL = {
              "lora.target_modules": ("[q_proj]", "lora.r"), "lora.base_dtype": ("bf16", "lora.r")},
     "preference": {"gangs.pp_schedule": ("gpipe", "gangs.pp_size"),
                    "gangs.pp_boundaries": ("[1]", "gangs.pp_size"),
+                   "data.completion_field": ("answer", "loss.kind"),
+                   "data.label_field": ("good", "loss.kind"),
                    "lora.alpha": ("16", "lora.r"), "lora.dropout": ("0.1", "lora.r"),
                    "lora.target_modules": ("[q_proj]", "lora.r"),
                    "lora.base_dtype": ("bf16", "lora.r")},

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
 from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, AdamWConfig, TrainerConfig
@@ -132,6 +132,15 @@ class PreferenceConfig(Section):
     trainer: TrainerConfig = FINETUNING_TRAINER
     gangs: GangsSection = GangsSection()
     lora: LoraSection = LoraSection()
+
+    @model_validator(mode="after")
+    def _unpaired_fields_need_kto(self) -> PreferenceConfig:
+        for field, default in (("completion_field", "completion"), ("label_field", "label")):
+            if self.loss.kind != "kto" and getattr(self.data, field) != default:  # unread
+                raise ValueError(f"data.{field} names a field of KTO's unpaired records; "
+                                 f"loss.kind is {self.loss.kind}, which trains on pairs: set "
+                                 "loss.kind=kto, or leave it out")
+        return self
 
 
 # Settings a resumed run may not change: the model, the loss and what a data position means.
