@@ -35,10 +35,28 @@ def docstrings(tree: ast.AST) -> set[int]:
     return found
 
 
+def not_paths(tree: ast.AST) -> set[int]:
+    """ids of the constants that name no path: a `Literal[...]`'s choices (a setting's
+    `hf` engine) and `__all__`'s names (a module's `metrics` function)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                and node.value.id == "Literal":
+            found.update(id(c) for c in ast.walk(node.slice) if isinstance(c, ast.Constant))
+        if isinstance(node, ast.AnnAssign) and "Literal[" in ast.unparse(node.annotation) \
+                and isinstance(node.value, ast.Constant):  # the setting's default choice
+            found.add(id(node.value))
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                for t in node.targets):
+            found.update(id(c) for c in ast.walk(node.value) if isinstance(c, ast.Constant))
+    return found
+
+
 def spelled_names(path: Path) -> list[str]:
-    """The run-directory names that string constants in `path` spell (docstrings aside)."""
+    """The run-directory names that string constants in `path` spell (docstrings, setting
+    choices and exported names aside)."""
     tree = ast.parse(path.read_text())
-    skip = docstrings(tree)
+    skip = docstrings(tree) | not_paths(tree)
     found = []
     for node in ast.walk(tree):
         if (isinstance(node, ast.Constant) and isinstance(node.value, str)

@@ -228,6 +228,9 @@ class ReplicaGroup:
                 log.info("replica group %d finished: it serves its state to the groups behind",
                          self.settings.replica_id)
             self._meet_every_group(starting=False)
+            # Rank 0 hosts the group's manager: none shuts it down while another rank of the
+            # group still waits for that last quorum's answer from it.
+            self.gangs.root.barrier()
         self.manager.shutdown(wait=False)
         if finished and self.lighthouse is not None:
             self.lighthouse.finished()
