@@ -183,11 +183,16 @@ class Engine:
             nxt[slots] = torch.where(on, tok, nxt[slots])
             live[slots] = on & ~end
 
-        def prefill(todo: list[int]) -> int:
+        def prefill_forwards(todo: list[int]) -> int:
+            """The forwards `prefill(todo)` will run: its chunks."""
+            longest = max((len(pending[s]) for s in todo), default=0)
+            return math.ceil(longest / min(self.prefill_chunk, longest)) if longest else 0
+
+        def prefill(todo: list[int]) -> None:
             """Prefill ``todo`` slots' pending tokens in chunks; sample each one's first
-            token. Returns the number of forwards."""
+            token."""
             if not todo:
-                return 0
+                return
             m = [len(pending[s]) for s in todo]
             width = min(self.prefill_chunk, max(m))
             chunks = math.ceil(max(m) / width)
@@ -220,7 +225,6 @@ class Engine:
             tok, lp = sample_tokens(logits, seeds[rows], length[rows], self.temperature,
                                     self.top_p, self._workspace(logits))
             accept(rows, tok, lp)
-            return chunks
 
         def decode() -> None:
             nonlocal steps_since
@@ -249,10 +253,13 @@ class Engine:
         admit()
         todo = [s for s in range(S) if s in pending]
         while True:
-            # prefill what waits for a slot (new rows, continued rows)
-            done_fw = prefill(todo)
-            _, want = agree(0, done_fw)
-            for _ in range(want - done_fw):
+            # prefill what waits for a slot (new rows, continued rows); the ranks agree on the
+            # number of forwards first: under FSDP2 each is a collective, so a rank with
+            # fewer chunks (a tool result continued one of its rows) pads with dummy ones.
+            mine = prefill_forwards(todo)
+            _, want = agree(0, mine)
+            prefill(todo)
+            for _ in range(want - mine):
                 self._dummy_forward(cache, device)
             steps_since = 0
             # decode sync_every steps without asking the host
