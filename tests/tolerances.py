@@ -21,6 +21,8 @@ are no float32 claim; compare the losses and the step-1 gradient, or train under
 
 from __future__ import annotations
 
+import torch
+
 FLOAT32_UNIT = 2.0 ** -24  # float32 unit roundoff: one rounding's relative error at most
 FLOAT64_UNIT = 2.0 ** -53
 BFLOAT16_UNIT = 2.0 ** -8
@@ -39,3 +41,13 @@ def sgd_weight_atol(moved: float, start: float, rtol: float, steps: int,
     lr * grad, linear), plus one float32 rounding of the weight (`start`, its largest
     magnitude) per step in each run."""
     return rtol * moved + 2 * steps * unit * start
+
+
+def assert_sgd_weights_close(value: torch.Tensor, ref: torch.Tensor, start: torch.Tensor,
+                             rtol: float, steps: int, name: str = "") -> float:
+    """`value` equals `ref` within `sgd_weight_atol` of `ref`'s move from `start` (runs whose
+    gradients are `rtol` apart, `steps` SGD-like steps); the share of that allowance used."""
+    moved = (ref - start.detach()).abs().max().item()
+    atol = sgd_weight_atol(moved, ref.abs().max().item(), rtol, steps)
+    torch.testing.assert_close(value, ref, rtol=0, atol=atol, msg=name)
+    return (value - ref).abs().max().item() / atol
