@@ -1,5 +1,5 @@
-"""Image records into batches (`gangtrain.data.vision`), on tiny LLaVA, Gemma 3 and Idefics3 with
-their own processors: only answer tokens are targets, the planned length is the encoded one,
+"""Image records into batches (`gangtrain.data.vision`), on tiny LLaVA, Gemma 3, Idefics3 and
+Qwen2-VL / Qwen2.5-VL with their own processors: only answer tokens are targets, the planned length is the encoded one,
 packed = padded = a float64 forward of each record alone, freezing and LoRA's targets by
 part, and bad records named by file, line and field."""
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
-from vlm_reference import answer_nll64, answer_positions
+from vlm_reference import answer_nll64, answer_positions, processor_of
 
 from gangtrain.data import vision
 from gangtrain.layers.lora import LoraSettings, apply_lora
@@ -25,13 +25,12 @@ def data(tmp_path_factory):
     return make_colour_data(tmp_path_factory.mktemp("vlm_data"), n=6, seed=1)
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl"])
 def test_packed_equals_padded_equals_float64_one_by_one(family, data, tmp_path):
     model_dir = make_tiny_vlm(tmp_path / family, family)
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    if family == "gemma3":
-        parts.fix_packed_gemma3(model)
-    processor = AutoProcessor.from_pretrained(model_dir)
+    parts.prepare_for_packed_rows(model)  # Gemma 3's masks, Qwen-VL's M-RoPE per record
+    processor = processor_of(model_dir)
     records = vision.read_records(data)
     examples = [vision.encode(processor, r, family) for r in records]
     tokens = processor.tokenizer.convert_tokens_to_ids
@@ -49,6 +48,9 @@ def test_packed_equals_padded_equals_float64_one_by_one(family, data, tmp_path):
     padded = vision.padded_batch(examples, pad, family)
     if family == "gemma3":  # everything the processor returns reaches the model
         assert "token_type_ids" in packed and int(packed["token_type_ids"].sum()) > 0
+    if family.startswith("qwen"):
+        assert {"mm_token_type_ids", "image_grid_thw"} <= set(packed) and \
+            int(packed["mm_token_type_ids"].sum()) > 0
     with torch.no_grad():
         packed_sum, packed_n = lm_loss(model, packed, -100, use_cache_keyword=True)
         padded_sum, padded_n = lm_loss(model, padded, -100, use_cache_keyword=True)
@@ -81,6 +83,23 @@ def test_freeze_and_lora_targets_by_part(tmp_path):
     assert "vision 0 trained / " in parts.trained_summary(adapted)
     with pytest.raises(UserError, match="'model.freeze': 'nothing.*' matches no parameter"):
         parts.freeze(model, ["nothing.*"])
+
+
+def test_qwen_vl_parts_and_missing_mm_token_type_ids(data, tmp_path):
+    model_dir = make_tiny_vlm(tmp_path / "qwen2_5_vl", "qwen2_5_vl")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    # The projector (the patch merger) lives inside the tower: its own part.
+    assert parts.vlm_parts(model) == {
+        "vision": ["model.visual.patch_embed", "model.visual.blocks"],
+        "projector": ["model.visual.merger"], "language": ["model.language_model"],
+        "head": ["lm_head"]}
+    parts.prepare_for_packed_rows(model)
+    processor = processor_of(model_dir)
+    example = vision.encode(processor, vision.read_records(data)[0], "qwen2_5_vl")
+    batch = vision.packed_batch([[example]], None, processor.tokenizer.pad_token_id)
+    del batch["mm_token_type_ids"]  # Qwen2.5-VL alone would take text positions silently
+    with pytest.raises(ValueError, match="no mm_token_type_ids: the M-RoPE positions"):
+        lm_loss(model, batch, -100, use_cache_keyword=True)
 
 
 def _write(path, records):

@@ -278,8 +278,8 @@ def load_model(config: SFTConfig, gangs: Gangs, spec: Any = None) -> HFLayout:
         {"dtype": torch.bfloat16} if config.model.dtype == "bf16" else {}))
     hf_model = hf_model_of(layout.model)  # inside DDP's wrapper; None for pipeline stages
     image_text = hf_model is not None and vision.is_vlm(hf_model)
-    if image_text and hf_model.config.model_type == "gemma3":
-        vision.fix_packed_gemma3(hf_model)
+    if image_text:
+        vision.prepare_for_packed_rows(hf_model)
     if config.model.attn_implementation is not None and hf_model is not None:
         try:
             hf_model.set_attn_implementation(config.model.attn_implementation)
