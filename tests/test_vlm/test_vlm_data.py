@@ -15,6 +15,7 @@ from vlm_reference import answer_nll64, answer_positions, processor_of
 from gangtrain.data import vision
 from gangtrain.layers.lora import LoraSettings, apply_lora
 from gangtrain.models.hf import vision as parts
+from gangtrain.models.hf.dummy_image import run_tower_without_images
 from gangtrain.tiny.vision import make_colour_data, make_tiny_vlm
 from trainer.errors import UserError
 from units.causal_lm import lm_loss
@@ -167,29 +168,65 @@ def test_over_long_records_are_dropped_and_counted(data, tmp_path):
     assert kept == {i for i, n in enumerate(lengths) if n <= seq_len}
 
 
-def test_a_text_only_record_is_refused_under_data_parallelism(data, tmp_path):
-    from gangtrain.posttrain.objectives.sft import SFTConfig
-    from gangtrain.posttrain.objectives.sft_images import prepare_image_data
-
-    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
-    processor = AutoProcessor.from_pretrained(model_dir)
+def _text_only_file(data, tmp_path):
     lines = [json.loads(line) for line in data.read_text().splitlines()]
     text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "it"}]},
                               {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}
     for r in lines:
         r["images"] = [str(data.parent / name) for name in r["images"]]
-    path = _write(tmp_path / "mixed.jsonl", [*lines, text_only])
+    return _write(tmp_path / "mixed.jsonl", [*lines, text_only])
+
+
+def test_a_text_only_record_makes_a_batch_without_images_on_any_number_of_ranks(data, tmp_path):
+    from gangtrain.posttrain.objectives.sft import SFTConfig
+    from gangtrain.posttrain.objectives.sft_images import prepare_image_data
+
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    path = _text_only_file(data, tmp_path)
     config = SFTConfig.model_validate({"model": {"path": str(model_dir)}, "data": {
         "files": [str(path)], "valid_files": [str(path)], "batch_size": 2,
         "packing": False}})
-    reader = prepare_image_data(config, processor, "llava", 0, 1)[0]  # one rank: fine
-    assert len(reader.bins) == 7  # one record a row, the text-only one too
+    for dp_size in (1, 2):  # under DP a rank without an image runs a dummy (models.hf)
+        reader = prepare_image_data(config, processor, "llava", 0, dp_size)[0]
+        assert len(reader.bins) == 7  # one record a row, the text-only one too
     bare = next(b for b in range(7) if reader.bins.bin(b).tolist() == [6])
     batch = reader.dataset.batch(reader.bins, [bare], processor.tokenizer.pad_token_id)
     assert "pixel_values" not in batch and int((batch["labels"] != -100).sum()) == 2
-    with pytest.raises(UserError, match=f"data file {path}, line 7: a record without images, "
-                                        "under 2 data-parallel ranks"):
-        prepare_image_data(config, processor, "llava", 0, 2)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", "qwen2_vl"])
+def test_the_dummy_image_pass_changes_no_loss_or_gradient(family, data, tmp_path):
+    """A micro-batch without images: the loss and every gradient are bit for bit those of
+    the model without the dummy pass, and the tower and projector get zero gradients where
+    they got none: exactly the parameters a batch with an image gives a gradient."""
+    model_dir = make_tiny_vlm(tmp_path / family, family)
+    processor = processor_of(model_dir)
+    pad = processor.tokenizer.pad_token_id
+    bare = vision.padded_batch([vision.encode(processor, r, family) for r in
+                                vision.read_records(_text_only_file(data, tmp_path))[-1:]],
+                               pad, family)
+    with_image = vision.padded_batch([vision.encode(processor, vision.read_records(data)[0],
+                                                    family)], pad, family)
+
+    def run(batch, dummy: bool):
+        model = AutoModelForImageTextToText.from_pretrained(model_dir)
+        if dummy:
+            run_tower_without_images(model, processor)
+        loss, _ = lm_loss(model, batch, -100, use_cache_keyword=True)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    (plain_loss, plain), (loss, grads) = run(bare, False), run(bare, True)
+    assert torch.equal(plain_loss, loss)
+    for name, grad in grads.items():
+        if plain[name] is not None:
+            assert torch.equal(plain[name], grad), name
+        elif grad is not None:
+            assert not grad.any(), name  # the tower and projector: zero
+    _, imaged = run(with_image, False)
+    assert {n for n, g in grads.items() if g is None} == \
+        {n for n, g in imaged.items() if g is None}
 
 
 def test_part_lr_steps_each_part_at_its_own_rate(data, tmp_path):

@@ -30,6 +30,7 @@ from gangtrain.data.token_batches import BinReader, Bins, EvalBatches
 from gangtrain.layers.neftune import add_neftune
 from gangtrain.models.hf import hf_model_of, vision
 from gangtrain.models.hf.document_attention import use_document_attention
+from gangtrain.models.hf.dummy_image import run_tower_without_images
 from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.layout import HFLayout
 from gangtrain.posttrain.objective import Objective, Parts
@@ -380,7 +381,13 @@ class SFTObjective(Objective):
         return f"; {vision.trained_summary(hf_model)}"
 
     def load_policy(self, config: SFTConfig, a: Any) -> HFLayout:
-        return load_model(config, a.gangs, a.spec)
+        layout = load_model(config, a.gangs, a.spec)
+        if a.processor is not None:
+            # A micro-batch without an image runs the tower on a dummy one (x 0): under DP
+            # every rank's graph holds the tower, and the tower's gradient on a step without
+            # images is 0 (not None) in every layout, so the optimizer steps alike.
+            run_tower_without_images(hf_model_of(layout.model), a.processor)
+        return layout
 
     def build(self, config: SFTConfig, a: Any, data: SFTData, train: bool) -> Parts:
         layout = a.policy

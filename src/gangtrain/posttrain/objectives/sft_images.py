@@ -5,7 +5,9 @@ The same plan as text (`prepare_data`): records held out and mixed by the same s
 planned by `plan_bins` from each record's token count, which is known from the image
 headers alone; a record longer than data.seq_len is dropped (counted in the data line),
 never cut inside an image's tokens. The pixels are decoded and the processor run per example
-when its micro-batch is made, so nothing is preprocessed up front.
+when its micro-batch is made, so nothing is preprocessed up front. Records without an image
+are fine under data parallelism too: a rank whose micro-batch has none runs the vision tower
+on a dummy image (`models.hf.dummy_image`).
 """
 
 from __future__ import annotations
@@ -67,20 +69,6 @@ class ImageEvalBatches(EvalBatches):
         return self.dataset.batch(self.bins, bin_indices, self.pad_id)
 
 
-def _check_every_record_has_an_image(records: list[vision.ImageRecord], dp_size: int) -> None:
-    """Under data parallelism every rank must run the vision tower at every step (its
-    gradient all-reduce, FSDP2's all-gathers): a micro-batch without an image would skip it
-    and leave the other ranks waiting. Until ranks run a dummy image, a text-only record is
-    refused there."""
-    if dp_size == 1:
-        return
-    bare = next((r for r in records if not r.images), None)
-    if bare is not None:
-        raise UserError(f"{bare.where}: a record without images, under {dp_size} data-parallel "
-                        "ranks: a rank whose micro-batch held no image would skip the vision "
-                        "tower's collectives. Give every record an image, or train on one rank")
-
-
 def _read(files: list[str], setting: str, messages_field: str) -> list[vision.ImageRecord]:
     records = []
     for f in files:
@@ -118,7 +106,6 @@ def prepare_image_data(config: SFTConfig, processor: Any, family: str, dp_rank: 
         return np.asarray([vision.planned_length(processor, r, sizes) for r in records])
 
     records = [r for p in parts for r in p]
-    _check_every_record_has_an_image(records, dp_size)
     train_sets, valid_sets, offset = [], [], 0
     for part in parts:
         kept, held = (np.arange(len(part)), np.empty(0, dtype=np.int64)) if d.valid_files \
@@ -129,7 +116,6 @@ def prepare_image_data(config: SFTConfig, processor: Any, family: str, dp_rank: 
     all_lengths = lengths(records)
     if d.valid_files:
         valid_records = _read(list(d.valid_files), "data.valid_files", d.messages_field)
-        _check_every_record_has_an_image(valid_records, dp_size)
         valid_lengths, valid_selected = lengths(valid_records), None
     else:
         valid_records, valid_selected = records, np.concatenate(valid_sets)
