@@ -229,6 +229,46 @@ def test_the_dummy_image_pass_changes_no_loss_or_gradient(family, data, tmp_path
         {n for n, g in imaged.items() if g is None}
 
 
+def test_loader_workers_make_the_same_batches_outside_the_training_process(tmp_path,
+                                                                         monkeypatch):
+    import os
+
+    from gangtrain.posttrain.objectives.sft import SFTConfig
+    from gangtrain.posttrain.objectives.sft_images import prepare_image_data
+
+    model_dir = make_tiny_vlm(tmp_path / "qwen2_vl", "qwen2_vl")
+    processor = processor_of(model_dir)
+    data = make_colour_data(tmp_path / "data", n=12, seed=3)
+    pids = tmp_path / "pids"
+    encode = vision.encode
+
+    def encode_noting_the_process(*args, **kwargs):
+        with pids.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(vision, "encode", encode_noting_the_process)
+    made = {}
+    for workers in (None, 2):
+        config = SFTConfig.model_validate({"model": {"path": str(model_dir)}, "data": {
+            "files": [str(data)], "valid_files": [str(data)], "batch_size": 2,
+            "seq_len": 64, "num_workers": workers}})
+        reader, valid = prepare_image_data(config, processor, "qwen2_vl")[:2]
+        pids.write_text("")
+        first = iter(reader)
+        batches = [next(first), next(first)]
+        position = reader.state_dict()
+        batches += [*first, *reader, *valid]  # the epoch's rest, the next epoch, validation
+        made[workers] = batches, position, reader.state_dict()
+        in_process = [int(p) == os.getpid() for p in pids.read_text().split()]
+        assert in_process and (all(in_process) if workers is None else not any(in_process))
+    (plain, *plain_state), (loaded, *loaded_state) = made[None], made[2]
+    assert plain_state == loaded_state
+    assert len(plain) == len(loaded) > 4
+    for a, b in zip(plain, loaded, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_part_lr_steps_each_part_at_its_own_rate(data, tmp_path):
     from gangtrain.posttrain.objectives.sft import SFTConfig
 

@@ -40,7 +40,7 @@ def runs(tmp_path_factory):
         make_colour_data(directory, n=16, seed=7, name="test.jsonl", blank=is_blank,
                          multi_turn_every=0, balanced=True)
     out = {name: root / name for name in ("llava", "gemma3", "qwen2_vl", "blank", "qwen_blank",
-                                          "lora")}
+                                          "qwen_blank_workers", "lora")}
     procs = run_all({
         "llava": ["recipes.sft", *sft_args(out["llava"], models["llava"], colour)],
         "gemma3": ["recipes.sft", *sft_args(out["gemma3"], models["gemma3"], colour)],
@@ -49,6 +49,9 @@ def runs(tmp_path_factory):
                                            "--set", "trainer.max_num_steps=30")],
         "qwen_blank": ["recipes.sft", *sft_args(out["qwen_blank"], models["qwen2_vl"], blank,
                                                 "--set", "trainer.max_num_steps=30")],
+        "qwen_blank_workers": ["recipes.sft", *sft_args(
+            out["qwen_blank_workers"], models["qwen2_vl"], blank, "--set",
+            "trainer.max_num_steps=30", "--set", "data.num_workers=2")],
         "lora": ["recipes.sft", *sft_args(out["lora"], models["llava"], colour,
                                           "--set", "lora.r=4", "--set",
                                           "trainer.max_num_steps=10")],
@@ -76,6 +79,17 @@ def test_a_colour_only_the_pixels_show_is_learnt(runs):
         accuracy = greedy_accuracy(out[name] / "hf", test)
         print(f"{name} images: held-out greedy accuracy {accuracy:.3f}")
         assert accuracy <= 0.25, name
+
+
+def test_images_decoded_in_loader_workers_train_as_in_the_training_process(runs):
+    _, _, out, _ = runs
+    for section in ("train", "valid"):
+        plain = read_jsonl(out["qwen_blank"] / "metrics" / f"{section}.jsonl")
+        workers = read_jsonl(out["qwen_blank_workers"] / "metrics" / f"{section}.jsonl")
+        key = "loss" if section == "train" else "valid/loss"
+        assert [r["step"] for r in plain] == [r["step"] for r in workers]
+        # The same micro-batches, bit for bit: the same losses.
+        assert [r[key] for r in plain] == [r[key] for r in workers], section
 
 
 def test_eval_only_is_the_answer_nll_by_hand_in_float64(runs):

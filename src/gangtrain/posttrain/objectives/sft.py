@@ -119,7 +119,9 @@ class DataSection(_Section):
     null: its own cache (HF_DATASETS_CACHE)."""
     num_workers: PositiveInt | None = None
     """Processes that tokenise (datasets' num_proc); null: one per core, at most 8 and one
-    per 2,000 records (`data.sft.tokenizing_processes`)."""
+    per 2,000 records (`data.sft.tokenizing_processes`). Image records (read per example,
+    nothing tokenised up front): the loader's worker processes that decode the images and
+    run the processor ahead of the step; null: none (in the training process)."""
 
     @model_validator(mode="after")
     def _padding_needs_no_packing(self) -> DataSection:

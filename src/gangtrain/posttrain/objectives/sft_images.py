@@ -12,6 +12,7 @@ on a dummy image (`models.hf.dummy_image`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from gangtrain.data import vision
+from gangtrain.data.batch_workers import in_workers
 from gangtrain.data.mixing import hold_out
 from gangtrain.data.token_batches import BinReader, Bins, EvalBatches, plan_bins
 from trainer.errors import UserError
@@ -58,15 +60,57 @@ class _Examples:
 
 
 class ImageBinReader(BinReader):
-    """`BinReader` whose micro-batches are encoded from image records."""
+    """`BinReader` whose micro-batches are encoded from image records; with `num_workers`,
+    in that many loader worker processes, ahead of the step that takes them (the position
+    still advances one batch a yield, so `state_dict` is exact at any point)."""
+
+    def __init__(self, *args: Any, num_workers: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_workers = num_workers  # the Trainer leaves their cores to them
 
     def make_batch(self, indices: torch.Tensor) -> dict[str, Any]:
         return self.dataset.batch(self.bins, indices.tolist(), self.pad_id)
 
+    def _local_indices(self, batch_index: int) -> torch.Tensor:
+        start = batch_index * self.batch_size
+        return self._epoch_order(self._epoch)[start:start + self.batch_size][self._local_slice]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.num_workers:
+            yield from super().__iter__()
+            return
+        while self._batch_index < self.num_batches_per_epoch:
+            # The rest of the epoch from the position, made ahead in the workers. Should the
+            # position or this rank's share change between two yields (a state loaded, a
+            # torchft share), the batches made ahead are dropped and the plan made afresh.
+            epoch, start, share = self._epoch, self._batch_index, self._local_slice
+            plan = [self._local_indices(b) for b in range(start, self.num_batches_per_epoch)]
+            made = in_workers(self.make_batch, plan, self.num_workers)
+            try:
+                for position, batch in enumerate(made, start + 1):
+                    self._batch_index = position  # counted before the yield, as the base
+                    yield batch
+                    if (self._epoch, self._batch_index, self._local_slice) != \
+                            (epoch, position, share):
+                        break
+            finally:
+                made.close()
+        self._epoch += 1
+        self._batch_index = 0
+
 
 class ImageEvalBatches(EvalBatches):
+    """`EvalBatches` of image records; with `num_workers`, made in loader workers."""
+
+    def __init__(self, *args: Any, num_workers: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_workers = num_workers
+
     def make_batch(self, bin_indices: list[int]) -> dict[str, Any]:
         return self.dataset.batch(self.bins, bin_indices, self.pad_id)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        yield from in_workers(self.make_batch, [list(c) for c in self._slices], self.num_workers)
 
 
 def _read(files: list[str], setting: str, messages_field: str) -> list[vision.ImageRecord]:
@@ -125,7 +169,7 @@ def prepare_image_data(config: SFTConfig, processor: Any, family: str, dp_rank: 
     valid_bins = plan_bins(valid_lengths, layout, d.seq_len, d.max_tokens, "drop")
     valid = ImageEvalBatches(_Examples(valid_records, processor, family), valid_bins,
                              d.valid_batch_size if d.max_tokens is None else dp_size, pad_id,
-                             dp_rank, dp_size)
+                             dp_rank, dp_size, num_workers=d.num_workers or 0)
     n_valid = len(valid_records) if valid_selected is None else len(valid_selected)
     summary = [f"valid: {n_valid:,} image records, {valid_bins.describe()}"]
     reader, train_bins = None, None
@@ -136,7 +180,8 @@ def prepare_image_data(config: SFTConfig, processor: Any, family: str, dp_rank: 
         train_bins = plan_bins(train_lengths, layout, d.seq_len, d.max_tokens, "drop")
         batch_size = d.batch_size if d.max_tokens is None else dp_size
         reader = ImageBinReader(_Examples(records, processor, family), train_bins,
-                                batch_size, pad_id, dp_rank, dp_size, seed=d.shuffle_seed)
+                                batch_size, pad_id, dp_rank, dp_size, seed=d.shuffle_seed,
+                                num_workers=d.num_workers or 0)
         summary.insert(0, f"train: {len(selected):,} image records (chat), "
                           f"{train_bins.describe()}")
     return reader, valid, train_bins, valid_bins, summary
