@@ -200,12 +200,13 @@ QUESTIONS = ["What colour is the square ?", "Describe the colour of this image p
 
 def make_colour_data(directory: str | Path, n: int = 16, seed: int = 0, blank: bool = False,
                      name: str = "chat.jsonl", multi_turn_every: int = 5,
-                     balanced: bool = False) -> Path:
+                     balanced: bool = False, sizes: tuple[int, ...] = (28, 28, 40)) -> Path:
     """`n` records in TRL's VLM chat format: a square PNG filled with one of 4 colours (28 or
     40 px: the processor resizes), "what colour?" and the colour's name; images under
     `images/`, named relative to the JSONL. `blank`: every image the same grey (the answer
     cannot be seen: chance). Every `multi_turn_every`-th record has a second, text-only turn.
-    `balanced`: the colours in turn (each a quarter of the records when 4 divides `n`)."""
+    `balanced`: the colours in turn (each a quarter of the records when 4 divides `n`).
+    `sizes`: the image sides drawn from (larger ones cost more to decode and resize)."""
     import json
     import random
 
@@ -219,7 +220,7 @@ def make_colour_data(directory: str | Path, n: int = 16, seed: int = 0, blank: b
         for i in range(n):
             colour = list(COLOURS)[i % 4] if balanced else rng.choice(list(COLOURS))
             file = f"images/{name.split('.')[0]}_{i:04d}.png"
-            size = rng.choice([28, 28, 40])
+            size = rng.choice(sizes)
             # Grey, not black: Idefics3 drops all-zero (normalised) images as padding.
             fill = (128, 128, 128) if blank else COLOURS[colour]
             Image.new("RGB", (size, size), fill).save(directory / file)

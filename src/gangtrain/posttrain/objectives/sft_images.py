@@ -12,7 +12,7 @@ on a dummy image (`models.hf.dummy_image`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,42 +59,69 @@ class _Examples:
         return vision.encode(self.processor, self.records[index], self.family)
 
 
+class _Positions(Sequence[tuple[int, int]]):
+    """(epoch, batch index) from a position on, for `HORIZON_EPOCHS` epochs: the batches the
+    workers make, in order, computed as they are asked for."""
+
+    def __init__(self, epoch: int, start: int, per_epoch: int) -> None:
+        self.epoch, self.start, self.per_epoch = epoch, start, per_epoch
+
+    def __len__(self) -> int:
+        return HORIZON_EPOCHS * self.per_epoch - self.start
+
+    def __getitem__(self, i: int) -> tuple[int, int]:  # type: ignore[override]
+        at = self.start + i
+        return self.epoch + at // self.per_epoch, at % self.per_epoch
+
+
+HORIZON_EPOCHS = 1_000_000
+"""How far the workers may plan: past any run (a run longer re-plans at that point)."""
+
+
 class ImageBinReader(BinReader):
     """`BinReader` whose micro-batches are encoded from image records; with `num_workers`,
-    in that many loader worker processes, ahead of the step that takes them (the position
-    still advances one batch a yield, so `state_dict` is exact at any point)."""
+    in that many loader worker processes, ahead of the step that takes them and across
+    epochs (the workers live as long as the plan holds). The position still advances one
+    batch a yield, so `state_dict` is exact at any point; should it or this rank's share
+    change other than by a yield (a state loaded, a torchft share), the batches made ahead
+    are dropped and the workers plan afresh from the new position."""
 
     def __init__(self, *args: Any, num_workers: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.num_workers = num_workers  # the Trainer leaves their cores to them
+        self._ahead: Iterator[dict[str, Any]] | None = None
+        self._ahead_at: tuple[int, int, slice] | None = None  # the next batch it yields
 
     def make_batch(self, indices: torch.Tensor) -> dict[str, Any]:
         return self.dataset.batch(self.bins, indices.tolist(), self.pad_id)
 
-    def _local_indices(self, batch_index: int) -> torch.Tensor:
+    def _make_at(self, position: tuple[int, int]) -> dict[str, Any]:
+        epoch, batch_index = position
         start = batch_index * self.batch_size
-        return self._epoch_order(self._epoch)[start:start + self.batch_size][self._local_slice]
+        order = self._epoch_order(epoch)  # (in a worker: its own copy of the reader)
+        return self.make_batch(order[start:start + self.batch_size][self._local_slice])
+
+    def _next_made(self) -> dict[str, Any]:
+        at = (self._epoch, self._batch_index, self._local_slice)
+        if self._ahead_at != at:
+            if self._ahead is not None:
+                self._ahead.close()  # type: ignore[attr-defined]
+            self._ahead = in_workers(self._make_at, _Positions(
+                self._epoch, self._batch_index, self.num_batches_per_epoch), self.num_workers)
+        batch = next(self._ahead)  # type: ignore[arg-type]
+        last = self._batch_index + 1 == self.num_batches_per_epoch
+        self._ahead_at = (self._epoch + 1, 0, at[2]) if last else \
+            (self._epoch, self._batch_index + 1, at[2])
+        return batch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if not self.num_workers:
             yield from super().__iter__()
             return
         while self._batch_index < self.num_batches_per_epoch:
-            # The rest of the epoch from the position, made ahead in the workers. Should the
-            # position or this rank's share change between two yields (a state loaded, a
-            # torchft share), the batches made ahead are dropped and the plan made afresh.
-            epoch, start, share = self._epoch, self._batch_index, self._local_slice
-            plan = [self._local_indices(b) for b in range(start, self.num_batches_per_epoch)]
-            made = in_workers(self.make_batch, plan, self.num_workers)
-            try:
-                for position, batch in enumerate(made, start + 1):
-                    self._batch_index = position  # counted before the yield, as the base
-                    yield batch
-                    if (self._epoch, self._batch_index, self._local_slice) != \
-                            (epoch, position, share):
-                        break
-            finally:
-                made.close()
+            batch = self._next_made()
+            self._batch_index += 1  # counted before the yield, as the base class does
+            yield batch
         self._epoch += 1
         self._batch_index = 0
 
