@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from vlm_reference import answer_nll64, answer_positions, processor_of
 
@@ -86,7 +87,7 @@ def test_freeze_and_lora_targets_by_part(tmp_path):
         parts.freeze(model, ["nothing.*"])
 
 
-def test_qwen_vl_parts_and_missing_mm_token_type_ids(data, tmp_path):
+def test_qwen_vl_parts_generation_and_missing_mm_token_type_ids(data, tmp_path):
     model_dir = make_tiny_vlm(tmp_path / "qwen2_5_vl", "qwen2_5_vl")
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
     # The projector (the patch merger) lives inside the tower: its own part.
@@ -98,6 +99,14 @@ def test_qwen_vl_parts_and_missing_mm_token_type_ids(data, tmp_path):
     processor = processor_of(model_dir)
     example = vision.encode(processor, vision.read_records(data)[0], "qwen2_5_vl")
     batch = vision.packed_batch([[example]], None, processor.tokenizer.pad_token_id)
+    # Generation (a cache, positions going on from it) is left to the model: the same tokens.
+    plain = AutoModelForImageTextToText.from_pretrained(model_dir)
+    prompt = processor(text=[processor.apply_chat_template(
+        vision.read_records(data)[0].messages[:1], tokenize=False, add_generation_prompt=True)],
+        images=[[Image.open(vision.read_records(data)[0].images[0]).convert("RGB")]],
+        return_tensors="pt", add_special_tokens=False)
+    assert torch.equal(model.generate(**prompt, max_new_tokens=4, do_sample=False),
+                       plain.generate(**prompt, max_new_tokens=4, do_sample=False))
     del batch["mm_token_type_ids"]  # Qwen2.5-VL alone would take text positions silently
     with pytest.raises(ValueError, match="no mm_token_type_ids: the M-RoPE positions"):
         lm_loss(model, batch, -100, use_cache_keyword=True)
