@@ -247,7 +247,7 @@ def test_loader_workers_make_the_same_batches_outside_the_training_process(tmp_p
 
     model_dir = make_tiny_vlm(tmp_path / "qwen2_vl", "qwen2_vl")
     processor = processor_of(model_dir)
-    data = make_colour_data(tmp_path / "data", n=12, seed=3)
+    data = make_colour_data(tmp_path / "data", n=32, seed=3)
     pids = tmp_path / "pids"
     encode = vision.encode
 
@@ -265,8 +265,11 @@ def test_loader_workers_make_the_same_batches_outside_the_training_process(tmp_p
         reader, valid = prepare_image_data(config, processor, "qwen2_vl")[:2]
         pids.write_text("")
         first = iter(reader)
-        batches = [next(first), next(first)]
+        batches = [next(first), next(first), next(first)]
         position = reader.state_dict()
+        # A position loaded mid-epoch (as at a resume) takes effect at the next batch: the
+        # workers' batches made ahead are dropped.
+        reader.load_state_dict({**position, "batch_index": 1})
         batches += [*first, *reader, *valid]  # the epoch's rest, the next epoch, validation
         made[workers] = batches, position, reader.state_dict()
         in_process = [int(p) == os.getpid() for p in pids.read_text().split()]
