@@ -11,12 +11,14 @@ collectives in the same order, forward and backward.
 
 Exact: the dummy's outputs enter as `0 * sum`, so the embeddings, the loss and every
 gradient are unchanged (x + 0 = x for finite x), and the tower's and projector's parameters
-get zero gradients. Installed in every layout, one process too: on a step whose batch holds no
-image at all the tower's gradient is then 0, not None, everywhere, so the optimizer steps the
-tower alike (AdamW moves a parameter with a zero gradient by its moments and weight decay,
-and skips one without a gradient). The dummy image is what the run's processor makes of one grey 28 x 28
-image, through the family's own `get_image_features` (tower and projector), so it touches
-exactly the parameters a real image does.
+get zero gradients. Installed in every layout, one process too: on a step whose batch holds
+no image at all the tower's gradient is then 0, not None, everywhere, so the optimizer steps
+the tower alike (AdamW moves a parameter with a zero gradient by its moments and weight
+decay, and skips one without a gradient). The dummy image is what the run's processor makes
+of one grey 28 x 28 image, through the family's own `get_image_features` (tower and
+projector), so it touches exactly the parameters a real image does. Every forward without
+pixels runs it, a decoding step's too (were some ranks to run the tower and others not,
+FSDP2 would hang).
 """
 
 from __future__ import annotations

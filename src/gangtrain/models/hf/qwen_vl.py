@@ -107,8 +107,8 @@ def use_packed_mrope(model: nn.Module) -> None:
     """Packed rows of a Qwen-VL model get each document's M-RoPE positions (see the module
     docstring): when its base model is called with 2-D `position_ids` of whole records (each
     row starting at 0, no cache behind it) and no attention_mask, they become [4, rows,
-    tokens]. A batch with images but without
-    `mm_token_type_ids` is refused (Qwen2.5-VL would use wrong positions silently)."""
+    tokens]. A batch with images but without `mm_token_type_ids` is refused (Qwen2.5-VL
+    would use wrong positions silently)."""
     base = getattr(model, model.base_model_prefix)
 
     def hook(module, args, kwargs):  # noqa: ANN001, ANN202
@@ -121,8 +121,8 @@ def use_packed_mrope(model: nn.Module) -> None:
         if ids is None or pos is None or pos.ndim != 2 or types is None \
                 or kwargs.get("attention_mask") is not None:
             return None
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if (cache is not None and cache.get_seq_length() > 0) or bool((pos[:, 0] != 0).any()):
+        past = kwargs.get("cache", kwargs.get("past_key_values"))
+        if (past is not None and past.get_seq_length() > 0) or bool((pos[:, 0] != 0).any()):
             return None  # a decoding step: rows that go on from a cache, not whole records
         kwargs["position_ids"] = packed_mrope_positions(module, ids, pos, types, grids)
         return args, kwargs
