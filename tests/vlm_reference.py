@@ -28,7 +28,7 @@ def processor_of(model_dir: Path):  # noqa: ANN201
 
     model_type = AutoConfig.from_pretrained(model_dir).model_type
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
-        from gangtrain.models.hf.qwen_vl import image_only_processor
+        from gangtrain.data.qwen_vl_processor import image_only_processor
 
         return image_only_processor(model_dir, model_type)
     return AutoProcessor.from_pretrained(model_dir)

@@ -153,7 +153,7 @@ def _qwen_vl(family: str, tokenizer):  # noqa: ANN001, ANN202
         Qwen2VLImageProcessorPil,
     )
 
-    from gangtrain.models.hf.qwen_vl import image_only_processor_class
+    from gangtrain.data.qwen_vl_processor import image_only_processor_class
 
     ids = tokenizer.convert_tokens_to_ids
     text = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,

@@ -43,16 +43,16 @@ def is_vlm(config: Any) -> bool:
 
 def load_processor(path: str | Path) -> Any:
     """The processor of the VLM directory `path`: `AutoProcessor`'s, Qwen-VL's built without
-    its torchvision video processor (`qwen_vl.image_only_processor`)."""
+    its torchvision video processor (`data.qwen_vl_processor`)."""
     from transformers import AutoProcessor
 
-    from gangtrain.models.hf import qwen_vl
+    from gangtrain.data import qwen_vl_processor
     from gangtrain.models.hf.hf_config import read_hf_config
 
     model_type = read_hf_config(Path(path)).model_type
     try:
-        if model_type in qwen_vl.FAMILIES:  # AutoProcessor needs torchvision there
-            return qwen_vl.image_only_processor(path, model_type)
+        if model_type in qwen_vl_processor.FAMILIES:  # AutoProcessor needs torchvision there
+            return qwen_vl_processor.image_only_processor(path, model_type)
         return AutoProcessor.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise UserError(f"{path}: a vision-language model needs its processor files "
@@ -206,11 +206,12 @@ def prepare_for_packed_rows(model: nn.Module) -> None:
     """What a family needs to read packed rows of image + text records as transformers
     does one record a row: Gemma 3's masks (`fix_packed_gemma3`), Qwen-VL's M-RoPE positions
     per record (`qwen_vl.use_packed_mrope`)."""
+    from gangtrain.data.qwen_vl_processor import FAMILIES as QWEN_VL
     from gangtrain.models.hf import qwen_vl
 
     if model.config.model_type == "gemma3":
         fix_packed_gemma3(model)
-    elif model.config.model_type in qwen_vl.FAMILIES:
+    elif model.config.model_type in QWEN_VL:
         qwen_vl.use_packed_mrope(model)
 
 
