@@ -21,6 +21,19 @@ def records(path: Path) -> list[tuple[list, list]]:
     return out
 
 
+def processor_of(model_dir: Path):  # noqa: ANN201
+    """The directory's processor as a user loads it: `AutoProcessor`, except Qwen-VL's, whose
+    `AutoProcessor` needs torchvision (docs/vlm.md: its class without the video processor)."""
+    from transformers import AutoConfig, AutoProcessor
+
+    model_type = AutoConfig.from_pretrained(model_dir).model_type
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+        from gangtrain.data.qwen_vl_processor import image_only_processor
+
+        return image_only_processor(model_dir, model_type)
+    return AutoProcessor.from_pretrained(model_dir)
+
+
 def answer_positions(ids: list[int], assistant: int, end: int) -> list[int]:
     """The tokens after each `<|assistant|>` through its `<|end|>` (the template's turn
     markers: the answer's words and the end token), found from the ids alone."""
@@ -37,10 +50,10 @@ def answer_positions(ids: list[int], assistant: int, end: int) -> list[int]:
 def answer_nll64(model_dir: Path, data: Path) -> tuple[float, int]:
     """(summed NLL of every answer token, their count) over `data`, one record at a time,
     the model in float64."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float64).eval()
-    processor = AutoProcessor.from_pretrained(model_dir)
+    processor = processor_of(model_dir)
     tokens = processor.tokenizer.convert_tokens_to_ids
     total, count = 0.0, 0
     for messages, images in records(data):
@@ -60,10 +73,10 @@ def answer_nll64(model_dir: Path, data: Path) -> tuple[float, int]:
 
 def greedy_accuracy(model_dir: Path, data: Path) -> float:
     """Share of records whose greedy answer's first word is the first assistant turn's."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    processor = AutoProcessor.from_pretrained(model_dir)
+    processor = processor_of(model_dir)
     right, seen = 0, records(data)
     for messages, images in seen:
         prompt = processor.apply_chat_template(messages[:1], tokenize=False,

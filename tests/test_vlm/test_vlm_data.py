@@ -1,5 +1,5 @@
-"""Image records into batches (`gangtrain.data.vision`), on tiny LLaVA, Gemma 3 and Idefics3 with
-their own processors: only answer tokens are targets, the planned length is the encoded one,
+"""Image records into batches (`gangtrain.data.vision`), on tiny LLaVA, Gemma 3, Idefics3 and
+Qwen2-VL / Qwen2.5-VL with their own processors: only answer tokens are targets, the planned length is the encoded one,
 packed = padded = a float64 forward of each record alone, freezing and LoRA's targets by
 part, and bad records named by file, line and field."""
 
@@ -9,12 +9,14 @@ import json
 
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
-from vlm_reference import answer_nll64, answer_positions
+from vlm_reference import answer_nll64, answer_positions, processor_of
 
 from gangtrain.data import vision
 from gangtrain.layers.lora import LoraSettings, apply_lora
 from gangtrain.models.hf import vision as parts
+from gangtrain.models.hf.dummy_image import run_tower_without_images
 from gangtrain.tiny.vision import make_colour_data, make_tiny_vlm
 from trainer.errors import UserError
 from units.causal_lm import lm_loss
@@ -25,13 +27,12 @@ def data(tmp_path_factory):
     return make_colour_data(tmp_path_factory.mktemp("vlm_data"), n=6, seed=1)
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl"])
 def test_packed_equals_padded_equals_float64_one_by_one(family, data, tmp_path):
     model_dir = make_tiny_vlm(tmp_path / family, family)
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    if family == "gemma3":
-        parts.fix_packed_gemma3(model)
-    processor = AutoProcessor.from_pretrained(model_dir)
+    parts.prepare_for_packed_rows(model)  # Gemma 3's masks, Qwen-VL's M-RoPE per record
+    processor = processor_of(model_dir)
     records = vision.read_records(data)
     examples = [vision.encode(processor, r, family) for r in records]
     tokens = processor.tokenizer.convert_tokens_to_ids
@@ -49,6 +50,9 @@ def test_packed_equals_padded_equals_float64_one_by_one(family, data, tmp_path):
     padded = vision.padded_batch(examples, pad, family)
     if family == "gemma3":  # everything the processor returns reaches the model
         assert "token_type_ids" in packed and int(packed["token_type_ids"].sum()) > 0
+    if family.startswith("qwen"):
+        assert {"mm_token_type_ids", "image_grid_thw"} <= set(packed) and \
+            int(packed["mm_token_type_ids"].sum()) > 0
     with torch.no_grad():
         packed_sum, packed_n = lm_loss(model, packed, -100, use_cache_keyword=True)
         padded_sum, padded_n = lm_loss(model, padded, -100, use_cache_keyword=True)
@@ -81,6 +85,31 @@ def test_freeze_and_lora_targets_by_part(tmp_path):
     assert "vision 0 trained / " in parts.trained_summary(adapted)
     with pytest.raises(UserError, match="'model.freeze': 'nothing.*' matches no parameter"):
         parts.freeze(model, ["nothing.*"])
+
+
+def test_qwen_vl_parts_generation_and_missing_mm_token_type_ids(data, tmp_path):
+    model_dir = make_tiny_vlm(tmp_path / "qwen2_5_vl", "qwen2_5_vl")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    # The projector (the patch merger) lives inside the tower: its own part.
+    assert parts.vlm_parts(model) == {
+        "vision": ["model.visual.patch_embed", "model.visual.blocks"],
+        "projector": ["model.visual.merger"], "language": ["model.language_model"],
+        "head": ["lm_head"]}
+    parts.prepare_for_packed_rows(model)
+    processor = processor_of(model_dir)
+    example = vision.encode(processor, vision.read_records(data)[0], "qwen2_5_vl")
+    batch = vision.packed_batch([[example]], None, processor.tokenizer.pad_token_id)
+    # Generation (a cache, positions going on from it) is left to the model: the same tokens.
+    plain = AutoModelForImageTextToText.from_pretrained(model_dir)
+    prompt = processor(text=[processor.apply_chat_template(
+        vision.read_records(data)[0].messages[:1], tokenize=False, add_generation_prompt=True)],
+        images=[[Image.open(vision.read_records(data)[0].images[0]).convert("RGB")]],
+        return_tensors="pt", add_special_tokens=False)
+    assert torch.equal(model.generate(**prompt, max_new_tokens=4, do_sample=False),
+                       plain.generate(**prompt, max_new_tokens=4, do_sample=False))
+    del batch["mm_token_type_ids"]  # Qwen2.5-VL alone would take text positions silently
+    with pytest.raises(ValueError, match="no mm_token_type_ids: the M-RoPE positions"):
+        lm_loss(model, batch, -100, use_cache_keyword=True)
 
 
 def _write(path, records):
@@ -148,29 +177,108 @@ def test_over_long_records_are_dropped_and_counted(data, tmp_path):
     assert kept == {i for i, n in enumerate(lengths) if n <= seq_len}
 
 
-def test_a_text_only_record_is_refused_under_data_parallelism(data, tmp_path):
-    from gangtrain.posttrain.objectives.sft import SFTConfig
-    from gangtrain.posttrain.objectives.sft_images import prepare_image_data
-
-    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
-    processor = AutoProcessor.from_pretrained(model_dir)
+def _text_only_file(data, tmp_path):
     lines = [json.loads(line) for line in data.read_text().splitlines()]
     text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "it"}]},
                               {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}
     for r in lines:
         r["images"] = [str(data.parent / name) for name in r["images"]]
-    path = _write(tmp_path / "mixed.jsonl", [*lines, text_only])
+    return _write(tmp_path / "mixed.jsonl", [*lines, text_only])
+
+
+def test_a_text_only_record_makes_a_batch_without_images_on_any_number_of_ranks(data, tmp_path):
+    from gangtrain.posttrain.objectives.sft import SFTConfig
+    from gangtrain.posttrain.objectives.sft_images import prepare_image_data
+
+    model_dir = make_tiny_vlm(tmp_path / "llava", "llava")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    path = _text_only_file(data, tmp_path)
     config = SFTConfig.model_validate({"model": {"path": str(model_dir)}, "data": {
         "files": [str(path)], "valid_files": [str(path)], "batch_size": 2,
         "packing": False}})
-    reader = prepare_image_data(config, processor, "llava", 0, 1)[0]  # one rank: fine
-    assert len(reader.bins) == 7  # one record a row, the text-only one too
+    for dp_size in (1, 2):  # under DP a rank without an image runs a dummy (models.hf)
+        reader = prepare_image_data(config, processor, "llava", 0, dp_size)[0]
+        assert len(reader.bins) == 7  # one record a row, the text-only one too
     bare = next(b for b in range(7) if reader.bins.bin(b).tolist() == [6])
     batch = reader.dataset.batch(reader.bins, [bare], processor.tokenizer.pad_token_id)
     assert "pixel_values" not in batch and int((batch["labels"] != -100).sum()) == 2
-    with pytest.raises(UserError, match=f"data file {path}, line 7: a record without images, "
-                                        "under 2 data-parallel ranks"):
-        prepare_image_data(config, processor, "llava", 0, 2)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", "qwen2_vl"])
+def test_the_dummy_image_pass_changes_no_loss_or_gradient(family, data, tmp_path):
+    """A micro-batch without images: the loss and every gradient are bit for bit those of
+    the model without the dummy pass, and the tower and projector get zero gradients where
+    they got none: exactly the parameters a batch with an image gives a gradient."""
+    model_dir = make_tiny_vlm(tmp_path / family, family)
+    processor = processor_of(model_dir)
+    pad = processor.tokenizer.pad_token_id
+    bare = vision.padded_batch([vision.encode(processor, r, family) for r in
+                                vision.read_records(_text_only_file(data, tmp_path))[-1:]],
+                               pad, family)
+    with_image = vision.padded_batch([vision.encode(processor, vision.read_records(data)[0],
+                                                    family)], pad, family)
+
+    def run(batch, dummy: bool):
+        model = AutoModelForImageTextToText.from_pretrained(model_dir)
+        if dummy:
+            run_tower_without_images(model, processor)
+        loss, _ = lm_loss(model, batch, -100, use_cache_keyword=True)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    (plain_loss, plain), (loss, grads) = run(bare, False), run(bare, True)
+    assert torch.equal(plain_loss, loss)
+    for name, grad in grads.items():
+        if plain[name] is not None:
+            assert torch.equal(plain[name], grad), name
+        elif grad is not None:
+            assert not grad.any(), name  # the tower and projector: zero
+    _, imaged = run(with_image, False)
+    assert {n for n, g in grads.items() if g is None} == \
+        {n for n, g in imaged.items() if g is None}
+
+
+def test_loader_workers_make_the_same_batches_outside_the_training_process(tmp_path,
+                                                                         monkeypatch):
+    import os
+
+    from gangtrain.posttrain.objectives.sft import SFTConfig
+    from gangtrain.posttrain.objectives.sft_images import prepare_image_data
+
+    model_dir = make_tiny_vlm(tmp_path / "qwen2_vl", "qwen2_vl")
+    processor = processor_of(model_dir)
+    data = make_colour_data(tmp_path / "data", n=32, seed=3)
+    pids = tmp_path / "pids"
+    encode = vision.encode
+
+    def encode_noting_the_process(*args, **kwargs):
+        with pids.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(vision, "encode", encode_noting_the_process)
+    made = {}
+    for workers in (None, 2):
+        config = SFTConfig.model_validate({"model": {"path": str(model_dir)}, "data": {
+            "files": [str(data)], "valid_files": [str(data)], "batch_size": 2,
+            "seq_len": 64, "num_workers": workers}})
+        reader, valid = prepare_image_data(config, processor, "qwen2_vl")[:2]
+        pids.write_text("")
+        first = iter(reader)
+        batches = [next(first), next(first), next(first)]
+        position = reader.state_dict()
+        # A position loaded mid-epoch (as at a resume) takes effect at the next batch: the
+        # workers' batches made ahead are dropped.
+        reader.load_state_dict({**position, "batch_index": 1})
+        batches += [*first, *reader, *valid]  # the epoch's rest, the next epoch, validation
+        made[workers] = batches, position, reader.state_dict()
+        in_process = [int(p) == os.getpid() for p in pids.read_text().split()]
+        assert in_process and (all(in_process) if workers is None else not any(in_process))
+    (plain, *plain_state), (loaded, *loaded_state) = made[None], made[2]
+    assert plain_state == loaded_state
+    assert len(plain) == len(loaded) > 4
+    for a, b in zip(plain, loaded, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_part_lr_steps_each_part_at_its_own_rate(data, tmp_path):

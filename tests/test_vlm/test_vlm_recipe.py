@@ -1,7 +1,7 @@
 """Vision-language models through `python -m recipes.sft`, as a user runs it: a colour only the
-pixels show is learnt (LLaVA, Gemma 3) and not from blank images; `--eval-only` is the answer
-tokens' NLL computed by hand in float64; OUT/hf loads with AutoModelForImageTextToText and
-AutoProcessor and generates; LoRA with the tower frozen keeps the tower's bytes; bad inputs
+pixels show is learnt (LLaVA, Gemma 3, Qwen2-VL) and not from blank images; `--eval-only` is the
+answer tokens' NLL computed by hand in float64; OUT/hf loads with AutoModelForImageTextToText and
+AutoProcessor (Qwen2-VL: its processor class, as AutoProcessor needs torchvision) and generates; LoRA with the tower frozen keeps the tower's bytes; bad inputs
 are one line, exit 2, nothing written."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from recipe_runs import describe, run_all
 from safetensors.torch import load_file
-from transformers import AutoModelForImageTextToText, AutoProcessor
-from vlm_reference import answer_nll64, greedy_accuracy
+from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2VLProcessor
+from vlm_reference import answer_nll64, greedy_accuracy, processor_of
 
 from gangtrain.tiny.vision import make_colour_data, make_tiny_vlm
 from recipes.sft.recipe import cli
@@ -33,18 +33,25 @@ def sft_args(out: Path, model: Path, data: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlm_recipe")
-    models = {f: make_tiny_vlm(root / f, f) for f in ("llava", "gemma3")}
+    models = {f: make_tiny_vlm(root / f, f) for f in ("llava", "gemma3", "qwen2_vl")}
     colour, blank = root / "colour", root / "blank"
     for directory, is_blank in ((colour, False), (blank, True)):
         make_colour_data(directory, n=64, seed=0, name="train.jsonl", blank=is_blank)
         make_colour_data(directory, n=16, seed=7, name="test.jsonl", blank=is_blank,
                          multi_turn_every=0, balanced=True)
-    out = {name: root / name for name in ("llava", "gemma3", "blank", "lora")}
+    out = {name: root / name for name in ("llava", "gemma3", "qwen2_vl", "blank", "qwen_blank",
+                                          "qwen_blank_workers", "lora")}
     procs = run_all({
         "llava": ["recipes.sft", *sft_args(out["llava"], models["llava"], colour)],
         "gemma3": ["recipes.sft", *sft_args(out["gemma3"], models["gemma3"], colour)],
+        "qwen2_vl": ["recipes.sft", *sft_args(out["qwen2_vl"], models["qwen2_vl"], colour)],
         "blank": ["recipes.sft", *sft_args(out["blank"], models["llava"], blank,
                                            "--set", "trainer.max_num_steps=30")],
+        "qwen_blank": ["recipes.sft", *sft_args(out["qwen_blank"], models["qwen2_vl"], blank,
+                                                "--set", "trainer.max_num_steps=30")],
+        "qwen_blank_workers": ["recipes.sft", *sft_args(
+            out["qwen_blank_workers"], models["qwen2_vl"], blank, "--set",
+            "trainer.max_num_steps=30", "--set", "data.num_workers=2")],
         "lora": ["recipes.sft", *sft_args(out["lora"], models["llava"], colour,
                                           "--set", "lora.r=4", "--set",
                                           "trainer.max_num_steps=10")],
@@ -58,7 +65,7 @@ def test_a_colour_only_the_pixels_show_is_learnt(runs):
     root, _, out, procs = runs
     assert "vision 0 trained / 32,714 frozen; projector 2,112 trained" in \
         " ".join(procs["llava"].stdout.split())
-    for family in ("llava", "gemma3"):
+    for family in ("llava", "gemma3", "qwen2_vl"):
         accuracy = greedy_accuracy(out[family] / "hf", root / "colour" / "test.jsonl")
         print(f"{family}: held-out greedy accuracy {accuracy:.3f} (chance 0.25)")
         assert accuracy >= 0.8, family
@@ -68,14 +75,26 @@ def test_a_colour_only_the_pixels_show_is_learnt(runs):
     answers = Counter(json.loads(line)["messages"][1]["content"][0]["text"]
                       for line in test.read_text().splitlines())
     assert set(answers.values()) == {4}
-    accuracy = greedy_accuracy(out["blank"] / "hf", test)
-    print(f"blank images: held-out greedy accuracy {accuracy:.3f}")
-    assert accuracy <= 0.25
+    for name in ("blank", "qwen_blank"):
+        accuracy = greedy_accuracy(out[name] / "hf", test)
+        print(f"{name} images: held-out greedy accuracy {accuracy:.3f}")
+        assert accuracy <= 0.25, name
+
+
+def test_images_decoded_in_loader_workers_train_as_in_the_training_process(runs):
+    _, _, out, _ = runs
+    for section in ("train", "valid"):
+        plain = read_jsonl(out["qwen_blank"] / "metrics" / f"{section}.jsonl")
+        workers = read_jsonl(out["qwen_blank_workers"] / "metrics" / f"{section}.jsonl")
+        key = "loss" if section == "train" else "valid/loss"
+        assert [r["step"] for r in plain] == [r["step"] for r in workers]
+        # The same micro-batches, bit for bit: the same losses.
+        assert [r[key] for r in plain] == [r[key] for r in workers], section
 
 
 def test_eval_only_is_the_answer_nll_by_hand_in_float64(runs):
     root, models, out, _ = runs
-    for family in ("llava", "gemma3"):
+    for family in ("llava", "gemma3", "qwen2_vl"):
         assert cli(sft_args(out[family], models[family], root / "colour", "--eval-only")) == 0
         [record] = read_jsonl(out[family] / "metrics" / "eval.jsonl")
         total, count = answer_nll64(out[family] / "hf", root / "colour" / "test.jsonl")
@@ -95,6 +114,16 @@ def test_export_loads_with_the_auto_classes_and_keeps_the_processor(runs):
     assert processor.chat_template == AutoProcessor.from_pretrained(models["llava"]).chat_template
     assert type(AutoModelForImageTextToText.from_pretrained(exported)).__name__ == \
         "LlavaForConditionalGeneration"
+    # Qwen2-VL: the family's class; its AutoProcessor needs torchvision (the video processor),
+    # so the processor loads through its class without one, and names the family's class.
+    exported = out["qwen2_vl"] / "hf"
+    assert type(AutoModelForImageTextToText.from_pretrained(exported)).__name__ == \
+        "Qwen2VLForConditionalGeneration"
+    processor = processor_of(exported)
+    assert isinstance(processor, Qwen2VLProcessor)
+    assert json.loads((exported / "processor_config.json").read_text())["processor_class"] == \
+        "Qwen2VLProcessor"
+    assert processor.chat_template == processor_of(models["qwen2_vl"]).chat_template
 
 
 def test_lora_with_the_tower_frozen_keeps_the_tower_bytes(runs):

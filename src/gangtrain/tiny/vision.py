@@ -7,7 +7,8 @@ the family's PIL image processor, a short Jinja chat template that takes TRL's c
 processor), so `AutoModelForImageTextToText.from_pretrained(directory)` and
 `AutoProcessor.from_pretrained(directory)` load it.
 
-Families: "llava", "gemma3", "idefics3".
+Families: "llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl" (the Qwen-VL processors built
+without their torchvision video processor: `models.hf.qwen_vl`).
 """
 
 from __future__ import annotations
@@ -16,19 +17,23 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llava", "gemma3", "idefics3")
+FAMILIES = ("llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl")
 
 WORDS = ("What colour is the square ? Describe image a an of this it red green blue yellow "
          "black white answer please shape small big").split()
 
 # The placeholder the *chat template* writes for an image part (what the processor expands).
-_PLACEHOLDER = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>"}
+_QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+_PLACEHOLDER = {"llava": "<image>", "gemma3": "<start_of_image>", "idefics3": "<image>",
+                "qwen2_vl": _QWEN_IMAGE, "qwen2_5_vl": _QWEN_IMAGE}
 
 _SPECIAL = {
     "llava": ["<image>"],
     "gemma3": ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
     "idefics3": ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"],
+    "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
+_SPECIAL["qwen2_5_vl"] = _SPECIAL["qwen2_vl"]
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -129,12 +134,52 @@ def build(family: str):  # noqa: ANN201
             max_image_size={"longest_edge": 28})
         processor = t.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                         image_seq_len=1, chat_template=template)
+    elif family in ("qwen2_vl", "qwen2_5_vl"):
+        model, processor = _qwen_vl(family, tokenizer)
     else:
         raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
     if len(processor.tokenizer) != vocab:  # a processor that added tokens (PaliGemma does)
         model.resize_token_embeddings(len(processor.tokenizer))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, processor
+
+
+def _qwen_vl(family: str, tokenizer):  # noqa: ANN001, ANN202
+    """Qwen2-VL / Qwen2.5-VL: every image resized to 56 x 56 pixels, 16 patches of 14, merged
+    2 x 2 into 4 image tokens; M-RoPE over head_dim 8 split 2 + 1 + 1 (time, height, width)."""
+    import transformers as t
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from gangtrain.data.qwen_vl_processor import image_only_processor_class
+
+    ids = tokenizer.convert_tokens_to_ids
+    text = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 256, "pad_token_id": 0, "bos_token_id": 2,
+            "eos_token_id": 7, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                   "mrope_section": [2, 1, 1]}}
+    tokens = {"image_token_id": ids("<|image_pad|>"), "video_token_id": ids("<|video_pad|>"),
+              "vision_start_token_id": ids("<|vision_start|>"),
+              "vision_end_token_id": ids("<|vision_end|>")}
+    if family == "qwen2_vl":
+        vision = {"depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 4,
+                  "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2}
+        model = t.Qwen2VLForConditionalGeneration(
+            t.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens))
+    else:
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+                  "out_hidden_size": 32, "patch_size": 14, "spatial_merge_size": 2,
+                  "window_size": 56, "fullatt_block_indexes": [1]}
+        model = t.Qwen2_5_VLForConditionalGeneration(
+            t.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens))
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 56 * 56, "longest_edge": 56 * 56}, patch_size=14, merge_size=2)
+    processor = image_only_processor_class(family)(
+        image_processor=image_processor, tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template)
     return model, processor
 
 
@@ -155,12 +200,13 @@ QUESTIONS = ["What colour is the square ?", "Describe the colour of this image p
 
 def make_colour_data(directory: str | Path, n: int = 16, seed: int = 0, blank: bool = False,
                      name: str = "chat.jsonl", multi_turn_every: int = 5,
-                     balanced: bool = False) -> Path:
+                     balanced: bool = False, sizes: tuple[int, ...] = (28, 28, 40)) -> Path:
     """`n` records in TRL's VLM chat format: a square PNG filled with one of 4 colours (28 or
     40 px: the processor resizes), "what colour?" and the colour's name; images under
     `images/`, named relative to the JSONL. `blank`: every image the same grey (the answer
     cannot be seen: chance). Every `multi_turn_every`-th record has a second, text-only turn.
-    `balanced`: the colours in turn (each a quarter of the records when 4 divides `n`)."""
+    `balanced`: the colours in turn (each a quarter of the records when 4 divides `n`).
+    `sizes`: the image sides drawn from (larger ones cost more to decode and resize)."""
     import json
     import random
 
@@ -174,7 +220,7 @@ def make_colour_data(directory: str | Path, n: int = 16, seed: int = 0, blank: b
         for i in range(n):
             colour = list(COLOURS)[i % 4] if balanced else rng.choice(list(COLOURS))
             file = f"images/{name.split('.')[0]}_{i:04d}.png"
-            size = rng.choice([28, 28, 40])
+            size = rng.choice(sizes)
             # Grey, not black: Idefics3 drops all-zero (normalised) images as padding.
             fill = (128, 128, 128) if blank else COLOURS[colour]
             Image.new("RGB", (size, size), fill).save(directory / file)

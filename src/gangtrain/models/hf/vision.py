@@ -9,7 +9,9 @@ Parts, from transformers' own declarations (no attribute names per family):
   (transformers builds the tower from that sub-config: LLaVA `model.vision_tower`, Gemma 3
   `model.vision_tower`, Idefics3 `model.vision_model`);
 - projector: the other children of the base model (`base_model_prefix`) that hold parameters
-  (LLaVA/Gemma 3 `multi_modal_projector`, Idefics3 `connector`);
+  (LLaVA/Gemma 3 `multi_modal_projector`, Idefics3 `connector`); Qwen-VL builds its projector
+  inside the tower (`model.visual.merger`, `PROJECTOR_IN_TOWER`: transformers declares it
+  nowhere), so there the vision part is the tower's other children;
 - head: `get_output_embeddings()`.
 Cross-checked with the class's `_tp_plan`/`_pp_plan` (they name the decoder's prefix, e.g.
 `model.language_model.` / `model.text_model.`).
@@ -17,6 +19,7 @@ Cross-checked with the class's `_tp_plan`/`_pp_plan` (they name the decoder's pr
 from __future__ import annotations
 
 import fnmatch
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -27,6 +30,8 @@ PART_ALIASES = {"vision_tower": "vision", "vision": "vision", "projector": "proj
                 "multi_modal_projector": "projector", "language_model": "language",
                 "language": "language", "lm_head": "head", "head": "head"}
 LORA_LAYER_NAMES = ("q_proj", "v_proj")  # gangtrain's HF_LORA_TARGETS
+PROJECTOR_IN_TOWER = {"qwen2_vl": "merger", "qwen2_5_vl": "merger"}
+"""Families whose projector is a child of the vision tower: its name there."""
 
 
 def is_vlm(config: Any) -> bool:
@@ -36,17 +41,30 @@ def is_vlm(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def processor_as_used(path: str, tokenizer: Any) -> Any:
-    """The processor of the VLM directory `path` with the run's tokenizer (its chat template
-    and end token as the run set them) in place of its own: what reads the data and what
-    step_N/hf/ and OUT/hf/ keep, so that `AutoProcessor` loads the run's."""
+def load_processor(path: str | Path) -> Any:
+    """The processor of the VLM directory `path`: `AutoProcessor`'s, Qwen-VL's built without
+    its torchvision video processor (`data.qwen_vl_processor`)."""
     from transformers import AutoProcessor
 
+    from gangtrain.data import qwen_vl_processor
+    from gangtrain.models.hf.hf_config import read_hf_config
+
+    model_type = read_hf_config(Path(path)).model_type
     try:
-        processor = AutoProcessor.from_pretrained(path)
+        if model_type in qwen_vl_processor.FAMILIES:  # AutoProcessor needs torchvision there
+            return qwen_vl_processor.image_only_processor(path, model_type)
+        return AutoProcessor.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise UserError(f"{path}: a vision-language model needs its processor files "
                         f"(processor_config.json or preprocessor_config.json): {error}") from None
+
+
+def processor_as_used(path: str, tokenizer: Any) -> Any:
+    """The processor of the VLM directory `path` with the run's tokenizer (its chat template
+    and end token as the run set them) in place of its own: what reads the data and what
+    step_N/hf/ and OUT/hf/ keep, so that `AutoProcessor` (Qwen-VL: `load_processor`) loads
+    the run's."""
+    processor = load_processor(path)
     processor.tokenizer = tokenizer
     if getattr(tokenizer, "chat_template", None):
         processor.chat_template = tokenizer.chat_template
@@ -76,6 +94,12 @@ def vlm_parts(model: nn.Module) -> dict[str, list[str]]:
     projector = [f"{base_name}.{n}" if base_name else n for n, m in base.named_children()
                  if (f"{base_name}.{n}" if base_name else n) not in taken
                  and any(True for _ in m.parameters())]
+    inside = PROJECTOR_IN_TOWER.get(config.model_type)
+    if inside is not None and len(vision) == 1:
+        tower = model.get_submodule(vision[0])
+        projector.append(f"{vision[0]}.{inside}")
+        vision = [f"{vision[0]}.{n}" for n, m in tower.named_children()
+                  if n != inside and any(True for _ in m.parameters())]
     parts = {"vision": vision, "projector": projector, "language": [language],
              "head": [_name_of(model, head)] if head is not None else []}
     if not vision:
@@ -176,6 +200,19 @@ def packed_image_block_masks(position_ids, token_type_ids, sliding_window: int |
         masks["sliding_attention"] = allowed & ((q[:, None] - q[None, :]) < sliding_window)[None]
     low = torch.finfo(dtype).min
     return {k: torch.zeros(v.shape, dtype=dtype).masked_fill(~v, low)[:, None] for k, v in masks.items()}
+
+
+def prepare_for_packed_rows(model: nn.Module) -> None:
+    """What a family needs to read packed rows of image + text records as transformers
+    does one record a row: Gemma 3's masks (`fix_packed_gemma3`), Qwen-VL's M-RoPE positions
+    per record (`qwen_vl.use_packed_mrope`)."""
+    from gangtrain.data.qwen_vl_processor import FAMILIES as QWEN_VL
+    from gangtrain.models.hf import qwen_vl
+
+    if model.config.model_type == "gemma3":
+        fix_packed_gemma3(model)
+    elif model.config.model_type in QWEN_VL:
+        qwen_vl.use_packed_mrope(model)
 
 
 def fix_packed_gemma3(model: nn.Module) -> None:

@@ -30,6 +30,7 @@ from gangtrain.data.token_batches import BinReader, Bins, EvalBatches
 from gangtrain.layers.neftune import add_neftune
 from gangtrain.models.hf import hf_model_of, vision
 from gangtrain.models.hf.document_attention import use_document_attention
+from gangtrain.models.hf.dummy_image import run_tower_without_images
 from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.layout import HFLayout
 from gangtrain.posttrain.objective import Objective, Parts
@@ -118,7 +119,9 @@ class DataSection(_Section):
     null: its own cache (HF_DATASETS_CACHE)."""
     num_workers: PositiveInt | None = None
     """Processes that tokenise (datasets' num_proc); null: one per core, at most 8 and one
-    per 2,000 records (`data.sft.tokenizing_processes`)."""
+    per 2,000 records (`data.sft.tokenizing_processes`). Image records (read per example,
+    nothing tokenised up front): the loader's worker processes that decode the images and
+    run the processor ahead of the step; null: none (in the training process)."""
 
     @model_validator(mode="after")
     def _padding_needs_no_packing(self) -> DataSection:
@@ -278,8 +281,8 @@ def load_model(config: SFTConfig, gangs: Gangs, spec: Any = None) -> HFLayout:
         {"dtype": torch.bfloat16} if config.model.dtype == "bf16" else {}))
     hf_model = hf_model_of(layout.model)  # inside DDP's wrapper; None for pipeline stages
     image_text = hf_model is not None and vision.is_vlm(hf_model)
-    if image_text and hf_model.config.model_type == "gemma3":
-        vision.fix_packed_gemma3(hf_model)
+    if image_text:
+        vision.prepare_for_packed_rows(hf_model)
     if config.model.attn_implementation is not None and hf_model is not None:
         try:
             hf_model.set_attn_implementation(config.model.attn_implementation)
@@ -380,7 +383,13 @@ class SFTObjective(Objective):
         return f"; {vision.trained_summary(hf_model)}"
 
     def load_policy(self, config: SFTConfig, a: Any) -> HFLayout:
-        return load_model(config, a.gangs, a.spec)
+        layout = load_model(config, a.gangs, a.spec)
+        if a.processor is not None:
+            # A micro-batch without an image runs the tower on a dummy one (x 0): under DP
+            # every rank's graph holds the tower, and the tower's gradient on a step without
+            # images is 0 (not None) in every layout, so the optimizer steps alike.
+            run_tower_without_images(hf_model_of(layout.model), a.processor)
+        return layout
 
     def build(self, config: SFTConfig, a: Any, data: SFTData, train: bool) -> Parts:
         layout = a.policy
