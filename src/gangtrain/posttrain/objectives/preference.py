@@ -282,8 +282,8 @@ class PreferenceObjective(Objective):
         from gangtrain.posttrain.objectives import preference_images
 
         if preference_images.uses_image_pairs(config):  # TRL's VLM pairs
-            return preference_images.prepare_image_pairs(config, tokenizer, dp_rank, dp_size,
-                                                         train)
+            return PairData(*preference_images.prepare_image_pairs(  # type: ignore[arg-type]
+                config, tokenizer, dp_rank, dp_size, train))
         if config.loss.kind == "kto":
             return prepare_unpaired(config, tokenizer, dp_rank, dp_size, train)
         return prepare_pairs(config, tokenizer, dp_rank, dp_size, train)

@@ -29,7 +29,7 @@ from gangtrain.models.hf.vision import is_vlm, processor_as_used
 from trainer.errors import UserError
 
 if TYPE_CHECKING:
-    from gangtrain.posttrain.objectives.preference import PairData, PreferenceConfig
+    from gangtrain.posttrain.objectives.preference import PreferenceConfig
 
 __all__ = ["prepare_image_pairs", "uses_image_pairs"]
 
@@ -62,10 +62,10 @@ def _check_every_pair_has_an_image(pairs: list, dp_size: int) -> None:
 
 
 def prepare_image_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0,
-                        dp_size: int = 1, train: bool = True) -> PairData:
-    """`prepare_pairs` for pairs with images (see the module docstring)."""
-    from gangtrain.posttrain.objectives.preference import PairData
-
+                        dp_size: int = 1, train: bool = True
+                        ) -> tuple[ImagePairReader | None, ImagePairEvalBatches, list[str]]:
+    """`prepare_pairs` for pairs with images (see the module docstring): the fields of
+    `PairData` (train reader, valid batches, the summary lines)."""
     d = config.data
     if config.loss.kind == "kto":
         raise UserError("config 'loss.kind' is kto: KTO's unpaired records with images are "
@@ -103,7 +103,7 @@ def prepare_image_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int =
                                  pad_id, dp_rank, dp_size, seed=d.shuffle_seed)
         summary.insert(0, f"train: {len(bins):,} image pairs of {len(kept):,}; "
                           f"{_dropped(bins)}")
-    return PairData(reader, valid, summary)
+    return reader, valid, summary
 
 
 def _dropped(bins: Any) -> str:
