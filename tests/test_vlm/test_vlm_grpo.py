@@ -3,7 +3,8 @@
 with the images, then its KV cache) equal the trained forward's (the whole rows with their
 images) within 1e-5, and a blank image changes them (the image reaches generation); a short
 run of `python -m recipes.grpo` goes end to end (rewards on the completions, the KL to a
-reference that sees the image, validation, OUT/hf); bad prompts are one line, exit 2."""
+reference that sees the image, validation, OUT/hf) and under DDP on 2 ranks samples the same
+completions and trains as one process; bad prompts are one line, exit 2."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from recipe_runs import describe, run_all, torchrun
+from tolerances import reordered_sum_rtol
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from gangtrain.data.vision_prompts import join_inputs, placeholder_ids, read_image_prompts
@@ -91,25 +94,60 @@ def grpo_args(out: Path, tiny, *extra: str) -> list[str]:
     return [str(out), "--preset", "tiny", "--set", f"model.path={model}",
             "--set", f"data.files=[{train}]", "--set", f"data.valid_files=[{valid}]",
             "--set", f"rewards=[{REWARD}]", "--set", "generation.max_new_tokens=4",
-            "--set", "loss.beta=0.04", "--set", "trainer.max_num_steps=2",
-            "--set", "trainer.validate_every_n_steps=2",
+            "--set", "loss.beta=0.04", "--set", "trainer.max_num_steps=3",
+            "--set", "trainer.validate_every_n_steps=3", "--set", "gangs.timeout_s=60",
+            "--set", "trainer.checkpoint_every_n_steps=3",
             "--set", "trainer.publish_metrics_every_n_steps=1", *extra]
 
 
-def test_a_short_grpo_run_with_images_goes_end_to_end(tiny):
+@pytest.fixture(scope="module")
+def runs(tiny):
+    """The recipe on one process and under DDP on 2 (the tiny preset's data parallelism)."""
     root = tiny[0]
-    out = root / "run"
-    assert cli(grpo_args(out, tiny)) == 0
+    procs = run_all({
+        "one": ["recipes.grpo", *grpo_args(root / "one", tiny)],
+        "ddp2": torchrun("recipes.grpo", *grpo_args(root / "ddp2", tiny))})
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name}: {describe(proc)}"
+        assert "Traceback" not in proc.stderr, name
+    return {name: root / name for name in procs}
+
+
+def rollouts(out: Path) -> dict[tuple[int, int, int], dict]:
+    return {(r["window"], r["prompt_index"], r["sample_index"]): r
+            for path in sorted((out / "rollouts").glob("step_*.jsonl"))
+            for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_a_short_grpo_run_with_images_goes_end_to_end(runs):
+    out = runs["one"]
     train = {r["step"]: r for r in read_jsonl(out / "metrics" / "train.jsonl")}
-    assert set(train) == {1, 2} and all(r["kl"] >= 0 for r in train.values())
+    assert set(train) == {1, 2, 3} and all(r["kl"] >= 0 for r in train.values())
     valid = [r for path in (out / "metrics").glob("valid*.jsonl") for r in read_jsonl(path)]
     assert any("valid/reward" in r for r in valid)
-    rollouts = [json.loads(line) for line in (out / "rollouts" / "step_1.jsonl").read_text()
-                .splitlines()]
-    assert rollouts and all(r["prompt"][0]["content"][0] == {"type": "image"}
-                            for r in rollouts)
-    assert all(set(r["rewards"].values()) <= {0.0, 1.0} for r in rollouts)
+    records = list(rollouts(out).values())
+    assert records and all(r["prompt"][0]["content"][0] == {"type": "image"} for r in records)
+    assert all(set(r["rewards"].values()) <= {0.0, 1.0} for r in records)
     assert (out / "hf" / "processor_config.json").is_file()
+
+
+def test_ddp2_samples_and_trains_as_one_process(tiny, runs):
+    # A VLM under DDP: the tower's unused parameters (CLIP's post-layernorm) are looked for.
+    one, two = rollouts(runs["one"]), rollouts(runs["ddp2"])
+    assert one.keys() == two.keys()
+    for key, r in one.items():  # counter-based sampling: the same tokens on any rank
+        assert (r["completion_ids"], r["rewards"]) == \
+            (two[key]["completion_ids"], two[key]["rewards"]), key
+    linears = sum(isinstance(m, torch.nn.Linear) for m in
+                  AutoModelForImageTextToText.from_pretrained(tiny[1]).modules())
+    a, b = (read_jsonl(runs[n] / "metrics" / "train.jsonl") for n in ("one", "ddp2"))
+    for x, y in zip(a, b, strict=True):
+        # Rows batched otherwise (8 on one rank, 4 on each of two) and gradients summed in
+        # another order: each linear map's sums, forward and backward, within
+        # `reordered_sum_rtol` of the step's tokens.
+        rtol = 2 * linears * reordered_sum_rtol(int(x["num_tokens"]))
+        for key in ("grad_norm", "kl", "reward"):
+            assert y[key] == pytest.approx(x[key], rel=rtol, abs=1e-12), (x["step"], key)
 
 
 def test_bad_prompts_are_one_line_exit_2(tiny, tmp_path, capsys):

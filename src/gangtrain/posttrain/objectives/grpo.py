@@ -29,6 +29,7 @@ from gangtrain.data.vision_prompts import placeholder_ids
 from gangtrain.models.hf.hf_config import check_model_dir, read_hf_config
 from gangtrain.posttrain.objective import Objective, Parts
 from gangtrain.posttrain.objectives import grpo_images
+from gangtrain.posttrain.objectives.vision_ddp import policy_options
 from gangtrain.rl.agents import AgentLoop, environment_tools
 from gangtrain.rl.generation import HFGenerator
 from gangtrain.rl.image_generation import ImageGenerator
@@ -331,6 +332,9 @@ class GRPOObjective(Objective):
         inputs = read_inputs(config, tokenizer, train)
         grpo_images.check_image_layout(config, [inputs.train, inputs.valid], dp_size)
         return inputs
+
+    def load_policy(self, config: GRPOConfig, a: Any) -> Any:
+        return a.load_layout(**policy_options(config, a.hf_config))  # (a VLM under DDP)
 
     def load_reference(self, config: GRPOConfig, a: Any) -> Any:
         if config.loss.beta == 0:

@@ -42,6 +42,7 @@ from gangtrain.data.unpaired import (
 )
 from gangtrain.models.hf.vision import is_vlm
 from gangtrain.posttrain.objective import Objective, Parts
+from gangtrain.posttrain.objectives.vision_ddp import policy_options
 from trainer.errors import UserError
 from units.preference import KTOLoss, PreferenceEvalUnit, PreferenceLoss, PreferenceUnit
 
@@ -287,6 +288,9 @@ class PreferenceObjective(Objective):
         if config.loss.kind == "kto":
             return prepare_unpaired(config, tokenizer, dp_rank, dp_size, train)
         return prepare_pairs(config, tokenizer, dp_rank, dp_size, train)
+
+    def load_policy(self, config: PreferenceConfig, a: Any) -> Any:
+        return a.load_layout(**policy_options(config, a.hf_config))  # (a VLM under DDP)
 
     def load_reference(self, config: PreferenceConfig, a: Any) -> Any:
         if config.lora.r is not None or config.loss.kind in REFERENCE_FREE:
