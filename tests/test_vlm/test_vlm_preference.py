@@ -176,6 +176,28 @@ def test_the_image_reaches_the_policy_and_the_reference(tiny):
         assert (gap > 1e-4).all(), who
 
 
+@pytest.mark.parametrize("family", ["gemma3", "idefics3"])
+def test_other_families_score_each_side_as_float64_by_hand(family, tmp_path):
+    # Gemma 3's token_type_ids (two-way attention within an image) and Idefics3's images
+    # laid out per batch reach the model with each side.
+    model_dir = make_tiny_vlm(tmp_path / family, family)
+    path = make_colour_pairs(tmp_path / "data", n=4, name="pairs.jsonl")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    policy = AutoModelForImageTextToText.from_pretrained(model_dir)
+    pairs = read_pairs(path, PairFields())
+    batch = ImagePairs(pairs, processor, family).batch(list(range(len(pairs))),
+                                                      processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        found = PreferenceUnit(policy, PreferenceLoss("simpo")).policy_logps(batch)[0]
+        model64 = load64(model_dir)
+        records = pairs_of(path)
+        hand = torch.stack([side_logp64(model64, processor, [*prompt, sides[k][0]], images)
+                            for k in (0, 1) for prompt, *sides, images in records])
+    rtol = float32_rtol(policy, batch)
+    print(f"{family}: largest relative gap {((found.double() - hand) / hand).abs().max():.1e}")
+    torch.testing.assert_close(found.double(), hand, rtol=rtol, atol=0)
+
+
 # --- through the recipe --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
