@@ -89,6 +89,27 @@ def test_generator_log_probs_equal_the_trained_forward_with_the_image(tiny):
     assert first and all(abs(a - b) > 1e-4 for a, b in first)
 
 
+def test_a_completion_ends_before_a_sampled_image_token(tiny):
+    _, model_dir, train, _, _ = tiny
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    image = processor.image_token_id
+    # A policy that samples the image placeholder second: the trained forward would look
+    # for that image's pixels, so the completion keeps the first token only, truncated.
+    def after_one(module, args, output):  # noqa: ANN001, ANN202
+        after_one.calls += 1
+        if after_one.calls > 1:  # decode steps (the prefill samples the first token)
+            output[..., image] += 1e4
+        return output
+    after_one.calls = 0
+    model.get_output_embeddings().register_forward_hook(after_one)
+    _, completions = generate(model, processor, train)
+    # (a row whose first token was already the placeholder, as a random model may, keeps none)
+    assert all(len(c.ids) == len(c.logprobs) <= 1 and c.truncated and image not in c.ids
+               for c in completions), [(c.ids, c.truncated) for c in completions]
+    assert sum(len(c.ids) for c in completions) >= len(completions) // 2
+
+
 def grpo_args(out: Path, tiny, *extra: str) -> list[str]:
     _, model, train, valid, _ = tiny
     return [str(out), "--preset", "tiny", "--set", f"model.path={model}",
