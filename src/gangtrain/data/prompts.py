@@ -53,6 +53,11 @@ class PromptSet:
     def longest(self) -> int:
         return max((len(p.ids) for p in self.prompts), default=0)
 
+    def model_inputs(self, index: int) -> dict[str, Any]:
+        """Model inputs of prompt `index` beside its ids: none for text (prompts with
+        images: `data.vision_prompts`)."""
+        return {}
+
 
 def _records(path: Path) -> Iterator[tuple[str, Any]]:
     """(where, record) of a JSONL or JSON file."""

@@ -57,6 +57,11 @@ class Request:
     seed: int
     max_new_tokens: int
     turns: list[Turn] = field(default_factory=list)
+    inputs: dict[str, Tensor] | None = None
+    """Model inputs beside the ids for its first prefill (a vision-language model's
+    ``pixel_values``: per-image tensors, joined along dim 0 across the rows prefilled
+    together, in row order); such a prefill runs in one chunk, so the image tokens and
+    their pixels meet in one forward."""
 
 
 # on_stop(request index, the turn just ended, the request) -> None (finished) or
@@ -85,7 +90,7 @@ class Engine:
 
     # -- one forward ------------------------------------------------------------------
     def _forward(self, cache: SlotCache, rows: Tensor | None, ids: Tensor, positions: Tensor,
-                 cols: Tensor, mask: Tensor) -> Tensor:
+                 cols: Tensor, mask: Tensor, **inputs: Tensor) -> Tensor:
         """Logits [n, V] at each row's last column."""
         cache.rows, cache.cols, cache.kmax = rows, cols, mask.shape[-1]
         dtype = next(self.model.parameters()).dtype
@@ -93,7 +98,7 @@ class Engine:
             ~mask, float("-inf"))
         self.forwards += 1
         out = self.model(input_ids=ids, attention_mask=additive, position_ids=positions,
-                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **inputs)
         return out.logits[:, -1]
 
     def _workspace(self, logits: Tensor) -> Tensor:
@@ -183,9 +188,16 @@ class Engine:
             nxt[slots] = torch.where(on, tok, nxt[slots])
             live[slots] = on & ~end
 
+        def inputs_of(todo: list[int]) -> list[dict[str, Tensor]]:
+            """The `Request.inputs` of the rows of ``todo`` prefilled for the first time."""
+            return [r.inputs for r in (requests[owner[s]] for s in todo  # type: ignore[index]
+                                       if cached[s] == 0) if r.inputs]
+
         def prefill_forwards(todo: list[int]) -> int:
             """The forwards `prefill(todo)` will run: its chunks."""
             longest = max((len(pending[s]) for s in todo), default=0)
+            if inputs_of(todo):
+                return 1 if longest else 0
             return math.ceil(longest / min(self.prefill_chunk, longest)) if longest else 0
 
         def prefill(todo: list[int]) -> None:
@@ -194,7 +206,10 @@ class Engine:
             if not todo:
                 return
             m = [len(pending[s]) for s in todo]
-            width = min(self.prefill_chunk, max(m))
+            given = inputs_of(todo)
+            inputs = {k: torch.cat([g[k] for g in given]).to(device) for k in given[0]} \
+                if given else {}
+            width = max(m) if given else min(self.prefill_chunk, max(m))
             chunks = math.ceil(max(m) / width)
             total = chunks * width
             n = len(todo)
@@ -215,7 +230,7 @@ class Engine:
                 mask = torch.where(ok[..., None], (k >= 1) & (k <= p[..., None] + 1),
                                    k == 0)[:, None]
                 logits = self._forward(cache, rows, grid[:, part], p.clamp(min=0),
-                                       torch.where(ok, p + 1, 0), mask)
+                                       torch.where(ok, p + 1, 0), mask, **inputs)
             for k, s in enumerate(todo):
                 cached[s] += m[k]
                 del pending[s]

@@ -75,8 +75,10 @@ class GRPOEvalUnit(EvalUnit[dict[str, Any]]):
         # parameters, a KV cache) must not reach the next backward.
         with torch.inference_mode(False), torch.no_grad():
             prompts = [self.prompts[i] for i in batch["prompts"]]
+            images = [self.prompts.model_inputs(i) for i in batch["prompts"]]
             completions = self.generator.generate([p.ids for p in prompts],
-                                                  [0] * len(prompts))
+                                                  [0] * len(prompts),
+                                                  **({"inputs": images} if any(images) else {}))
         weight = torch.tensor(batch["weights"], dtype=torch.float64)
         values = score_completions(self.rewards, self.prompts, batch["prompts"],
                                    [c.ids for c in completions], self.decode)

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from gangs import FakeGang, Gang
 from gangs.errors import UserError
 from gangtrain.data.prompts import PromptSet
+from gangtrain.data.vision_prompts import join_inputs
 from gangtrain.layers.wrappers import unwrapped
 from gangtrain.rl.advantages import reward_metrics
 from gangtrain.rl.agents import AgentLoop
@@ -102,7 +103,7 @@ def token_logps(model: nn.Module, s: Slice, temperature: float, with_entropy: bo
     if chunk_size is not None:
         return _chunked_token_logps(model, s, keep, temperature, with_entropy, chunk_size)
     out = model(input_ids=s.input_ids, attention_mask=s.attention_mask, use_cache=False,
-                logits_to_keep=keep)
+                logits_to_keep=keep, **(s.inputs or {}))
     logits = out.logits if hasattr(out, "logits") else out
     if logits.ndim == 3:  # a model that ignored the mask
         logits = logits[keep]
@@ -123,7 +124,8 @@ def _chunked_token_logps(model: nn.Module, s: Slice, keep: Tensor, temperature: 
     head = chunked_loss_head(model)
     with captured_head(head) as seen:
         logits = output_logits(model(input_ids=s.input_ids, attention_mask=s.attention_mask,
-                                     use_cache=False, logits_to_keep=keep))
+                                     use_cache=False, logits_to_keep=keep,
+                                     **(s.inputs or {})))
     unchanged = getattr(seen, "output_unchanged", None)  # the in-place check, where known
     if seen.hidden is None or logits is not seen.output or (unchanged and not unchanged(logits)):
         raise ValueError(f"{type(unwrapped(model)).__name__} changes its logits after its head, "
@@ -254,8 +256,9 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
               ) -> WindowBuffer:
         mine = local_indices(self.W, self.B, self.dp.rank, self.dp.size)
         where = [(prompt_indices[c // self.G], c % self.G) for c in mine]
+        images = self._row_inputs([p for p, _ in where])  # prompts with images: theirs
         started = time.perf_counter()
-        completions, values, names = self._sample(window, where, metrics)
+        completions, values, names = self._sample(window, where, images, metrics)
         seconds = time.perf_counter() - started
         prompt_ids = [c.prompt_ids or self.prompts[p].ids
                       for (p, _), c in zip(where, completions, strict=True)]
@@ -273,6 +276,10 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
         device = next(self._model.parameters()).device
         slices = [Slice(*(t.to(device) if isinstance(t, Tensor) else t
                           for t in vars(s).values())) for s in slices]
+        for m, s in enumerate(slices):
+            if images:
+                s.inputs = {k: v.to(device) for k, v in
+                            join_inputs(images[m * b:(m + 1) * b]).items()}
         needs_old = self.loss.needs_old_logps(self._window_outlives_step())
         kl_sequence = self._score_old_and_reference(slices, needs_old)
         self._count_flops(prompt_ids, completions, needs_old)
@@ -285,9 +292,11 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
             self._write(window, where, completions, values, names, advantages, mine)
         return WindowBuffer(window, slices)
 
-    def _sample(self, window: int, where: list[tuple[int, int]], metrics: MetricBag
+    def _sample(self, window: int, where: list[tuple[int, int]],
+                images: list[dict[str, Tensor]] | None, metrics: MetricBag
                 ) -> tuple[list[Completion], Tensor, list[str]]:
-        """This rank's completions and their reward values [n, functions]."""
+        """This rank's completions and their reward values [n, functions]; `images`: each
+        row's model inputs beside its ids (None: text prompts)."""
         if self.rollouts.replay is not None:
             return self._replayed(window, where)
         seeds = [sample_seed(self.seed, window, p, s) for p, s in where]
@@ -296,13 +305,24 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
                                            self.rewards, self._step_nr, metrics)
             return completions, values, [r.name for r in self.rewards]
         assert self.rollouts.generator is not None
-        completions = self.rollouts.generator.generate([self.prompts[p].ids for p, _ in where],
-                                                       seeds)
+        completions = self.rollouts.generator.generate(
+            [self.prompts[p].ids for p, _ in where], seeds,
+            **({"inputs": images} if images else {}))
         values = score_completions(
             self.rewards, self.prompts, [p for p, _ in where], [c.ids for c in completions],
             self.rollouts.decode, step_nr=self._step_nr,
             publish=lambda name, value: metrics.update_mean(name, float(value)))
         return completions, values, [r.name for r in self.rewards]
+
+    def _row_inputs(self, prompt_indices: list[int]) -> list[dict[str, Tensor]] | None:
+        """Each row's model inputs beside its ids (its prompt's images, decoded once a
+        prompt); None for text prompts."""
+        seen: dict[int, dict[str, Tensor]] = {}
+        for p in prompt_indices:
+            if p not in seen:
+                seen[p] = self.prompts.model_inputs(p)
+        rows = [seen[p] for p in prompt_indices]
+        return rows if any(rows) else None
 
     def _replayed(self, window: int, where: list[tuple[int, int]]
                   ) -> tuple[list[Completion], Tensor, list[str]]:

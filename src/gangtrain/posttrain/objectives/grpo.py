@@ -25,10 +25,14 @@ from gangtrain.app.config.optimizers import OptimizerConfig
 from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
 from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, TrainerConfig
 from gangtrain.data.prompts import PromptSet, read_prompts
+from gangtrain.data.vision_prompts import placeholder_ids
 from gangtrain.models.hf.hf_config import check_model_dir, read_hf_config
 from gangtrain.posttrain.objective import Objective, Parts
+from gangtrain.posttrain.objectives import grpo_images
+from gangtrain.posttrain.objectives.vision_ddp import policy_options
 from gangtrain.rl.agents import AgentLoop, environment_tools
 from gangtrain.rl.generation import HFGenerator
+from gangtrain.rl.image_generation import ImageGenerator
 from gangtrain.rl.rewards import RewardSource, build_reward_sources, score
 from gangtrain.rl.rollouts import read_replay
 from gangtrain.rl.tools import load_tools
@@ -249,6 +253,10 @@ def load_rewards(config: GRPOConfig, device: Any = "cpu",
 def _prompts(config: GRPOConfig, tokenizer: Any, hf_config: Any, files: list[str],
              setting: str) -> PromptSet:
     context = getattr(hf_config, "max_position_embeddings", None) or 10**9
+    if grpo_images.uses_images(config):  # TRL's VLM prompts: read with the processor
+        return grpo_images.read_prompts_with_images(
+            config, tokenizer, hf_config, files, setting,
+            context - config.generation.max_new_tokens)
     return read_prompts(files, tokenizer, setting=setting, prompt_field=config.data.prompt_field,
                         max_prompt_tokens=context - config.generation.max_new_tokens)
 
@@ -295,7 +303,10 @@ def read_inputs(config: GRPOConfig, tokenizer: Any, train: bool) -> _Inputs:
 
 def _generator(config: GRPOConfig, a: Any, temperature: float) -> HFGenerator:
     fsdp = config.trainer.data_parallel == "fsdp" and a.gangs.dp.size > 1
-    return HFGenerator(a.model, stop_ids=a.stop_ids, pad_id=a.pad_id,
+    # (a VLM's generator passes a prompt's images to its prefill; text prompts as HFGenerator)
+    more = {"placeholder_ids": placeholder_ids(a.processor)} if a.processor is not None else {}
+    generator = ImageGenerator if more else HFGenerator
+    return generator(a.model, **more, stop_ids=a.stop_ids, pad_id=a.pad_id,
                        max_new_tokens=config.generation.max_new_tokens, temperature=temperature,
                        top_p=config.generation.top_p if temperature else 1.0,
                        gang=a.gangs.dp if fsdp else None)
@@ -318,7 +329,12 @@ class GRPOObjective(Objective):
 
     def read_data(self, config: GRPOConfig, tokenizer: Any, dp_rank: int, dp_size: int,
                   train: bool) -> _Inputs:
-        return read_inputs(config, tokenizer, train)
+        inputs = read_inputs(config, tokenizer, train)
+        grpo_images.check_image_layout(config, [inputs.train, inputs.valid], dp_size)
+        return inputs
+
+    def load_policy(self, config: GRPOConfig, a: Any) -> Any:
+        return a.load_layout(**policy_options(config, a.hf_config))  # (a VLM under DDP)
 
     def load_reference(self, config: GRPOConfig, a: Any) -> Any:
         if config.loss.beta == 0:

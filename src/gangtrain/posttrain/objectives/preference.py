@@ -40,7 +40,9 @@ from gangtrain.data.unpaired import (
     tokenize_unpaired,
     with_room,
 )
+from gangtrain.models.hf.vision import is_vlm
 from gangtrain.posttrain.objective import Objective, Parts
+from gangtrain.posttrain.objectives.vision_ddp import policy_options
 from trainer.errors import UserError
 from units.preference import KTOLoss, PreferenceEvalUnit, PreferenceLoss, PreferenceUnit
 
@@ -255,7 +257,12 @@ def check_settings(config: PreferenceConfig) -> Any:
                             "tensor parallelism (FSDP2, HSDP, DDP, gangs.tp_size) only: a "
                             "pair's chosen and rejected sides are scored together, which "
                             f"this parallelism does not do yet; set gangs.{name}=1")
-    return check_layout(config)
+    hf_config = check_layout(config)
+    if is_vlm(hf_config) and g.tp_size > 1:
+        raise UserError(f"config 'gangs.tp_size' is {g.tp_size}: {config.model.path} is a "
+                        "vision-language model, trained under data parallelism only (DDP, "
+                        "FSDP2/HSDP) for now: set it to 1")
+    return hf_config
 
 
 class PreferenceObjective(Objective):
@@ -273,9 +280,17 @@ class PreferenceObjective(Objective):
 
     def read_data(self, config: PreferenceConfig, tokenizer: Any, dp_rank: int, dp_size: int,
                   train: bool) -> PairData:
+        from gangtrain.posttrain.objectives import preference_images
+
+        if preference_images.uses_image_pairs(config):  # TRL's VLM pairs
+            return PairData(*preference_images.prepare_image_pairs(  # type: ignore[arg-type]
+                config, tokenizer, dp_rank, dp_size, train))
         if config.loss.kind == "kto":
             return prepare_unpaired(config, tokenizer, dp_rank, dp_size, train)
         return prepare_pairs(config, tokenizer, dp_rank, dp_size, train)
+
+    def load_policy(self, config: PreferenceConfig, a: Any) -> Any:
+        return a.load_layout(**policy_options(config, a.hf_config))  # (a VLM under DDP)
 
     def load_reference(self, config: PreferenceConfig, a: Any) -> Any:
         if config.lora.r is not None or config.loss.kind in REFERENCE_FREE:
