@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gangs import FakeGang, setup_gangs
 from gangtrain.models.hf import export_pretrained, load_pretrained
+from gangtrain.models.hf.document_attention import use_document_attention
 from gangtrain.posttrain.objectives.preference import PreferenceConfig, prepare_unpaired
 from gangtrain.tiny.pairs import make_tiny_chat_model, unpaired_examples, write_unpaired_data
 from recipes.preference.recipe import cli
@@ -64,15 +65,20 @@ def step_examples(tiny, files: Path, step: int) -> list[list[dict]]:
             for m in range(start, start + ACC)]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("positive", [True, False], ids=["kl_positive", "kl_clamped"])
-def test_unit_step_equals_the_hand_computation(tiny, positive):
+def test_unit_step_equals_the_hand_computation(tiny, positive, packed):
     """The real reader and unit, float64, one step of two micro-batches; policy and
     reference two models, so the estimate is not 0: positive one way round, and the other
-    way the mean log-ratio of the mismatched rows is negative and the clamp holds it at 0."""
+    way the mean log-ratio of the mismatched rows is negative and the clamp holds it at 0.
+    Packed: the models attend per document, as the recipe makes them, so each batch's rows
+    run as one packed row (`units.packed_rows`)."""
     first, second = (tiny[1], tiny[0]) if positive else (tiny[0], tiny[1])
     c = config(tiny, tiny[2])
     reader = prepare_unpaired(c, AutoTokenizer.from_pretrained(tiny[0])).train
     policy, reference = float64(first), float64(second)
+    if packed:
+        assert use_document_attention(policy) and use_document_attention(reference)
     unit = PreferenceUnit(policy, PreferenceLoss("kto", **SETTINGS), reference)
     metrics, total, count = MetricBag(), 0.0, 0
     batches = iter(reader)

@@ -21,6 +21,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from gangs import FakeGang, setup_gangs
 from gangtrain.models.hf import load_pretrained
+from gangtrain.models.hf.document_attention import use_document_attention
 from gangtrain.posttrain.objectives.preference import prepare_pairs
 from gangtrain.posttrain.objectives.reward import RewardConfig
 from gangtrain.rl.rewards import ModelReward
@@ -115,9 +116,12 @@ def test_step_one_loss_and_gradient_norm_equal_the_hand_computation(runs, tiny):
             assert step1[key] == pytest.approx(hand[key], rel=1e-5, abs=1e-6)
 
 
-def test_the_units_whole_step_one_gradient_equals_the_hand_computation(tiny):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_units_whole_step_one_gradient_equals_the_hand_computation(tiny, packed):
     """The real reader and unit in float64 (the Trainer's division: the micro-batches'
-    summed losses backward, the gradient divided by the pairs after): every element."""
+    summed losses backward, the gradient divided by the pairs after): every element.
+    Packed: the model attends per document, as the recipe makes it, so each batch's rows
+    run as one packed row, the score read at each row's last token."""
     model_dir, four = tiny[0], tiny[1]
     config = RewardConfig.model_validate({
         "model": {"path": str(model_dir)},
@@ -126,6 +130,8 @@ def test_the_units_whole_step_one_gradient_equals_the_hand_computation(tiny):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     reader = prepare_pairs(config, tokenizer).train
     model = initial_model(model_dir)
+    if packed:
+        assert use_document_attention(model)
     unit = RewardUnit(model, RewardLoss(center_rewards_coefficient=COEFFICIENT))
     metrics, count = MetricBag(), 0
     batches = iter(reader)
