@@ -40,14 +40,14 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.trl_common import (
-    alternate,
+    arguments,
+    child,
     our_step_s,
     our_train_records,
     print_gaps,
-    print_ratios,
-    print_result,
     require_trl,
-    run_child,
+    step_timer,
+    throughput_rounds,
 )
 
 LR = 1e-4
@@ -152,22 +152,10 @@ def ours_rate(a: argparse.Namespace) -> dict[str, float]:
 
 
 def trl_rate(a: argparse.Namespace) -> dict[str, float]:
-    import time
-
-    from transformers import TrainerCallback
-
+    callback, times = step_timer()
     counts: list[int] = []
-    times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
-            times.append(time.perf_counter() - self.start)
-
     trainer = trl_trainer(a, tokenised(a.work / "student", a.work / "train.jsonl"),
-                          a.work / f"trl_rate_{a.lmbda}", a.lmbda, [Timer()])
+                          a.work / f"trl_rate_{a.lmbda}", a.lmbda, [callback])
     compute_loss = trainer.compute_loss
 
     def counting(model, inputs, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -181,19 +169,10 @@ def trl_rate(a: argparse.Namespace) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=None)
-    for name, default in {"rounds": 4, "steps": 16, "batch": 8, "prompts": 256, "hidden": 256,
-                          "layers": 4, "teacher-hidden": 384, "max-new-tokens": 16}.items():
-        parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--lmbda", type=float, default=None)
-    parser.add_argument("--child", choices=["ours", "trl"], default=None)
-    a = parser.parse_args()
+    a = arguments(__doc__, steps=16, prompts=256, teacher_hidden=384, max_new_tokens=16,
+                  lmbda=0.0)
     if a.child is not None:
-        import torch
-
-        torch.set_num_threads(1)
-        print_result((ours_rate if a.child == "ours" else trl_rate)(a))
+        child(a, ours_rate, trl_rate)
         return
     version = require_trl()
     work = a.work = a.work or Path(tempfile.mkdtemp(prefix="distill_trl_"))
@@ -210,13 +189,8 @@ def main() -> None:
           f"steps, up to {a.max_new_tokens} new tokens; work dir {work}")
     for lmbda in (0.0, 1.0):
         print(f"lmbda {lmbda}:")
-        argv = ["--work", str(work), "--steps", str(a.steps), "--batch", str(a.batch),
-                "--max-new-tokens", str(a.max_new_tokens), "--lmbda", str(lmbda)]
-        results = alternate(("ours", "trl"), a.rounds,
-                            lambda kind, argv=argv: run_child("benchmarks.distill_trl",
-                                                              [*argv, "--child", kind]),
-                            show=("tokens_per_s", "peak_rss_gib"))
-        print_ratios(results, ("tokens_per_s", "peak_rss_gib"))
+        throughput_rounds("benchmarks.distill_trl", a, "tokens_per_s",
+                          ["--max-new-tokens", str(a.max_new_tokens), "--lmbda", str(lmbda)])
 
 
 if __name__ == "__main__":

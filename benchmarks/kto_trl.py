@@ -33,18 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
+from benchmarks import trl_common
 from benchmarks.trl_common import (
-    arguments,
-    child,
     our_step_s,
     our_train_records,
     print_gaps,
-    require_trl,
     step_timer,
-    throughput_rounds,
 )
 
 BETA, UNDESIRABLE = 0.1, 1.33
@@ -144,13 +140,9 @@ def trl_rate(a: argparse.Namespace) -> dict[str, float]:
     return {"examples_per_s": a.batch / statistics.median(times[WARMUP:])}
 
 
-def main() -> None:
-    a = arguments(__doc__, examples=256)
-    if a.child is not None:
-        child(a, ours_rate, trl_rate)
-        return
-    version = require_trl()
-    work = a.work = a.work or Path(tempfile.mkdtemp(prefix="kto_trl_"))
+def prepare(a: argparse.Namespace, version: str) -> None:
+    """The equal-step check, then the rate runs' model and data in ``a.work``."""
+    work = a.work
     two_steps(work)
 
     from gangtrain.tiny.pairs import make_tiny_chat_model, write_unpaired_data
@@ -160,7 +152,11 @@ def main() -> None:
     write_unpaired_data(work / "valid.jsonl", 16, seed=1)
     print(f"throughput: trl {version}; model {a.hidden} x {a.layers}; {a.examples} examples, "
           f"batch {a.batch}, {a.steps} steps; work dir {work}")
-    throughput_rounds("benchmarks.kto_trl", a, "examples_per_s")
+
+
+def main() -> None:
+    trl_common.main(__doc__, "benchmarks.kto_trl", "examples_per_s", ours_rate, trl_rate,
+                    prepare, examples=256)
 
 
 if __name__ == "__main__":

@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
+from benchmarks import trl_common
 from benchmarks.trl_common import (
-    arguments,
-    child,
     our_step_s,
     print_gaps,
-    require_trl,
     step_timer,
-    throughput_rounds,
     trl_first_log,
 )
 
@@ -46,7 +42,7 @@ MAX_LENGTH = 128
 WARMUP = 4
 
 
-def prepare(work: Path) -> tuple[Path, Path]:
+def step_one_inputs(work: Path) -> tuple[Path, Path]:
     """(the tiny model's directory, the 4 pairs)."""
     from gangtrain.tiny.pairs import make_tiny_chat_model, preference_pairs
 
@@ -153,14 +149,10 @@ def trl_rate(a: argparse.Namespace) -> dict[str, float]:
     return {"pairs_per_s": a.batch / statistics.median(times[WARMUP:])}
 
 
-def main() -> None:
-    a = arguments(__doc__, pairs=256)
-    if a.child is not None:
-        child(a, ours_rate, trl_rate)
-        return
-    version = require_trl()
-    work = a.work = a.work or Path(tempfile.mkdtemp(prefix="reward_trl_"))
-    model_dir, pairs = prepare(work)
+def prepare(a: argparse.Namespace, version: str) -> None:
+    """The equal-step check, then the rate runs' model and data in ``a.work``."""
+    work = a.work
+    model_dir, pairs = step_one_inputs(work)
     print_gaps(ours(work, model_dir, pairs), trl(work, model_dir, pairs))
 
     from gangtrain.tiny.pairs import make_tiny_chat_model, write_pair_data
@@ -172,7 +164,11 @@ def main() -> None:
     write_pair_data(work / "valid.jsonl", 16, seed=1)
     print(f"throughput: trl {version}; model {a.hidden} x {a.layers}; {a.pairs} pairs, batch "
           f"{a.batch}, {a.steps} steps; work dir {work}")
-    throughput_rounds("benchmarks.reward_trl", a, "pairs_per_s")
+
+
+def main() -> None:
+    trl_common.main(__doc__, "benchmarks.reward_trl", "pairs_per_s", ours_rate, trl_rate,
+                    prepare, pairs=256)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -131,14 +132,15 @@ def print_gaps(found: dict[str, float], theirs: dict[str, float], what: str = "s
         print(f"{what} {key}: ours {value:.9g}, TRL {theirs[key]:.9g}, gap {gap:.1e}")
 
 
-def arguments(doc: str, **extra: int) -> argparse.Namespace:
+def arguments(doc: str, **extra: float) -> argparse.Namespace:
     """The options every comparison takes (rounds, steps, batch, the rate model's size, the
-    work directory, the child's role), plus integer options ``extra`` (name: default)."""
+    work directory, the child's role), plus options ``extra`` (name: default, its type the
+    default's; ``max_new_tokens`` is ``--max-new-tokens``)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--work", type=Path, default=None)
     for name, default in {"rounds": 4, "steps": 24, "batch": 8, "hidden": 256, "layers": 4,
                           **extra}.items():
-        parser.add_argument(f"--{name}", type=int, default=default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     parser.add_argument("--child", choices=["ours", "trl"], default=None)
     return parser.parse_args()
 
@@ -152,11 +154,29 @@ def child(a: argparse.Namespace, ours: Callable[[argparse.Namespace], dict[str, 
     print_result((ours if a.child == "ours" else trl)(a))
 
 
-def throughput_rounds(module: str, a: argparse.Namespace, rate: str) -> None:
-    """``a.rounds`` alternated rounds of ``module``'s two children; the ``rate`` key's and
-    the peak RSS's medians and ratios."""
-    argv = ["--work", str(a.work), "--steps", str(a.steps), "--batch", str(a.batch)]
+def throughput_rounds(module: str, a: argparse.Namespace, rate: str,
+                      extra_argv: Sequence[str] = ()) -> None:
+    """``a.rounds`` alternated rounds of ``module``'s two children (given ``extra_argv``
+    too); the ``rate`` key's and the peak RSS's medians and ratios."""
+    argv = ["--work", str(a.work), "--steps", str(a.steps), "--batch", str(a.batch),
+            *extra_argv]
     results = alternate(("ours", "trl"), a.rounds,
                         lambda kind: run_child(module, [*argv, "--child", kind]),
                         show=(rate, "peak_rss_gib"))
     print_ratios(results, (rate, "peak_rss_gib"))
+
+
+def main(doc: str, module: str, rate: str, ours: Callable[[argparse.Namespace], dict[str, Any]],
+         trl: Callable[[argparse.Namespace], dict[str, Any]],
+         prepare: Callable[[argparse.Namespace, str], None], **extra: int) -> None:
+    """A comparison's command line: as a child, `child`; else TRL's version checked, the
+    work directory made, ``prepare(a, trl_version)`` (the equal-step checks, the rate runs'
+    model and data), then `throughput_rounds`."""
+    a = arguments(doc, **extra)
+    if a.child is not None:
+        child(a, ours, trl)
+        return
+    version = require_trl()
+    a.work = a.work or Path(tempfile.mkdtemp(prefix=module.rsplit(".", 1)[-1] + "_"))
+    prepare(a, version)
+    throughput_rounds(module, a, rate)
