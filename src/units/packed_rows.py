@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from gangtrain.data.collate import IGNORE_INDEX
-from gangtrain.models.hf.document_attention import DOCUMENT_ATTENTION_NAME
+from gangtrain.layers.document_attention import DOCUMENT_ATTENTION_NAME
 from units.causal_lm import LMBatch
 
 __all__ = ["attends_per_document", "pack_rows", "packable"]
