@@ -57,6 +57,7 @@ from units.causal_lm import (
 from units.directions import HIGHER_BETTER_METRICS
 from units.linear_cross_entropy import linear_log_probs
 from units.metrics import MetricBag
+from units.packed_rows import pack_rows, packable
 from units.reference import ReferenceModel
 from units.shared_prompt import shared_prompt_length, shared_prompt_logps
 from units.unit import EvalUnit, TrainUnit
@@ -328,9 +329,12 @@ def side_logps(model: nn.Module, batch: LMBatch, use_cache_keyword: bool = False
     `auto_loss_chunk_size` of them at a time (`linear_log_probs`): neither the prompt's
     logits nor the answers' whole [answer tokens, vocab] logits are ever held. At a small
     vocabulary the gather costs what it saves (measured: the same time within 5%). Where
-    the model and the batch allow it, each pair's prompt runs once (`units.shared_prompt`)."""
-    shared = shared_prompt_length(model, batch)
+    the model and the batch allow it, each pair's prompt runs once (`units.shared_prompt`);
+    a model that attends per document runs the rows packed (`units.packed_rows`)."""
     chunk_size = auto_loss_chunk_size(model)
+    if packable(model, batch):  # (its attention takes no key/value cache: no shared prompt)
+        return _packed_side_logps(model, batch, chunk_size, use_cache_keyword)
+    shared = shared_prompt_length(model, batch)
     if shared:
         return shared_prompt_logps(model, batch, shared, chunk_size or AUTO_CHUNK)
     if chunk_size is not None:
@@ -341,12 +345,33 @@ def side_logps(model: nn.Module, batch: LMBatch, use_cache_keyword: bool = False
         sums = torch.zeros(trained.shape[0], dtype=log_probs.dtype, device=log_probs.device)
         return sums.index_add(0, rows, log_probs), trained.sum(-1)
     logits, targets = lm_logits(model, batch, IGNORE_INDEX, use_cache_keyword)
+    return -_token_nll(logits, targets).view(targets.shape).sum(-1), \
+        (targets != IGNORE_INDEX).sum(-1)
+
+
+def _token_nll(logits: Tensor, targets: Tensor) -> Tensor:
     # float32 at least: a float64 model's log-probabilities stay float64.
-    nll = F.cross_entropy(logits.flatten(0, -2).to(torch.promote_types(logits.dtype,
-                                                                       torch.float32)),
-                          targets.flatten(),
-                          ignore_index=IGNORE_INDEX, reduction="none")
-    return -nll.view(targets.shape).sum(-1), (targets != IGNORE_INDEX).sum(-1)
+    return F.cross_entropy(logits.flatten(0, -2).to(torch.promote_types(logits.dtype,
+                                                                        torch.float32)),
+                           targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def _packed_side_logps(model: nn.Module, batch: LMBatch, chunk_size: int | None,
+                       use_cache_keyword: bool) -> tuple[Tensor, Tensor]:
+    """`side_logps` of the rows run as one packed row (`units.packed_rows`)."""
+    num_rows = batch["input_ids"].shape[0]
+    packed, owners = pack_rows(batch)
+    if chunk_size is not None:
+        hidden, head, targets, trained = head_inputs(model, packed, IGNORE_INDEX,
+                                                     use_cache_keyword)
+        log_probs = linear_log_probs(hidden, head.weight, head.bias, targets, chunk_size)
+    else:
+        logits, targets = lm_logits(model, packed, IGNORE_INDEX, use_cache_keyword)
+        trained = targets != IGNORE_INDEX
+        log_probs = -_token_nll(logits, targets)[trained.flatten()]
+    rows = owners[trained[0]]  # the packed row's trained positions, in order
+    sums = torch.zeros(num_rows, dtype=log_probs.dtype, device=log_probs.device)
+    return sums.index_add(0, rows, log_probs), torch.bincount(rows, minlength=num_rows)
 
 
 def pair_losses(config: PreferenceLossKind, policy: Tensor, counts: Tensor,

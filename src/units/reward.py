@@ -19,6 +19,14 @@ Metrics, TRL's names, means over pairs summed exactly over DP: ``accuracy`` (sha
 with r_c > r_r, strictly: a tie counts as wrong, as TRL's), ``margin`` (r_c - r_r),
 ``mean_reward`` (over both sides), ``min_reward``, ``max_reward``; and ``rewards/chosen``,
 ``rewards/rejected`` (the sides' means, DPO's names: TRL 1.16's reward trainer logs none).
+
+A model whose attention is per document (`models.hf.document_attention`, which the objective
+switches on) and whose parameters are not sharded runs the batch's rows packed into one row
+without their padding (positions restarting at each row), its `score` head's output read
+at each row's scored token: the same scores up to the order of float additions, for the
+rows' own lengths instead of the longest's. (FSDP2 unshards its root's parameters for
+backward from the model's returned output, which this path does not use: sharded models run
+the rows padded.)
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from torch import Tensor, nn
 
 from units.causal_lm import LMBatch
 from units.metrics import MetricBag
+from units.packed_rows import attends_per_document
 from units.unit import EvalUnit, TrainUnit
 
 __all__ = ["METRICS", "RewardEvalUnit", "RewardLoss", "RewardUnit", "pair_rewards"]
@@ -59,12 +68,60 @@ class RewardLoss(BaseModel):
 def pair_rewards(model: nn.Module, batch: LMBatch) -> tuple[Tensor, Tensor]:
     """(r_chosen [n], r_rejected [n]): the model's score of each row (its logit at the last
     token that is not its config's pad token)."""
-    scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   use_cache=False).logits
+    head = _packable_score_head(model)
+    if head is None:
+        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       use_cache=False).logits
+    else:
+        scores = _packed_scores(model, head, batch)
     assert scores.shape[-1] == 1, "a reward model has one label (num_labels=1)"
     scores = scores[:, 0]
     n = scores.shape[0] // 2
     return scores[:n], scores[n:]
+
+
+def _packable_score_head(model: nn.Module) -> nn.Module | None:
+    """The `score` module of an unsharded model that attends per document (the outermost
+    one: a LoRA wrapper's, whose output is the head's), else None (the rows run padded)."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()) \
+            or not attends_per_document(model):
+        return None
+    heads = [(name, m) for name, m in model.named_modules()
+             if name == "score" or name.endswith(".score")]
+    if not heads:
+        return None
+    return min(heads, key=lambda item: item[0].count("."))[1]
+
+
+def _packed_scores(model: nn.Module, head: nn.Module, batch: LMBatch) -> Tensor:
+    """Scores [rows, 1] of the right-padded rows run as one packed row: the head's output
+    at each row's last token that is not the pad token (transformers' rule, so the export
+    scores the same)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise ValueError("a reward batch pads on the right; this one pads on the left")
+    pad_id = _pad_token_id(model)
+    columns = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    scored = (columns * (ids != pad_id)).argmax(-1) if pad_id is not None \
+        else mask.sum(-1) - 1
+    lengths = mask.sum(-1)
+    starts = lengths.cumsum(0) - lengths
+    captured: list[Tensor] = []
+    hook = head.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        model(input_ids=ids[mask][None], position_ids=columns[mask][None], use_cache=False)
+    finally:
+        hook.remove()
+    return captured[-1][0, starts + scored]
+
+
+def _pad_token_id(model: nn.Module) -> int | None:
+    config = next((m.config for m in model.modules()
+                   if getattr(getattr(m, "config", None), "pad_token_id", None) is not None),
+                  None)
+    return None if config is None else config.pad_token_id
 
 
 class _Scorer:

@@ -16,11 +16,12 @@ import pytest
 import torch
 from recipe_runs import assert_one_line_errors, describe, metric_records, run_all, torchrun
 from reward_hand import ranked_right, step_by_hand
-from tolerances import FLOAT32_UNIT
+from tolerances import FLOAT32_UNIT, reordered_sum_rtol
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from gangs import FakeGang, setup_gangs
 from gangtrain.models.hf import load_pretrained
+from gangtrain.models.hf.document_attention import use_document_attention
 from gangtrain.posttrain.objectives.preference import prepare_pairs
 from gangtrain.posttrain.objectives.reward import RewardConfig
 from gangtrain.rl.rewards import ModelReward
@@ -32,7 +33,7 @@ from units.reward import RewardLoss, RewardUnit
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 NUM_VALID = 24
-STEPS = 6
+STEPS = 10
 COEFFICIENT = 0.01
 MARGINS = (0.0, 0.5, -0.25, 1.0)
 
@@ -55,8 +56,8 @@ def args(out: Path, tiny, *extra: str, train: Path | None = None) -> list:
     return [out, "--preset", "tiny", "--set", f"model.path={model}",
             "--set", f"data.files=[{train or pairs}]", "--set", f"data.valid_files=[{valid}]",
             "--set", f"data.cache_dir={cache}", "--set", f"trainer.max_num_steps={STEPS}",
-            "--set", "trainer.validate_every_n_steps=2",
-            "--set", "trainer.checkpoint_every_n_steps=2",
+            "--set", "trainer.validate_every_n_steps=5",
+            "--set", "trainer.checkpoint_every_n_steps=5",
             "--set", "trainer.publish_metrics_every_n_steps=1",
             "--set", "optimizer.lr=2e-5", *extra]
 
@@ -115,9 +116,12 @@ def test_step_one_loss_and_gradient_norm_equal_the_hand_computation(runs, tiny):
             assert step1[key] == pytest.approx(hand[key], rel=1e-5, abs=1e-6)
 
 
-def test_the_units_whole_step_one_gradient_equals_the_hand_computation(tiny):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_units_whole_step_one_gradient_equals_the_hand_computation(tiny, packed):
     """The real reader and unit in float64 (the Trainer's division: the micro-batches'
-    summed losses backward, the gradient divided by the pairs after): every element."""
+    summed losses backward, the gradient divided by the pairs after): every element.
+    Packed: the model attends per document, as the recipe makes it, so each batch's rows
+    run as one packed row, the score read at each row's last token."""
     model_dir, four = tiny[0], tiny[1]
     config = RewardConfig.model_validate({
         "model": {"path": str(model_dir)},
@@ -126,6 +130,8 @@ def test_the_units_whole_step_one_gradient_equals_the_hand_computation(tiny):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     reader = prepare_pairs(config, tokenizer).train
     model = initial_model(model_dir)
+    if packed:
+        assert use_document_attention(model)
     unit = RewardUnit(model, RewardLoss(center_rewards_coefficient=COEFFICIENT))
     metrics, count = MetricBag(), 0
     batches = iter(reader)
@@ -153,10 +159,11 @@ def test_data_parallel_equals_one_process(runs, layout):
         assert found.keys() == reference.keys()
         gap = max(abs(found[s][prefix + k] - reference[s][prefix + k])
                   / max(1.0, abs(reference[s][prefix + k])) for s in reference for k in keys)
-        print(f"{layout} {section}: largest gap to one process {gap:.1e}")
-        # Sums of <= 16 float32 terms in another order, carried by AdamW over 6 steps: a
-        # rounding gap of 2 n u per step grows through lr / sqrt(v) moves; 1e-5 is ~100 u.
-        assert gap < 1e-5, section
+        print(f"{layout} {section}: largest gap to one process over {STEPS} steps {gap:.1e}")
+        # Sums of <= 16 float32 terms (a micro-batch's pairs, split over 2 ranks) in another
+        # order: 2 n u apart a step (tests/tolerances.py), carried into the weights step
+        # after step (AdamW's lr / sqrt(v) moves, of either sign): at most the steps' sum.
+        assert gap < STEPS * reordered_sum_rtol(16), section
 
 
 def test_exported_model_ranks_as_the_published_valid_accuracy(runs, tiny):
@@ -189,7 +196,7 @@ def test_exported_model_ranks_as_the_published_valid_accuracy(runs, tiny):
 def test_lora_trains_the_score_head_and_exports_a_scoring_model(runs, tiny):
     out = runs["lora"]
     valid = metric_records(out, "valid")
-    assert valid[STEPS]["valid/loss"] < valid[2]["valid/loss"] < math.log(2) + 0.1
+    assert valid[STEPS]["valid/loss"] < valid[5]["valid/loss"] < math.log(2) + 0.1
     model = AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()
     start = initial_model(tiny[0])
     assert not torch.allclose(model.score.weight.double(), start.score.weight)  # it trained

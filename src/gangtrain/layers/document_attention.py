@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["document_attention", "document_spans"]
+__all__ = ["DOCUMENT_ATTENTION_NAME", "document_attention", "document_spans"]
+
+DOCUMENT_ATTENTION_NAME = "gangtrain_documents"
+"""The name this kernel is registered under in transformers' attention interface
+(`models.hf.document_attention`): a model's ``config._attn_implementation`` reads it when
+the model attends per document."""
 
 
 def document_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:

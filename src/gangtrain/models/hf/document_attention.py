@@ -21,11 +21,9 @@ from typing import Any
 
 from torch import Tensor
 
-from gangtrain.layers.document_attention import document_attention
+from gangtrain.layers.document_attention import DOCUMENT_ATTENTION_NAME, document_attention
 
 __all__ = ["DOCUMENT_ATTENTION_NAME", "use_document_attention"]
-
-DOCUMENT_ATTENTION_NAME = "gangtrain_documents"
 
 _UNSUPPORTED = {"sliding_window": "a sliding window", "softcap": "soft-capped scores",
                 "s_aux": "attention sinks"}

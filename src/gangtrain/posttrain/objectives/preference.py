@@ -40,6 +40,8 @@ from gangtrain.data.unpaired import (
     tokenize_unpaired,
     with_room,
 )
+from gangtrain.models.hf.document_attention import use_document_attention
+from gangtrain.models.hf.model_files import hf_model_of
 from gangtrain.models.hf.vision import is_vlm
 from gangtrain.posttrain.objective import Objective, Parts
 from gangtrain.posttrain.objectives.vision_ddp import policy_options
@@ -306,6 +308,9 @@ class PreferenceObjective(Objective):
         loss = config.loss.settings()
         if isinstance(loss, KTOLoss):  # its KL estimate is the step's, over the DP gang
             loss.bind(a.gangs.dp)
+            for model in (a.model, a.reference):  # its rows then run packed (units.packed_rows)
+                if model is not None and hf_model_of(model) is not None:
+                    use_document_attention(hf_model_of(model))
         unit = PreferenceUnit(a.model, loss, a.reference) if train else None
         return Parts(unit, data.train, [PreferenceEvalUnit(a.model, loss, a.reference)],
                      [data.valid])

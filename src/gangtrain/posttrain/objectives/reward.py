@@ -23,6 +23,8 @@ from pydantic import Field
 from gangtrain.app.config.sections import GangsSection, LoraSection, LRSchedulerSection, Section
 from gangtrain.app.config.trainer_config import FINETUNING_TRAINER, AdamWConfig, TrainerConfig
 from gangtrain.app.pretrained import check_layout
+from gangtrain.models.hf.document_attention import use_document_attention
+from gangtrain.models.hf.model_files import hf_model_of
 from gangtrain.posttrain.objective import Objective, Parts, data_parallel_only
 from gangtrain.posttrain.objectives.preference import (
     DataSection as PairSection,
@@ -99,5 +101,8 @@ class RewardObjective(Objective):
         return f"; a reward model (one label){'' if c is None else f', centring {c}'}"
 
     def build(self, config: RewardConfig, a: Any, data: PairData, train: bool) -> Parts:
+        hf_model = hf_model_of(a.model)
+        if hf_model is not None:
+            use_document_attention(hf_model)  # the unit then packs each batch's rows
         unit = RewardUnit(a.model, config.loss) if train else None
         return Parts(unit, data.train, [RewardEvalUnit(a.model, config.loss)], [data.valid])
