@@ -137,6 +137,7 @@ def main() -> None:
         write_multiply_prompts,
     )
 
+    began = time.perf_counter()
     work = args.work or Path(tempfile.mkdtemp(prefix="agent_multiply_"))
     model = make_multiply_model(work / "model", hidden_size=args.hidden,
                                 num_layers=args.layers)
@@ -167,7 +168,8 @@ def main() -> None:
     no_tool_with = accuracy(exported(work / "grpo_no_tool"), held_out, with_tool=True)
     print(f"held-out greedy exact-match accuracy ({len(held_out)} prompts): warm-up "
           f"{warm_acc:.3f}; GRPO+tool {tool_acc:.3f}; GRPO-no-tool {no_tool_acc:.3f} "
-          f"(run with the tool afterwards: {no_tool_with:.3f})")
+          f"(run with the tool afterwards: {no_tool_with:.3f}); the whole script "
+          f"{(time.perf_counter() - began) / 60:.1f} min")
 
 
 if __name__ == "__main__":
