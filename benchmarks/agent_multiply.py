@@ -14,10 +14,12 @@
    loop the recipe rolls out with (`gangtrain.rl.agents.AgentLoop`, temperature 0).
 
     .venv/bin/python -m benchmarks.agent_multiply [--sft-steps 220] [--grpo-steps 40]
-        [--lr 3e-4] [--work DIR]
+        [--lr 3e-4] [--seeds 2,1,3,4] [--work DIR]
 
-Prints the three accuracies, the mean sampled reward per publish interval of each GRPO run
-and the wall time of each phase.
+Prints the accuracies (GRPO+tool once per seed of ``--seeds``), the mean sampled reward per
+publish interval of each GRPO run and the wall time of each phase. Without the tool no
+sampled completion gets a product right (a tiny model cannot multiply 3-digit numbers), so
+every group's rewards are equal, every advantage 0, and GRPO has nothing to learn from.
 """
 
 from __future__ import annotations
@@ -128,6 +130,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--held-out", type=int, default=200)
+    parser.add_argument("--seeds", default="2,1,3,4",
+                        help="trainer.seed of each GRPO+tool run (2: the recipe's default); "
+                             "GRPO-no-tool runs with the first")
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     from gangtrain.tiny.tools import (
@@ -155,21 +160,24 @@ def main() -> None:
           f"held-out greedy accuracy (tool) {warm_acc:.3f} ({len(held_out)} prompts, "
           f"{eval_s:.0f} s)", flush=True)
 
-    times = {}
-    for name, with_tool in (("tool", True), ("no_tool", False)):
-        times[name] = run("recipes.grpo", *grpo_arguments(
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = [(f"tool_seed{seed}", True, seed) for seed in seeds] + [("no_tool", False, seeds[0])]
+    for name, with_tool, seed in runs:
+        seconds = run("recipes.grpo", *grpo_arguments(
             work / f"grpo_{name}", warm, prompts, args.grpo_steps, args.lr, with_tool,
-            args.batch, args.generations))
+            args.batch, args.generations), "--set", f"trainer.seed={seed}")
         print(f"GRPO {name}: {args.grpo_steps} steps ({args.batch} completions, "
-              f"{args.generations} a prompt, lr {args.lr}) in {times[name] / 60:.1f} min; "
+              f"{args.generations} a prompt, lr {args.lr}) in {seconds / 60:.1f} min; "
               f"mean sampled reward {rewards_of(work / f'grpo_{name}')}", flush=True)
-    tool_acc = accuracy(exported(work / "grpo_tool"), held_out, with_tool=True)
+    tool_acc = [accuracy(exported(work / f"grpo_tool_seed{seed}"), held_out, with_tool=True)
+                for seed in seeds]
     no_tool_acc = accuracy(exported(work / "grpo_no_tool"), held_out, with_tool=False)
     no_tool_with = accuracy(exported(work / "grpo_no_tool"), held_out, with_tool=True)
     print(f"held-out greedy exact-match accuracy ({len(held_out)} prompts): warm-up "
-          f"{warm_acc:.3f}; GRPO+tool {tool_acc:.3f}; GRPO-no-tool {no_tool_acc:.3f} "
-          f"(run with the tool afterwards: {no_tool_with:.3f}); the whole script "
-          f"{(time.perf_counter() - began) / 60:.1f} min")
+          f"{warm_acc:.3f}; GRPO+tool " + ", ".join(
+              f"{a:.3f} (seed {s})" for a, s in zip(tool_acc, seeds, strict=True)) +
+          f"; GRPO-no-tool {no_tool_acc:.3f} (run with the tool afterwards: "
+          f"{no_tool_with:.3f}); the whole script {(time.perf_counter() - began) / 60:.1f} min")
 
 
 if __name__ == "__main__":
