@@ -14,6 +14,7 @@ re-rendered or re-tokenised.
 from __future__ import annotations
 
 import inspect
+import json
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -132,6 +133,7 @@ class AgentLoop:
                 ) -> tuple[list[Trajectory], list[Any]]:
         envs = [self.factory() if self.factory else None for _ in rows]
         toolsets, prompts, suffixes, histories = [], [], [], []
+        encoded: dict[str, list[int]] = {}
         for row, env in zip(rows, envs, strict=True):
             messages = [dict(m) for m in row["prompt"]]
             tools = list(self.tools)
@@ -142,8 +144,20 @@ class AgentLoop:
                 tools += environment_tools(env)
             schemas = [t.schema for t in tools]
             suffix = TemplateSuffix(self.tokenizer, self.eot, schemas)
-            text = suffix.render(messages, True)
-            prompts.append(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+            # a group's rows share their prompt: rendered and tokenised once (a prompt that
+            # is not plain JSON, e.g. with images, every time)
+            try:
+                key = json.dumps([messages, schemas], sort_keys=True)
+            except TypeError:
+                key = None
+            if key is not None and key in encoded:
+                ids = encoded[key]
+            else:
+                text = suffix.render(messages, True)
+                ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                if key is not None:
+                    encoded[key] = ids
+            prompts.append(list(ids))
             if len(prompts[-1]) + 1 >= self.capacity:
                 raise ValueError(f"a prompt rendered with its tools' schemas is "
                                  f"{len(prompts[-1])} tokens: no room for a turn in the "
