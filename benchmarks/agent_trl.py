@@ -18,6 +18,9 @@ most 2 tool rounds (ours: ``generation.max_turns=3`` assistant turns; TRL:
 toy template is Qwen2.5's format; TRL does not recognise it by name). TRL 1.16 is not a
 dependency: ``pip install trl==1.16.0``.
 
+``--turn-timing --model DIR``: one turn of generation alone, the engine (sync every 8 and
+every token) against ``model.generate``, in one process.
+
 Prints per implementation and round: optimizer steps/s (median step time after the first 2
 steps), peak RSS, tool calls and turns per trajectory, the mean reward per step; then the
 ratios, ours over TRL (medians over rounds; the order alternates by round).
@@ -34,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.agent_multiply import REWARD, TOOL, run, sft_arguments
 from benchmarks.grpo_trl import peak_rss_gib
@@ -113,6 +117,46 @@ def trl(work: Path, args: argparse.Namespace) -> dict[str, object]:
             "reward_curve": [round(r["reward"], 3) for r in logs]}
 
 
+def turn_timing(model_dir: Path, repeats: int = 7) -> None:
+    """Generation alone, one turn of 16 rows (2 prompts x 8), in this process: the engine at
+    two sync intervals against `model.generate` (medians of ``repeats``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gangtrain.rl.generation import HFGenerator
+    from gangtrain.rl.tools import tool_of
+    from gangtrain.tiny.tools import multiply, multiply_records
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = [tokenizer.apply_chat_template(r["prompt"], tools=[tool_of(multiply).schema],
+                                             add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+               for r in multiply_records(2, seed=3) for _ in range(8)]
+    stop = [tokenizer.eos_token_id, tokenizer.pad_token_id]
+
+    def median_ms(generate: Any) -> float:
+        times = []
+        with torch.no_grad():
+            for rep in range(repeats):
+                start = time.perf_counter()
+                generate(rep)
+                times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    for sync in (8, 1):
+        engine = HFGenerator(model, stop_ids=stop, pad_id=tokenizer.pad_token_id,
+                             max_new_tokens=MAX_NEW_TOKENS, sync_every=sync)
+        ms = median_ms(lambda rep: engine.generate(prompts, range(rep * 16, rep * 16 + 16)))  # noqa: B023
+        print(f"engine, sync_every={sync}: {ms:.1f} ms a turn of 16 rows")
+    ids = torch.tensor(prompts)
+    ms = median_ms(lambda rep: model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=MAX_NEW_TOKENS,
+        eos_token_id=stop, pad_token_id=tokenizer.pad_token_id))
+    print(f"model.generate: {ms:.1f} ms a turn of 16 rows")
+
+
 def child(args: argparse.Namespace) -> None:
     import torch
 
@@ -147,9 +191,17 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--child", choices=["ours", "trl"], default=None)
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--turn-timing", action="store_true",
+                        help="only time one turn of generation, ours against model.generate "
+                             "(needs --model; no TRL)")
     args = parser.parse_args()
     if args.child is not None:
         child(args)
+        return
+    if args.turn_timing:
+        if args.model is None:
+            raise SystemExit("--turn-timing needs --model (the toy task's WORK/sft/hf)")
+        turn_timing(args.model)
         return
     try:
         import trl
