@@ -66,7 +66,8 @@ def test_the_reward_counts_a_final_answer_only():
         [call],                                            # ran out of turns
         [{"role": "assistant", "content": '<tool_call>{"a": 6}</tool_call>'}],  # no tool
         [{"role": "assistant", "content": "6"}],           # answered without the tool
-    ], [6] * 7) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+        "It is 6.", "It is 7.",                            # text completions
+    ], [6] * 9) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
 
 
 def test_the_benchmarks_evaluation_and_settings(model_dir, tmp_path):

@@ -126,10 +126,13 @@ def final_answer_match(completions: list[Any], answer: list[int], **_: Any) -> l
     arguments does not count. Single-turn completions (no tools) are one assistant message."""
     out = []
     for completion, expected in zip(completions, answer, strict=True):
-        last = completion[-1] if isinstance(completion, list) and completion else {}
-        text = last.get("content") or "" if isinstance(last, dict) else str(completion)
-        final = (last.get("role", "assistant") == "assistant" and not last.get("tool_calls")
-                 and "<tool_call>" not in text) if isinstance(last, dict) else True
+        if isinstance(completion, str):  # a text prompt's completion
+            last: dict[str, Any] = {"role": "assistant", "content": completion}
+        else:
+            last = completion[-1] if completion else {}
+        text = last.get("content") or ""
+        final = (last.get("role") == "assistant" and not last.get("tool_calls")
+                 and "<tool_call>" not in text)
         numbers = NUMBER.findall(text)
         out.append(1.0 if final and numbers and int(numbers[-1]) == int(expected) else 0.0)
     return out
