@@ -36,6 +36,7 @@ CONDITIONAL = {
     "grpo": {"gangs.pp_schedule": ("gpipe", "gangs.pp_size"),
              "gangs.pp_boundaries": ("[1]", "gangs.pp_size"),
              "generation.max_turns": ("2", "tools"), "generation.tool_timeout": ("5", "tools"),
+             "generation.tool_isolation": ("process", "tools"),
              "lora.alpha": ("16", "lora.r"), "lora.dropout": ("0.1", "lora.r"),
              "lora.target_modules": ("[q_proj]", "lora.r"), "lora.base_dtype": ("bf16", "lora.r")},
     "preference": {"gangs.pp_schedule": ("gpipe", "gangs.pp_size"),

@@ -14,12 +14,15 @@ re-rendered or re-tokenised.
 from __future__ import annotations
 
 import inspect
+import json
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gangtrain.rl.engine import Engine, Request, Turn
 from gangtrain.rl.generation import Completion
+from gangtrain.rl.tool_process import ToolProcess
 from gangtrain.rl.tools import Tool, ToolResult, parse_tool_calls, run_tool, tool_of
 
 __all__ = ["AgentLoop", "TemplateSuffix", "Trajectory", "environment_tools", "metrics"]
@@ -84,6 +87,28 @@ def environment_tools(env: Any) -> list[Tool]:
             if not name.startswith("_") and name not in ("reset", "reward")]
 
 
+def isolated_process(tools: Sequence[Tool], environment_factory: Any, isolation: str
+                     ) -> ToolProcess | None:
+    """``isolation="process"``: the worker process the tools run in (killed at the timeout);
+    refused for an environment (its methods hold the trajectory's state here) and for a tool
+    that cannot be sent there by reference (not a module-level function)."""
+    if isolation == "thread":
+        return None
+    if isolation != "process":
+        raise ValueError(f"tool isolation {isolation!r} is not 'thread' or 'process'")
+    if environment_factory is not None:
+        raise ValueError("tool isolation 'process' runs tools= functions in a worker process; "
+                         "an environment's methods hold each trajectory's state in this "
+                         "process and cannot run there: use 'thread' with an environment")
+    for tool in tools:
+        try:
+            pickle.dumps(tool.fn)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise ValueError(f"tool {tool.name!r} cannot run in a worker process (it must be "
+                             f"a module-level function): {e}") from None
+    return ToolProcess()
+
+
 class AgentLoop:
     """Rolls out trajectories: each row's prompt messages (``row["prompt"]``), the policy's
     turns sampled by ``engine`` (continued rows: a tool result is prefilled into the row's slot),
@@ -96,17 +121,19 @@ class AgentLoop:
                  environment_factory: Callable[[], Any] | None = None, fmt: str = "hermes",
                  max_turns: int = 4, max_new_tokens: int = 256, capacity: int = 2048,
                  tool_timeout: float | None = 10.0, max_result_chars: int = 2000,
-                 eot: str | None = None) -> None:
+                 eot: str | None = None, tool_isolation: str = "thread") -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.tools, self.factory, self.fmt = list(tools), environment_factory, fmt
         self.max_turns, self.max_new_tokens, self.capacity = max_turns, max_new_tokens, capacity
         self.tool_timeout, self.max_result_chars = tool_timeout, max_result_chars
         self.eot = eot or tokenizer.eos_token
+        self.process = isolated_process(self.tools, environment_factory, tool_isolation)
 
     def rollout(self, rows: Sequence[dict[str, Any]], seeds: Sequence[int]
                 ) -> tuple[list[Trajectory], list[Any]]:
         envs = [self.factory() if self.factory else None for _ in rows]
         toolsets, prompts, suffixes, histories = [], [], [], []
+        encoded: dict[str, list[int]] = {}
         for row, env in zip(rows, envs, strict=True):
             messages = [dict(m) for m in row["prompt"]]
             tools = list(self.tools)
@@ -117,8 +144,20 @@ class AgentLoop:
                 tools += environment_tools(env)
             schemas = [t.schema for t in tools]
             suffix = TemplateSuffix(self.tokenizer, self.eot, schemas)
-            text = suffix.render(messages, True)
-            prompts.append(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+            # a group's rows share their prompt: rendered and tokenised once (a prompt that
+            # is not plain JSON, e.g. with images, every time)
+            try:
+                key = json.dumps([messages, schemas], sort_keys=True)
+            except TypeError:
+                key = None
+            if key is not None and key in encoded:
+                ids = encoded[key]
+            else:
+                text = suffix.render(messages, True)
+                ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                if key is not None:
+                    encoded[key] = ids
+            prompts.append(list(ids))
             if len(prompts[-1]) + 1 >= self.capacity:
                 raise ValueError(f"a prompt rendered with its tools' schemas is "
                                  f"{len(prompts[-1])} tokens: no room for a turn in the "
@@ -152,7 +191,9 @@ class AgentLoop:
                 return None
             results: list[ToolResult] = [
                 run_tool(toolsets[i], c, timeout=self.tool_timeout,
-                         max_chars=self.max_result_chars) for c in calls]
+                         max_chars=self.max_result_chars,
+                         process=self.process if toolsets[i].get(c.name) in self.tools
+                         else None) for c in calls]
             t.tool_calls += len(results)
             t.tool_failures += sum(r.failed for r in results)
             new = [{"role": "tool", "name": r.name, "content": r.content} for r in results]

@@ -20,8 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FORMATS", "Tool", "ToolCall", "ToolResult", "load_tools", "parse_tool_calls",
-           "run_tool", "tool_of"]
+from gangtrain.rl.tool_process import ToolCrashed, ToolProcess, ToolRaised, ToolTimedOut
+
+__all__ = ["FORMATS", "Tool", "ToolCall", "ToolResult", "call_tool", "load_tools",
+           "parse_tool_calls", "result_text", "run_tool", "tool_of"]
 
 
 @dataclass(frozen=True)
@@ -186,17 +188,25 @@ def parse_tool_calls(text: str, fmt: str = "hermes", tokenizer: Any = None
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
 
 
-def _call(fn: Callable[..., Any], args: dict[str, Any]) -> Any:
+def call_tool(fn: Callable[..., Any], args: dict[str, Any]) -> Any:
+    """``fn(**args)``; a coroutine function run to its end."""
     if inspect.iscoroutinefunction(fn):
         return asyncio.run(fn(**args))
     return fn(**args)
 
 
+def result_text(value: Any) -> str:
+    """What the policy reads: a string as it is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
 def run_tool(tools: dict[str, Tool], call: ToolCall, *, timeout: float | None = 10.0,
-             max_chars: int = 2000) -> ToolResult:
+             max_chars: int = 2000, process: ToolProcess | None = None) -> ToolResult:
     """Run one call; nothing it does raises here: an unknown tool, bad arguments, an
     exception or a timeout become the result's text (as TRL returns errors to the policy),
-    flagged ``failed``. A result longer than ``max_chars`` is cut with a marker."""
+    flagged ``failed``. A result longer than ``max_chars`` is cut with a marker.
+    ``process``: run it there, killed at the timeout (`gangtrain.rl.tool_process`); None:
+    in a thread, abandoned at the timeout."""
     tool = tools.get(call.name)
     if tool is None:
         return ToolResult(call.name, f"Error: unknown tool {call.name!r}", failed=True,
@@ -206,19 +216,31 @@ def run_tool(tools: dict[str, Tool], call: ToolCall, *, timeout: float | None = 
     except TypeError as e:
         return ToolResult(call.name, f"Error: bad arguments for {call.name}: {e}", failed=True,
                           error="arguments")
-    future = _POOL.submit(_call, tool.fn, call.arguments)
-    try:
-        value = future.result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-        # a Python thread cannot be killed: it is abandoned (it holds a pool worker until it
-        # returns; its result is never read). The run goes on without it.
-        future.cancel()
-        return ToolResult(call.name, f"Error: {call.name} timed out after {timeout} s",
-                          failed=True, timed_out=True, error="timeout")
-    except Exception as e:  # noqa: BLE001 - any tool error is the policy's result
-        return ToolResult(call.name, f"Error: {type(e).__name__}: {e}", failed=True,
-                          error=type(e).__name__)
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    timed_out = ToolResult(call.name, f"Error: {call.name} timed out after {timeout} s",
+                           failed=True, timed_out=True, error="timeout")
+    if process is not None:
+        try:
+            text = process.call(tool.fn, call.arguments, timeout)
+        except ToolTimedOut:
+            return timed_out
+        except ToolRaised as e:
+            return ToolResult(call.name, f"Error: {e.args[0]}: {e.args[1]}", failed=True,
+                              error=e.args[0])
+        except ToolCrashed as e:
+            return ToolResult(call.name, f"Error: {call.name} crashed: {e}", failed=True,
+                              error="crashed")
+    else:
+        future = _POOL.submit(call_tool, tool.fn, call.arguments)
+        try:
+            text = result_text(future.result(timeout=timeout))
+        except concurrent.futures.TimeoutError:
+            # a Python thread cannot be killed: it is abandoned (it holds a pool worker until
+            # it returns; its result is never read). The run goes on without it.
+            future.cancel()
+            return timed_out
+        except Exception as e:  # noqa: BLE001 - any tool error is the policy's result
+            return ToolResult(call.name, f"Error: {type(e).__name__}: {e}", failed=True,
+                              error=type(e).__name__)
     if len(text) > max_chars:
         return ToolResult(call.name, text[:max_chars] + f"... [cut: {len(text)} chars]",
                           cut=True)

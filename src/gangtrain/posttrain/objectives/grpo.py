@@ -100,6 +100,11 @@ class GenerationSection(Section):
     of sampled tokens is max_new_tokens, over all its turns)."""
     tool_timeout: float = Field(default=10.0, gt=0)
     """Seconds a tool call may run; past it, the policy reads a timeout error."""
+    tool_isolation: Literal["thread", "process"] = "thread"
+    """thread: tools run in a thread of the trainer's process, abandoned at the timeout (a
+    thread cannot be killed). process: tools= functions run in a worker process, killed at
+    the timeout (a hard stop for tools that ignore it) and restarted; not with an
+    environment (its methods hold the trajectory's state in the trainer's process)."""
     engine: Literal["hf", "vllm"] = "hf"
     """hf: the policy itself through `gangtrain.rl.engine` (slot KV cache, continuous
     batching). vllm: a colocated vLLM (needs vllm and a GPU; refused by name otherwise)."""
@@ -146,11 +151,16 @@ class GRPOConfig(Section):
         """A multi-turn setting without tools or an environment would be ignored: refused."""
         if not self.tools and self.environment is None:
             gen = self.generation
-            for name in ("max_turns", "tool_timeout"):
+            for name in ("max_turns", "tool_timeout", "tool_isolation"):
                 if getattr(gen, name) != type(gen).model_fields[name].get_default():
                     raise ValueError(f"generation.{name} is set but there are no tools or "
                                      "environment (single-turn): set tools= or environment=, "
                                      "or leave it out")
+        if self.environment is not None and self.generation.tool_isolation == "process":
+            raise ValueError("generation.tool_isolation=process runs tools= functions in a "
+                             "worker process; an environment's methods hold each "
+                             "trajectory's state in the trainer's process and cannot run "
+                             "there: set generation.tool_isolation=thread with environment=")
         return self
 
     @field_validator("environment")
@@ -405,7 +415,7 @@ def _agent(config: GRPOConfig, a: Any, generator: HFGenerator, data: _Inputs
                      tools=load_tools(config.tools, resolve=import_object),
                      environment_factory=factory, max_turns=gen.max_turns,
                      max_new_tokens=gen.max_new_tokens, capacity=capacity,
-                     tool_timeout=gen.tool_timeout)
+                     tool_timeout=gen.tool_timeout, tool_isolation=gen.tool_isolation)
 
 
 def _valid(config: GRPOConfig, a: Any, data: _Inputs, rewards: list[RewardSource]
