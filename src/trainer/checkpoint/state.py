@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from gangtrain.layers.lora import lora_settings_of
 
 _PLAIN = (torch.Tensor, int, float, str, bool, type(None))
+SECTIONS = ("state", "param_groups")  # of a flattened optimizer state's keys
 
 
 def model_optim_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
@@ -73,50 +74,37 @@ def with_aliases(model_state: dict[str, Any], aliases: dict[str, str]) -> dict[s
 
 def set_model_optim_state(model: nn.Module, optimizer: Optimizer | None,
                           state: dict[str, Any], unsaved: Sequence[torch.Tensor] = ()) -> None:
-    """Put `state` (`model_optim_state`'s form, filled by DCP) into `model` and `optimizer`.
-    `unsaved`: the parameters `without_unsaved_states` took out of it, left without state."""
+    """Put `state` (`model_optim_state`'s form, filled by DCP) into `model` and `optimizer`,
+    `unsaved` (`without_unsaved_states`) left without state: torch reads none for an empty one."""
     options = _options(model)
     state = {**state, "model": with_aliases(state["model"], tied_aliases(model))}
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=options)
         return
-    for param in unsaved:  # an empty entry: torch then reads no state for it
-        optimizer.state[param] = {}
+    optimizer.state.update({param: {} for param in unsaved})
     with quiet_state_init(optimizer):
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=options)
     for param in unsaved:
-        optimizer.state.pop(param, None)
+        del optimizer.state[param]
 
 
 def without_unsaved_states(model: nn.Module, optimizer: Optimizer, state: dict[str, Any],
                            saved: Collection[str]) -> list[torch.Tensor]:
-    """The trainable parameters with no optimizer state among `saved` (the checkpoint's DCP
-    keys), their entries taken out of `state` (`model_optim_state`'s form, about to be
-    filled). AdamW makes a parameter's state at its first gradient: one that had none by
-    the save (a vision tower's last layer norm, which the loss never reaches) was saved
-    without state, and the resumed run must make it when the run never stopped does."""
-    fqns: dict[int, set[str]] = {}
-    for name, param in model.named_parameters():
-        fqns.setdefault(id(param), set()).update(_get_fqns(model, name))
-    optim_state = state["optimizer"]
+    """The trainable parameters saved with no optimizer state (AdamW makes it at a first
+    gradient: a vision tower's unused `post_layernorm` never has one), their entries taken
+    out of `state` (`model_optim_state`'s, to be filled from `saved`: the DCP keys)."""
+    fqns = {id(p): _get_fqns(model, name) for name, p in model.named_parameters()}
     unsaved = []
-    def keys(section: str, param: torch.Tensor) -> list[str]:
-        prefixes = tuple(f"{section}.{fqn}." for fqn in fqns.get(id(param), ()))
-        return [key for key in optim_state if prefixes and key.startswith(prefixes)]
-
-    def in_checkpoint(key: str) -> bool:
-        return f"optimizer.{key}" in saved
-
     for param in [p for group in optimizer.param_groups for p in group["params"]]:
-        state_keys = keys("state", param)
-        # Saved with the optimizer, without any state. (Some of a state but not all is
-        # another optimizer; no optimizer at all, a model-only save: DCP's error names it.)
-        if state_keys and not any(map(in_checkpoint, state_keys)) \
-                and any(map(in_checkpoint, keys("param_groups", param))):
+        keys = {section: [k for k in state["optimizer"] for fqn in fqns.get(id(param), ())
+                          if k.startswith(f"{section}.{fqn}.")] for section in SECTIONS}
+        # Some state saved, or no param group (a model-only save): DCP's error names it.
+        if keys["state"] and not any(f"optimizer.{k}" in saved for k in keys["state"]) \
+                and any(f"optimizer.{k}" in saved for k in keys["param_groups"]):
             unsaved.append(param)
-            for key in state_keys:
-                del optim_state[key]
+            for key in keys["state"]:
+                del state["optimizer"][key]
     return unsaved
 
 
