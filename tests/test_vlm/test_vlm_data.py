@@ -204,12 +204,19 @@ def test_a_text_only_record_makes_a_batch_without_images_on_any_number_of_ranks(
     assert "pixel_values" not in batch and int((batch["labels"] != -100).sum()) == 2
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["llava", "llava_layer_-2", "gemma3", "idefics3",
+                                    "qwen2_vl"])
 def test_the_dummy_image_pass_changes_no_loss_or_gradient(family, data, tmp_path):
     """A micro-batch without images: the loss and every gradient are bit for bit those of
     the model without the dummy pass, and the tower and projector get zero gradients where
-    they got none: exactly the parameters a batch with an image gives a gradient."""
+    they got none: exactly the parameters a batch with an image gives a gradient (LLaVA-1.5's
+    `vision_feature_layer=-2` too, whose tower's last layer gets none)."""
+    family, _, layer = family.partition("_layer_")
     model_dir = make_tiny_vlm(tmp_path / family, family)
+    if layer:
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps(
+            {**config, "vision_feature_layer": int(layer)}))
     processor = processor_of(model_dir)
     pad = processor.tokenizer.pad_token_id
     bare = vision.padded_batch([vision.encode(processor, r, family) for r in

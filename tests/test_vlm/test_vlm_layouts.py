@@ -81,11 +81,17 @@ def test_ddp2_and_fsdp2_track_one_process_with_ranks_without_images(tmp_path):
     })
     for name, proc in procs.items():
         assert proc.returncode == 0, f"{name}: {describe(proc)}"
+    assert_track_one_process(tmp_path, ("ddp2", "fsdp2"))
+
+
+def assert_track_one_process(root, names: tuple[str, ...]) -> None:  # noqa: ANN001
+    """The train and valid losses at steps 10 and 20 of `root/name` for each of `names`
+    within 1e-5 of `root/one`'s."""
     for section in ("train", "valid"):
-        reference = losses(tmp_path / "one", section)
+        reference = losses(root / "one", section)
         assert sorted(reference) == [10, 20]
-        for name in ("ddp2", "fsdp2"):
-            got = losses(tmp_path / name, section)
+        for name in names:
+            got = losses(root / name, section)
             gap = max(abs(got[s] / reference[s] - 1) for s in reference)
             print(f"{name} {section}: largest relative gap to one process {gap:.1e}")
             # fp32 sums in another order (the gradient all-reduce, the loss over two ranks'

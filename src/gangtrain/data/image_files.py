@@ -1,8 +1,8 @@
 """The JSONL records of preference pairs and GRPO prompts with images (`jsonl_records`), and
-the image files a record names (`images`, or one `image`), checked up front as SFT's image
-records are (`gangtrain.data.vision`): paths relative to the data file, URLs refused (no
-network at train time), each file's header readable (`PIL.Image.open` decodes no pixels);
-a mistake named by file, line and field."""
+the image files a record names (`images`, or one `image`), checked up front for them and for
+SFT's image records (`gangtrain.data.vision`): paths relative to the data file, URLs refused
+(no network at train time), each file's header readable (`PIL.Image.open` decodes no
+pixels); a mistake named by file, line and field."""
 
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from gangs.errors import UserError
 from gangtrain.data.collate import IGNORE_INDEX, _labels
+from gangtrain.data.image_files import image_files, image_names
 
 __all__ = ["ImageRecord", "VLMExample", "encode", "has_images", "packed_batch", "padded_batch",
            "planned_length", "read_records"]
@@ -90,34 +91,12 @@ def has_images(path: str | Path, messages_field: str = "messages") -> bool:
 
 def _check_images(record: dict[str, Any], messages: list[dict[str, Any]], base: Path,
                   where: str) -> list[Path]:
-    images = record.get("images")
-    if images is None and record.get("image") is not None:
-        images = [record["image"]]
-    images = images or []
+    images = image_names(record)
     parts = _image_parts(messages)
     if len(images) != parts:
         raise UserError(f"{where}: field 'images' holds {len(images)} image(s), 'messages' has "
                         f"{parts} image part(s): one file per image part, in order")
-    from PIL import Image
-
-    paths = []
-    for i, name in enumerate(images):
-        field = f"images[{i}]"
-        if not isinstance(name, str):
-            raise UserError(f"{where}: field '{field}' is a {type(name).__name__}: give a path "
-                            "relative to the data file")
-        if "://" in name:
-            raise UserError(f"{where}: field '{field}' is a URL ({name}): there is no network "
-                            "at train time; download the images and give their paths")
-        path = base / name
-        try:
-            with Image.open(path) as image:  # the header only: no pixels decoded
-                image.size  # noqa: B018
-        except (OSError, ValueError) as error:
-            raise UserError(f"{where}: field '{field}': cannot read image {path}: "
-                            f"{error}") from None
-        paths.append(path)
-    return paths
+    return image_files(images, base, where)
 
 
 def read_records(path: str | Path, messages_field: str = "messages") -> list[ImageRecord]:

@@ -33,9 +33,10 @@ class ImageGenerator(HFGenerator):
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                  inputs: Sequence[dict[str, Tensor]] | None = None) -> list[Completion]:
         """One completion per prompt, the i-th sampled with ``seeds[i]`` and prefilled with
-        ``inputs[i]`` (None: text prompts, `HFGenerator.generate`)."""
+        ``inputs[i]`` (None: text prompts, `HFGenerator.generate`). A completion is cut before
+        a placeholder whatever its prompt holds: a batch of text prompts alike."""
         if inputs is None:
-            return super().generate(prompts, seeds)
+            return [self._cut(c) for c in super().generate(prompts, seeds)]
         requests = [Request(list(p), int(s), self.max_new_tokens, inputs=dict(extra) or None)
                     for p, s, extra in zip(prompts, seeds, inputs, strict=True)]
         capacity = max((len(p) for p in prompts), default=1) + self.max_new_tokens + 1

@@ -56,6 +56,7 @@ from trainer.checkpoint.loading import (
 )
 from trainer.checkpoint.manifest import (
     MODEL_OPTIM,
+    SafeFileSystemReader,
     fsync_dir,
     gang_sizes,
     new_manifest,
@@ -72,6 +73,7 @@ from trainer.checkpoint.state import (
     model_optim_state,
     set_model_optim_state,
     tied_aliases,
+    without_unsaved_states,
 )
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.run_dir import CONFIG_FILE
@@ -342,8 +344,11 @@ class CheckpointManager:
         assert manifest is not None  # verified above
 
         self._files(model).check_base(step_dir, model, self.gangs.root)  # adapters: the base?
-        load_dcp(step_dir, state, process_group=self._pg, no_dist=self._no_dist,
-                 then=lambda: set_model_optim_state(model, optimizer, state),
+        reader = SafeFileSystemReader(step_dir / MODEL_OPTIM)
+        unsaved = [] if optimizer is None else without_unsaved_states(
+            model, optimizer, state, reader.read_metadata().state_dict_metadata)
+        load_dcp(step_dir, state, reader=reader, process_group=self._pg, no_dist=self._no_dist,
+                 then=lambda: set_model_optim_state(model, optimizer, state, unsaved),
                  fits="the model or optimizer",
                  # a checkpoint from before tied weights were stored once holds the aliases
                  held_elsewhere=entries_held_elsewhere(state["model"], self.gangs.pp)

@@ -8,7 +8,7 @@ same tensor again (the optimizer state was always stored once)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from gangtrain.layers.lora import lora_settings_of
 
 _PLAIN = (torch.Tensor, int, float, str, bool, type(None))
+SECTIONS = ("state", "param_groups")  # of a flattened optimizer state's keys
 
 
 def model_optim_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
@@ -72,16 +73,39 @@ def with_aliases(model_state: dict[str, Any], aliases: dict[str, str]) -> dict[s
 
 
 def set_model_optim_state(model: nn.Module, optimizer: Optimizer | None,
-                          state: dict[str, Any]) -> None:
-    """Put `state` (`model_optim_state`'s form, filled by DCP) into `model` and `optimizer`."""
+                          state: dict[str, Any], unsaved: Sequence[torch.Tensor] = ()) -> None:
+    """Put `state` (`model_optim_state`'s form, filled by DCP) into `model` and `optimizer`,
+    `unsaved` (`without_unsaved_states`) left without state: torch reads none for an empty one."""
     options = _options(model)
     state = {**state, "model": with_aliases(state["model"], tied_aliases(model))}
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=options)
-    else:
-        with quiet_state_init(optimizer):
-            set_state_dict(model, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"], options=options)
+        return
+    optimizer.state.update({param: {} for param in unsaved})
+    with quiet_state_init(optimizer):
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=options)
+    for param in unsaved:
+        del optimizer.state[param]
+
+
+def without_unsaved_states(model: nn.Module, optimizer: Optimizer, state: dict[str, Any],
+                           saved: Collection[str]) -> list[torch.Tensor]:
+    """The trainable parameters saved with no optimizer state (AdamW makes it at a first
+    gradient: a vision tower's unused `post_layernorm` never has one), their entries taken
+    out of `state` (`model_optim_state`'s, to be filled from `saved`: the DCP keys)."""
+    fqns = {id(p): _get_fqns(model, name) for name, p in model.named_parameters()}
+    unsaved = []
+    for param in [p for group in optimizer.param_groups for p in group["params"]]:
+        keys = {section: [k for k in state["optimizer"] for fqn in fqns.get(id(param), ())
+                          if k.startswith(f"{section}.{fqn}.")] for section in SECTIONS}
+        # Some state saved, or no param group (a model-only save): DCP's error names it.
+        if keys["state"] and not any(f"optimizer.{k}" in saved for k in keys["state"]) \
+                and any(f"optimizer.{k}" in saved for k in keys["param_groups"]):
+            unsaved.append(param)
+            for key in keys["state"]:
+                del state["optimizer"][key]
+    return unsaved
 
 
 def _options(model: nn.Module) -> StateDictOptions:

@@ -16,7 +16,8 @@ no image at all the tower's gradient is then 0, not None, everywhere, so the opt
 the tower alike (AdamW moves a parameter with a zero gradient by its moments and weight
 decay, and skips one without a gradient). The dummy image is what the run's processor makes
 of one grey 28 x 28 image, through the family's own `get_image_features` (tower and
-projector), so it touches exactly the parameters a real image does. Every forward without
+projector), of whose output only what the forward uses enters the sum, so it touches
+exactly the parameters a real image does. Every forward without
 pixels runs it, a decoding step's too (were some ranks to run the tower and others not,
 FSDP2 would hang).
 """
@@ -56,6 +57,14 @@ def _tensors(value: Any) -> list[Tensor]:
     return []
 
 
+def _used(features: Any) -> Any:
+    """What the model's forward takes of `get_image_features`' output: its `pooler_output`
+    (the projected features, in every family tried). Not the rest: LLaVA's hidden states
+    hold the tower's last layer, which LLaVA-1.5 (`vision_feature_layer=-2`) never uses."""
+    pooled = getattr(features, "pooler_output", None)
+    return features if pooled is None else pooled
+
+
 def run_tower_without_images(model: nn.Module, processor: Any) -> None:
     """Every forward of `model` (a transformers VLM) called without `pixel_values` runs its
     tower and projector on a dummy image and adds `0 * sum(outputs)` to the language model's
@@ -71,7 +80,7 @@ def run_tower_without_images(model: nn.Module, processor: Any) -> None:
             device = next(module.parameters()).device
             features = module.get_image_features(
                 **{k: v.to(device) for k, v in dummy.items()}, return_dict=True)
-            pending.append(sum(t.sum() for t in _tensors(features)) * 0)
+            pending.append(sum(t.sum() for t in _tensors(_used(features))) * 0)
 
     def before_decoder(module, args, kwargs):  # noqa: ANN001, ANN202
         embeds = kwargs.get("inputs_embeds")

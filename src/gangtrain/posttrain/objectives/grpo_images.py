@@ -45,22 +45,14 @@ def read_prompts_with_images(config: GRPOConfig, tokenizer: Any, hf_config: Any,
 
 def check_image_layout(config: GRPOConfig, prompts: list[PromptSet | None], dp_size: int
                        ) -> None:
-    """Under data parallelism every rank must run the vision tower in each forward: refuse
-    FSDP2 (the generator's prefill runs the tower on ranks with new rows only) and prompts
-    without an image (a micro-batch of them would skip the tower's gradient all-reduce)."""
+    """Under data parallelism refuse FSDP2: the generator's prefill runs the vision tower on
+    ranks with new rows only, and FSDP2's all-gathers would not meet. DDP takes prompts
+    without images: the policy looks for unused parameters (`vision_ddp`), so a rank whose
+    micro-batch skips the tower adds nothing to its gradient, as one process would."""
     image_sets = [some for some in prompts if isinstance(some, ImagePromptSet)]
-    if dp_size == 1 or not image_sets:
-        return
-    if config.trainer.data_parallel == "fsdp":
+    if dp_size > 1 and image_sets and config.trainer.data_parallel == "fsdp":
         raise UserError(f"config 'trainer.data_parallel' is fsdp over {dp_size} ranks: GRPO "
                         "with images runs under DDP (trainer.data_parallel=ddp) for now: the "
                         "generator prefills a rank's new rows, with their images, while "
                         "another rank may have none, and FSDP2's all-gathers of the vision "
                         "tower would not meet")
-    for some in image_sets:
-        bare = next((p for p in some.prompts if not getattr(p, "images", ())), None)
-        if bare is not None:
-            raise UserError(f"{bare.where}: a prompt without images, under {dp_size} "
-                            "data-parallel ranks: a rank whose micro-batch held no image would "
-                            "skip the vision tower's gradient all-reduce. Give every prompt an "
-                            "image, or train on one rank")

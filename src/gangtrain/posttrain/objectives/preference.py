@@ -44,7 +44,7 @@ from gangtrain.models.hf.document_attention import use_document_attention
 from gangtrain.models.hf.model_files import hf_model_of
 from gangtrain.models.hf.vision import is_vlm
 from gangtrain.posttrain.objective import Objective, Parts
-from gangtrain.posttrain.objectives.vision_ddp import policy_options
+from gangtrain.posttrain.objectives.vision_ddp import policy_options, tower_in_every_forward
 from trainer.errors import UserError
 from units.preference import KTOLoss, PreferenceEvalUnit, PreferenceLoss, PreferenceUnit
 
@@ -292,12 +292,14 @@ class PreferenceObjective(Objective):
         return prepare_pairs(config, tokenizer, dp_rank, dp_size, train)
 
     def load_policy(self, config: PreferenceConfig, a: Any) -> Any:
-        return a.load_layout(**policy_options(config, a.hf_config))  # (a VLM under DDP)
+        layout = a.load_layout(**policy_options(config, a.hf_config))  # (a VLM under DDP)
+        tower_in_every_forward(layout.model, a.processor)  # (pairs without images under DP)
+        return layout
 
     def load_reference(self, config: PreferenceConfig, a: Any) -> Any:
         if config.lora.r is not None or config.loss.kind in REFERENCE_FREE:
             return None
-        return a.frozen_copy()
+        return tower_in_every_forward(a.frozen_copy(), a.processor)  # (FSDP2-sharded too)
 
     def describe(self, config: PreferenceConfig, a: Any) -> str:
         reference = ("none" if config.loss.kind in REFERENCE_FREE else

@@ -49,18 +49,6 @@ def _read(files: list[str], fields: PairFields) -> list:
     return [pair for f in files for pair in read_pairs(f, fields)]
 
 
-def _check_every_pair_has_an_image(pairs: list, dp_size: int) -> None:
-    """Under data parallelism every rank runs the vision tower at every step (its gradient
-    all-reduce, FSDP2's all-gathers): a pair without an image is refused there, as SFT
-    refuses a record without one."""
-    bare = next((p for p in pairs if not p.chosen.images), None)
-    if dp_size > 1 and bare is not None:
-        raise UserError(f"{bare.chosen.where}: a pair without images, under {dp_size} "
-                        "data-parallel ranks: a rank whose micro-batch held no image would "
-                        "skip the vision tower's collectives. Give every pair an image, or "
-                        "train on one rank")
-
-
 def prepare_image_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int = 0,
                         dp_size: int = 1, train: bool = True
                         ) -> tuple[ImagePairReader | None, ImagePairEvalBatches, list[str]]:
@@ -89,7 +77,6 @@ def prepare_image_pairs(config: PreferenceConfig, tokenizer: Any, dp_rank: int =
     else:
         valid_pairs = pairs
         kept, held = hold_out(len(pairs), d.valid_fraction, d.split_seed)
-    _check_every_pair_has_an_image(pairs + valid_pairs, dp_size)
     sizes: dict[Any, int] = {}  # image size -> tokens its placeholder expands to
     valid_bins = plan_image_pairs(processor, valid_pairs, held, d.seq_len, sizes)
     valid = ImagePairEvalBatches(ImagePairs(valid_pairs, processor, family), valid_bins,

@@ -30,10 +30,10 @@ from gangtrain.data.token_batches import BinReader, Bins, EvalBatches
 from gangtrain.layers.neftune import add_neftune
 from gangtrain.models.hf import hf_model_of, vision
 from gangtrain.models.hf.document_attention import use_document_attention
-from gangtrain.models.hf.dummy_image import run_tower_without_images
 from gangtrain.models.hf.hf_config import read_hf_config
 from gangtrain.models.hf.layout import HFLayout
 from gangtrain.posttrain.objective import Objective, Parts
+from gangtrain.posttrain.objectives.vision_ddp import policy_options, tower_in_every_forward
 from trainer.errors import UserError
 from trainer.lr_schedules import schedule_length, warmup_decay
 from units.causal_lm import CausalLMUnit
@@ -277,8 +277,10 @@ def load_model(config: SFTConfig, gangs: Gangs, spec: Any = None) -> HFLayout:
     (built on meta, TP by its own plan, cut into pipeline stages or attending over the cp
     gang, wrapped over DP, each rank reading its slices of the weights), with the attention
     kernel of `model.attn_implementation` and NEFTune's noise when they are set."""
-    layout = load_layout_of(config, gangs, spec=spec, freeze=tuple(config.model.freeze), **(
-        {"dtype": torch.bfloat16} if config.model.dtype == "bf16" else {}))
+    layout = load_layout_of(
+        config, gangs, spec=spec, freeze=tuple(config.model.freeze),
+        **policy_options(config, read_hf_config(Path(config.model.path))),  # (a VLM under DDP)
+        **({"dtype": torch.bfloat16} if config.model.dtype == "bf16" else {}))
     hf_model = hf_model_of(layout.model)  # inside DDP's wrapper; None for pipeline stages
     image_text = hf_model is not None and vision.is_vlm(hf_model)
     if image_text:
@@ -384,11 +386,7 @@ class SFTObjective(Objective):
 
     def load_policy(self, config: SFTConfig, a: Any) -> HFLayout:
         layout = load_model(config, a.gangs, a.spec)
-        if a.processor is not None:
-            # A micro-batch without an image runs the tower on a dummy one (x 0): under DP
-            # every rank's graph holds the tower, and the tower's gradient on a step without
-            # images is 0 (not None) in every layout, so the optimizer steps alike.
-            run_tower_without_images(hf_model_of(layout.model), a.processor)
+        tower_in_every_forward(layout.model, a.processor)
         return layout
 
     def build(self, config: SFTConfig, a: Any, data: SFTData, train: bool) -> Parts:
