@@ -327,8 +327,7 @@ def test_the_generic_layers_name_no_model_family_and_no_model_attribute():
 
 def test_the_trainer_is_the_loop_and_its_services():
     """`src/trainer` imports no model family, nothing of `gangtrain.models` or the app shell
-    (those sit above it), and stays under ~10k lines (its one-release shims aside; 10,050:
-    resuming a parameter saved without optimizer state took the last 30)."""
+    (those sit above it), and stays near 10k lines: a sign to split, not a goal."""
     graph = import_graph()
     above = [f"{module} -> {dep}" for module, deps in graph.items()
              if package_of(module) == "trainer" for dep in deps
