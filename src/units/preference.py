@@ -57,7 +57,7 @@ from units.causal_lm import (
 from units.directions import HIGHER_BETTER_METRICS
 from units.linear_cross_entropy import linear_log_probs
 from units.metrics import MetricBag
-from units.packed_rows import pack_rows, packable
+from units.packed_rows import attends_per_document, pack_rows, packable
 from units.reference import ReferenceModel
 from units.shared_prompt import shared_prompt_length, shared_prompt_logps
 from units.unit import EvalUnit, TrainUnit
@@ -236,23 +236,35 @@ class KTOLoss(PreferenceLossKind):
         return self
 
     @torch.no_grad()
-    def _kl_terms(self, scorer: _Pairs, rows: LMBatch) -> Tensor:
-        reference = scorer.reference_logps(rows)
-        assert reference is not None
-        return scorer.policy_logps(rows)[0].double() - reference.double()
+    def _kl_terms_and_reference(self, scorer: _Pairs, rows: dict[str, LMBatch]
+                                ) -> tuple[Tensor, Tensor]:
+        """(``pi - ref`` of the mismatched rows ``kl``, float64; the reference's log-probs
+        of the rows ``completions``). A reference that runs rows packed scores both in one
+        forward (one packed row: fewer, larger calls than two); stacked padded rows would
+        instead share their prompts (`units.shared_prompt`), another rounding."""
+        kl_rows, completions = rows["kl"], rows["completions"]
+        if scorer.reference_runs_packed() and set(kl_rows) == set(completions) == _PADDED_KEYS:
+            reference = scorer.reference_logps(_stacked(kl_rows, completions))
+            assert reference is not None
+            n = kl_rows["input_ids"].shape[0]
+            kl_reference, reference = reference[:n], reference[n:]
+        else:  # rows with more fields (images): scored apart
+            kl_reference = scorer.reference_logps(kl_rows)
+            reference = scorer.reference_logps(completions)
+            assert kl_reference is not None and reference is not None
+        return scorer.policy_logps(kl_rows)[0].double() - kl_reference.double(), reference
 
     def _begin_step(self, scorer: _Pairs, window: list[dict[str, Any]]) -> None:
-        terms = [self._kl_terms(scorer, b["kl"]) for b in window]
+        terms, self._reference = [], []
+        for b in window:
+            kl, reference = self._kl_terms_and_reference(scorer, b)
+            terms.append(kl)
+            self._reference.append(reference)
         total = torch.stack([sum(t.sum() for t in terms), torch.tensor(
             float(sum(t.numel() for t in terms)), dtype=torch.float64, device=terms[0].device)])
         if self._dp is not None and self._dp.size > 1:
             self._dp.all_reduce(total, ReduceOperation.SUM)
         self._kl = (total[0] / total[1]).clamp(min=0)
-        self._reference = []
-        for b in window:
-            reference = scorer.reference_logps(b["completions"])
-            assert reference is not None
-            self._reference.append(reference)
 
     def batch_loss(self, scorer: _Pairs, batch: Any, metrics: MetricBag,
                    prefix: str = "") -> tuple[Tensor, int]:
@@ -262,8 +274,8 @@ class KTOLoss(PreferenceLossKind):
             assert self._kl is not None, "a KTO step starts with its window (data.unpaired)"
             kl, reference = self._kl, self._reference[batch["position"]]
         else:  # validation: the batch's own
-            kl = self._kl_terms(scorer, batch["kl"]).mean().clamp(min=0)
-            reference = scorer.reference_logps(batch["completions"])
+            kl, reference = self._kl_terms_and_reference(scorer, batch)
+            kl = kl.mean().clamp(min=0)
         policy, _ = scorer.policy_logps(batch["completions"])
         logratio = policy - reference.to(policy.dtype)
         z = self.beta * (logratio - kl.to(policy.dtype))
@@ -374,6 +386,18 @@ def _packed_side_logps(model: nn.Module, batch: LMBatch, chunk_size: int | None,
     return sums.index_add(0, rows, log_probs), torch.bincount(rows, minlength=num_rows)
 
 
+_PADDED_KEYS = frozenset({"input_ids", "labels", "attention_mask"})
+
+
+def _stacked(top: LMBatch, bottom: LMBatch) -> LMBatch:
+    """The rows of `top` then of `bottom` (right-padded batches of `_PADDED_KEYS`), padded on
+    the right to the wider."""
+    width = max(top["input_ids"].shape[1], bottom["input_ids"].shape[1])
+    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
+    return {k: torch.cat([F.pad(b[k], (0, width - b[k].shape[1]), value=fill[k])
+                          for b in (top, bottom)]) for k in _PADDED_KEYS}
+
+
 def pair_losses(config: PreferenceLossKind, policy: Tensor, counts: Tensor,
                 reference: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
     """``config.losses(policy, counts, reference)`` (the former function)."""
@@ -400,6 +424,11 @@ class _Pairs:
     def policy_logps(self, batch: LMBatch) -> tuple[Tensor, Tensor]:
         """`side_logps` of the policy: (summed log-probs [rows], answer token counts)."""
         return side_logps(self._model, batch, self._use_cache_keyword)
+
+    def reference_runs_packed(self) -> bool:
+        """Whether the reference attends per document (`units.packed_rows`)."""
+        return self._reference is not None and attends_per_document(
+            self.reference if self.reference is not None else self._model)
 
     def reference_logps(self, batch: LMBatch) -> Tensor | None:
         """The reference's summed log-probs [rows], without gradient (None: no reference)."""
