@@ -97,14 +97,12 @@ class _Distiller:
     def divergence(self, prompts: list[tuple[int, ...]], completions: list[tuple[int, ...]],
                    beta: float, temperature: float) -> tuple[Tensor, Tensor]:
         """(summed divergence, completion tokens) of rows prompt + completion."""
-        ids, _, scored = slice_tensors(prompts, completions, self.pad_id)
+        ids, mask, scored = slice_tensors(prompts, completions, self.pad_id)
         device = next(self._model.parameters()).device
-        ids, scored = ids.to(device), scored.to(device)
-        # The rows are padded on the right, so causal attention keeps the padding from every
-        # real token: no mask is needed, and sdpa runs its causal kernel without building one.
-        student = self._model(input_ids=ids, use_cache=False)
-        with torch.inference_mode():  # the teacher's activations are never kept for backward
-            teacher = self.teacher(input_ids=ids, use_cache=False)
+        ids, mask, scored = ids.to(device), mask.to(device), scored.to(device)
+        student = self._model(input_ids=ids, attention_mask=mask, use_cache=False)
+        with torch.no_grad():
+            teacher = self.teacher(input_ids=ids, attention_mask=mask, use_cache=False)
         at = scored[:, :ids.shape[1] - 1]
         per_token = generalized_jsd(student.logits[:, :-1][at], teacher.logits[:, :-1][at],
                                     beta, temperature)
