@@ -3,15 +3,10 @@
 A packed row holds several examples; `position_ids` restart at 0 (or jump) where one ends.
 A dense block-diagonal mask makes attention cost the row's length squared; attending within
 each document span costs the sum of the documents' squares (a row of 1,024 tokens holding
-five documents of ~200: ~5x less). The kernel is PyTorch's `scaled_dot_product_attention`,
-so it runs wherever sdpa runs (CPU, CUDA) with no compilation.
-
-The documents are batched: those of about the same length (the same power of two) are
-gathered into one padded [documents, heads, longest, d] call, padded at their end, so causal
-attention keeps the padding from every real token and the real tokens' outputs are exact.
-A batch of short documents thus costs a few sdpa calls a layer, not one per document, and
-the backward scatters each group's gradients once instead of writing a whole-row gradient
-per document. Padding within a power of two costs at most 4x a document's own attention.
+five documents of ~200: ~5x less). The kernel is PyTorch's `scaled_dot_product_attention`
+per span, so it runs wherever sdpa runs (CPU, CUDA) with no compilation. The spans are
+`split` off the row (views, whose backward is one concatenation of their gradients), not
+sliced (each slice's backward would write a gradient the size of the whole row).
 
 Spans are found as `parallel.context.document_mask` and transformers
 (`find_packed_sequence_indices`) find them: a document starts where a position id is not the
@@ -44,47 +39,16 @@ def document_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
     return spans
 
 
-class _Groups:
-    """The documents of `spans` (rows of length `t`) grouped by length (`bit_length`): for
-    each group, ``index`` [documents, longest], each document's positions in the flattened
-    rows (its padding repeats its last position), and ``real``, which of the group's
-    flattened [documents x longest] tokens are the documents' own; ``order`` undoes the
-    grouping (the groups' real tokens, concatenated and taken at ``order``, are the rows'
-    tokens in order). ``whole_rows``: every row is one document (nothing to gather)."""
-
-    def __init__(self, spans: list[list[tuple[int, int]]], t: int, device: torch.device):
-        self.whole_rows = all(len(row) == 1 for row in spans)
-        groups: dict[int, list[tuple[int, int]]] = {}
-        for r, row in enumerate(spans):
-            for start, end in row:
-                groups.setdefault((end - start).bit_length(), []).append((r * t + start,
-                                                                           end - start))
-        self.index: list[Tensor] = []
-        self.real: list[Tensor] = []
-        positions = []
-        for docs in groups.values():
-            starts, lengths = (torch.tensor(x, device=device) for x in zip(*docs, strict=True))
-            steps = torch.arange(int(lengths.max()), device=device)
-            index = starts[:, None] + torch.minimum(steps, lengths[:, None] - 1)
-            real = (steps < lengths[:, None]).flatten().nonzero()[:, 0]
-            self.index.append(index)
-            self.real.append(real)
-            positions.append(index.flatten()[real])
-        self.order = torch.argsort(torch.cat(positions))
+# The spans of the last `position_ids` seen: every layer of one forward is handed the same
+# tensor, so the spans (a host copy) are read once a forward, not once a layer.
+_last: tuple[Tensor, int, list[list[tuple[int, int]]]] | None = None
 
 
-# The groups of the last `position_ids` seen: every layer of one forward is handed the same
-# tensor, so the spans (a host copy) and the gather indices are made once a forward, not
-# once a layer.
-_last: tuple[Tensor, int, int, _Groups] | None = None
-
-
-def _groups_of(position_ids: Tensor, rows: int, t: int) -> _Groups:
+def _spans_of(position_ids: Tensor, rows: int) -> list[list[tuple[int, int]]]:
     global _last
-    if _last is None or _last[0] is not position_ids or _last[1:3] != (rows, t):
-        spans = document_spans(position_ids.expand(rows, -1))
-        _last = (position_ids, rows, t, _Groups(spans, t, position_ids.device))
-    return _last[3]
+    if _last is None or _last[0] is not position_ids or _last[1] != rows:
+        _last = (position_ids, rows, document_spans(position_ids.expand(rows, -1)))
+    return _last[2]
 
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor | None, *,
@@ -98,19 +62,17 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor | N
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               dropout_p=dropout_p, enable_gqa=gqa)
 
-    b, heads, t, d = q.shape
+    def per_document(q: Tensor, k: Tensor, v: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+        if len(spans) == 1:
+            return attend(q, k, v)
+        lengths = [end - start for start, end in spans]
+        pieces = zip(*(x.split(lengths, dim=2) for x in (q, k, v)), strict=True)
+        return torch.cat([attend(*piece) for piece in pieces], dim=2)
+
     if position_ids is None:
         return attend(q, k, v)
-    groups = _groups_of(position_ids, b, t)
-    if groups.whole_rows:
-        return attend(q, k, v)
-
-    def tokens(x: Tensor) -> Tensor:  # [b, h, t, d] -> [b t, h, d]
-        return x.transpose(1, 2).reshape(b * t, x.shape[1], d)
-
-    q, k, v = tokens(q), tokens(k), tokens(v)
-    outs = []
-    for index, real in zip(groups.index, groups.real, strict=True):
-        out = attend(*(x[index].transpose(1, 2) for x in (q, k, v)))  # [docs, h, longest, d]
-        outs.append(out.transpose(1, 2).flatten(0, 1)[real])
-    return torch.cat(outs)[groups.order].view(b, t, heads, d).transpose(1, 2)
+    spans = _spans_of(position_ids, q.shape[0])
+    if all(row == spans[0] for row in spans):  # padded rows, or rows packed alike: one call each
+        return per_document(q, k, v, spans[0])
+    rows = zip(q.split(1), k.split(1), v.split(1), spans, strict=True)
+    return torch.cat([per_document(*row) for row in rows], dim=0)
