@@ -28,7 +28,9 @@ clipping, TRL's gradient checkpointing and bf16 off; `lmbda` 0 (the records' com
 and 1 (the student samples up to ``--max-new-tokens`` at temperature 1 with its KV cache:
 our generator, TRL's `model.generate`); each run its own process, alternated
 (`benchmarks.trl_common`). Printed: trained completion tokens per CPU second of the step
-(median after the first 3 steps), peak RSS; medians over rounds, ours over TRL.
+(median after the first 3 steps), peak RSS; medians over rounds, ours over TRL. Ours is
+always the whole loop's (our published ``steps_per_s``); TRL's ``tokens_per_s`` times its
+step alone, ``tokens_per_loop_s`` its whole loop as ours (step end to step end).
 """
 
 from __future__ import annotations

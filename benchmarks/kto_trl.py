@@ -25,7 +25,10 @@ conversational examples, ``--batch`` a step in one micro-batch, float32 on the C
 intra-op thread, AdamW at a constant 1e-4, no clipping, max_length 128, TRL's gradient
 checkpointing and bf16 off, the reference a frozen copy on both; each run its own process,
 alternated (`benchmarks.trl_common`): examples per CPU second of the step (median after the
-first 4 steps) and peak RSS, medians over rounds, ours over TRL.
+first 4 steps) and peak RSS, medians over rounds, ours over TRL. Ours is always the whole
+loop's (our published ``steps_per_s``: the batch's fetch, the step, publishing); TRL's
+``examples_per_s`` times its step alone (callback begin to end), ``examples_per_loop_s``
+its whole loop as ours (step end to step end).
 """
 
 from __future__ import annotations
