@@ -83,17 +83,27 @@ def our_step_s(out: Path, warmup: int) -> float:
 
 
 def step_timer() -> tuple[Any, list[float]]:
-    """(a TRL `TrainerCallback`, the list its step times go to, seconds each)."""
+    """(a TRL `TrainerCallback`, the list its step times go to, seconds each). The callback's
+    ``loop_times``: from each step's end to the next's (the whole loop: the batch's fetch and
+    collation, the step, its logging), as our published ``steps_per_s`` counts a step; the
+    first step's is left out (nothing ends before it)."""
     from transformers import TrainerCallback
 
     times: list[float] = []
 
     class StepTimes(TrainerCallback):
+        loop_times: list[float] = []  # noqa: RUF012 (one callback a run)
+        last_end: float | None = None
+
         def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
-            times.append(time.perf_counter() - self.start)
+            end = time.perf_counter()
+            times.append(end - self.start)
+            if self.last_end is not None:
+                self.loop_times.append(end - self.last_end)
+            self.last_end = end
 
     return StepTimes(), times
 
@@ -154,19 +164,21 @@ def child(a: argparse.Namespace, ours: Callable[[argparse.Namespace], dict[str, 
     print_result((ours if a.child == "ours" else trl)(a))
 
 
-def throughput_rounds(module: str, a: argparse.Namespace, rate: str,
+def throughput_rounds(module: str, a: argparse.Namespace, rate: str | Sequence[str],
                       extra_argv: Sequence[str] = ()) -> None:
     """``a.rounds`` alternated rounds of ``module``'s two children (given ``extra_argv``
-    too); the ``rate`` key's and the peak RSS's medians and ratios."""
+    too); the ``rate`` key's (or keys') and the peak RSS's medians and ratios."""
+    rates = (rate,) if isinstance(rate, str) else tuple(rate)
     argv = ["--work", str(a.work), "--steps", str(a.steps), "--batch", str(a.batch),
             *extra_argv]
     results = alternate(("ours", "trl"), a.rounds,
                         lambda kind: run_child(module, [*argv, "--child", kind]),
-                        show=(rate, "peak_rss_gib"))
-    print_ratios(results, (rate, "peak_rss_gib"))
+                        show=(*rates, "peak_rss_gib"))
+    print_ratios(results, (*rates, "peak_rss_gib"))
 
 
-def main(doc: str, module: str, rate: str, ours: Callable[[argparse.Namespace], dict[str, Any]],
+def main(doc: str, module: str, rate: str | Sequence[str],
+         ours: Callable[[argparse.Namespace], dict[str, Any]],
          trl: Callable[[argparse.Namespace], dict[str, Any]],
          prepare: Callable[[argparse.Namespace, str], None], **extra: int) -> None:
     """A comparison's command line: as a child, `child`; else TRL's version checked, the

@@ -4,7 +4,9 @@ A packed row holds several examples; `position_ids` restart at 0 (or jump) where
 A dense block-diagonal mask makes attention cost the row's length squared; attending within
 each document span costs the sum of the documents' squares (a row of 1,024 tokens holding
 five documents of ~200: ~5x less). The kernel is PyTorch's `scaled_dot_product_attention`
-per span, so it runs wherever sdpa runs (CPU, CUDA) with no compilation.
+per span, so it runs wherever sdpa runs (CPU, CUDA) with no compilation. The spans are
+`split` off the row (views, whose backward is one concatenation of their gradients), not
+sliced (each slice's backward would write a gradient the size of the whole row).
 
 Spans are found as `parallel.context.document_mask` and transformers
 (`find_packed_sequence_indices`) find them: a document starts where a position id is not the
@@ -56,17 +58,21 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor | N
     [1, t], shared by every row; None: one document per row). Returns [b, heads, t, d]."""
     gqa = q.shape[1] != k.shape[1]
 
-    def attend(rows: slice, start: int, end: int) -> Tensor:
-        return F.scaled_dot_product_attention(
-            q[rows, :, start:end], k[rows, :, start:end], v[rows, :, start:end],
-            is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa)
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              dropout_p=dropout_p, enable_gqa=gqa)
 
-    t = q.shape[2]
+    def per_document(q: Tensor, k: Tensor, v: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+        if len(spans) == 1:
+            return attend(q, k, v)
+        lengths = [end - start for start, end in spans]
+        pieces = zip(*(x.split(lengths, dim=2) for x in (q, k, v)), strict=True)
+        return torch.cat([attend(*piece) for piece in pieces], dim=2)
+
     if position_ids is None:
-        return attend(slice(None), 0, t)
+        return attend(q, k, v)
     spans = _spans_of(position_ids, q.shape[0])
     if all(row == spans[0] for row in spans):  # padded rows, or rows packed alike: one call each
-        return torch.cat([attend(slice(None), s, e) for s, e in spans[0]], dim=2)
-    rows = [torch.cat([attend(slice(r, r + 1), s, e) for s, e in row], dim=2)
-            for r, row in enumerate(spans)]
-    return torch.cat(rows, dim=0)
+        return per_document(q, k, v, spans[0])
+    rows = zip(q.split(1), k.split(1), v.split(1), spans, strict=True)
+    return torch.cat([per_document(*row) for row in rows], dim=0)
