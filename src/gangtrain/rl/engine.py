@@ -1,8 +1,9 @@
 """`Engine`: runs requests (a context to prefill, a seed, a token budget) over a fixed number
 of slots of a preallocated KV cache (`SlotCache`), the model's own forward each step.
 
-- Continuous batching: the host reads the slots' state once every ``sync_every`` decode steps
-  (stop tokens, budgets and the capacity are checked on the device in between; a finished
+- Continuous batching: the host reads the slots' state once every ``sync_every`` decode steps,
+  or sooner when no row has that many tokens of budget left (stop tokens, budgets and the
+  capacity are checked on the device in between; a finished
   row writes to scratch columns until the sync); finished rows leave their slot and waiting
   rows are prefilled into it, long contexts in chunks of ``prefill_chunk`` tokens (chunks are
   right-aligned so every row's last token is in the last column: ``logits_to_keep=1``).
@@ -12,10 +13,10 @@ of slots of a preallocated KV cache (`SlotCache`), the model's own forward each 
   those tokens are prefilled into the same slot: nothing it already holds is encoded again.
 - Sampling: `gangtrain.rl.sampling.sample_tokens`, keyed by (seed, absolute position), so a
   row's tokens do not depend on its slot, its batch or its rank.
-- FSDP2 lockstep (``gang`` given): a forward is a collective there, so every rank does
-  ``sync_every`` decode forwards between syncs and, at a sync, the same number of prefill
-  forwards, agreed by one all-reduce MAX that also says whether any rank has rows left (a
-  rank with fewer does 1-token dummy forwards on a scratch column).
+- FSDP2 lockstep (``gang`` given): a forward is a collective there, so every rank does the
+  same number of prefill and decode forwards between syncs, agreed by all-reduces MAX (one
+  also says whether any rank has rows left; a rank with fewer prefill chunks does 1-token
+  dummy forwards on a scratch column, a rank with no live row decodes its idle slots).
 
 Each forward passes a 4D boolean-derived additive mask, which transformers uses as is
 (``masking_utils``: "If the mask is already 4D, simply return as-is"), per-row RoPE
@@ -148,6 +149,8 @@ class Engine:
         owner: list[int | None] = [None] * S    # request index in each slot
         pending: dict[int, list[int]] = {}      # slot -> tokens to prefill
         cached = [0] * S                        # host copy of `length` at the last sync
+        # host copies of `budget` and `count`: a round decodes no more steps than a row needs
+        budget_h, count_h = [0] * S, [0] * S
         steps_since = 0
         waiting = list(range(len(requests)))[::-1]
 
@@ -157,7 +160,7 @@ class Engine:
                     i = waiting.pop()
                     r = requests[i]
                     owner[s], pending[s], cached[s] = i, list(r.ids), 0
-                    budget[s] = r.max_new_tokens
+                    budget[s] = budget_h[s] = r.max_new_tokens
                     seeds[s] = r.seed
 
         def grow(width: int) -> None:
@@ -242,12 +245,13 @@ class Engine:
             accept(all_slots, tok, lp)
             steps_since += 1
 
-        def agree(left: int, forwards: int) -> tuple[int, int]:
+        def agree(*counts: int) -> list[int]:
+            """The ranks' largest value of each count (one all-reduce MAX)."""
             if self.gang is None or getattr(self.gang, "size", 1) == 1:
-                return left, forwards
-            v = torch.tensor([left, forwards], dtype=torch.float64, device=device)
+                return list(counts)
+            v = torch.tensor(counts, dtype=torch.float64, device=device)
             self.gang.all_reduce(v, ReduceOperation.MAX)
-            return int(v[0]), int(v[1])
+            return [int(x) for x in v.tolist()]
 
         all_slots = torch.arange(S, device=device)
         admit()
@@ -257,19 +261,25 @@ class Engine:
             # number of forwards first: under FSDP2 each is a collective, so a rank with
             # fewer chunks (a tool result continued one of its rows) pads with dummy ones.
             mine = prefill_forwards(todo)
-            _, want = agree(0, mine)
+            # decode steps: sync_every, or fewer when no row has that many tokens left
+            # (the rows a prefill starts have their first token: budget - 1 left)
+            for s in todo:
+                count_h[s] = 1
+            need = max((budget_h[s] - count_h[s] for s in range(S) if owner[s] is not None),
+                       default=0)
+            want, steps = agree(mine, min(self.sync_every, max(need, 0)))
             prefill(todo)
             for _ in range(want - mine):
                 self._dummy_forward(cache, device)
             steps_since = 0
-            # decode sync_every steps without asking the host
-            for _ in range(self.sync_every):
+            # decode without asking the host
+            for _ in range(steps):
                 decode()
             # sync: one read of the slots' state
             state = torch.stack([live.long(), length, count, stopped.long()]).cpu()
             todo = []
             for s in range(S):
-                cached[s] = int(state[1, s])
+                cached[s], count_h[s] = int(state[1, s]), int(state[2, s])
                 i = owner[s]
                 if i is None or s in pending or bool(state[0, s]):
                     continue
@@ -290,12 +300,12 @@ class Engine:
                     del pending[s]
                     owner[s] = None
                     continue
-                budget[s] = next_budget
+                budget[s] = budget_h[s] = next_budget
                 grow(next_budget)
             admit()
             todo = [s for s in range(S) if s in pending]
             busy = sum(o is not None for o in owner)
-            left, _ = agree(int(busy > 0 or bool(waiting)), 0)
+            (left,) = agree(int(busy > 0 or bool(waiting)))
             if left == 0:
                 break
             # compact: nothing waits and at most half the slots are busy
@@ -311,6 +321,8 @@ class Engine:
                 owner = [owner[s] for s in keep_slots]
                 pending = {remap[s]: v for s, v in pending.items()}
                 cached = [cached[s] for s in keep_slots]
+                budget_h = [budget_h[s] for s in keep_slots]
+                count_h = [count_h[s] for s in keep_slots]
                 todo = [remap[s] for s in todo]
                 S = len(keep_slots)
                 all_slots = torch.arange(S, device=device)
