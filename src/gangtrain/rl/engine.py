@@ -6,7 +6,8 @@ of slots of a preallocated KV cache (`SlotCache`), the model's own forward each 
   capacity are checked on the device in between; a finished
   row writes to scratch columns until the sync); finished rows leave their slot and waiting
   rows are prefilled into it, long contexts in chunks of ``prefill_chunk`` tokens (chunks are
-  right-aligned so every row's last token is in the last column: ``logits_to_keep=1``).
+  right-aligned so every row's last token is in the last column: ``logits_to_keep=1``), rows
+  of very different lengths in separate forwards (`prefill_groups`: less padding computed).
   When nothing waits and at most half the slots are busy the cache is compacted once.
 - Continued rows (multi-turn): when a row stops, ``on_stop`` may return tokens to append (a
   tool's result) and the next turn's budget; the turn's last sampled token (never fed) and
@@ -37,7 +38,7 @@ from gangs import Gang, ReduceOperation
 from gangtrain.rl.sampling import sample_tokens
 from gangtrain.rl.slot_cache import SlotCache
 
-__all__ = ["Engine", "OnStop", "Request", "Turn"]
+__all__ = ["Engine", "OnStop", "Request", "Turn", "prefill_groups"]
 
 
 @dataclass
@@ -186,19 +187,24 @@ class Engine:
             nxt[slots] = torch.where(on, tok, nxt[slots])
             live[slots] = on & ~end
 
+        def groups(todo: list[int]) -> list[list[int]]:
+            lengths = [len(pending[s]) for s in todo]
+            return [[todo[k] for k in g] for g in prefill_groups(lengths, self.prefill_chunk)]
+
         def prefill_forwards(todo: list[int]) -> int:
-            """The forwards `prefill(todo)` will run: its chunks."""
-            longest = max((len(pending[s]) for s in todo), default=0)
-            return math.ceil(longest / min(self.prefill_chunk, longest)) if longest else 0
+            """The forwards `prefill(todo)` will run: its groups' chunks."""
+            return sum(_chunks(max(len(pending[s]) for s in g), self.prefill_chunk)[0]
+                       for g in groups(todo))
 
         def prefill(todo: list[int]) -> None:
+            for group in groups(todo):
+                prefill_group(group)
+
+        def prefill_group(todo: list[int]) -> None:
             """Prefill ``todo`` slots' pending tokens in chunks; sample each one's first
             token."""
-            if not todo:
-                return
             m = [len(pending[s]) for s in todo]
-            width = min(self.prefill_chunk, max(m))
-            chunks = math.ceil(max(m) / width)
+            chunks, width = _chunks(max(m), self.prefill_chunk)
             total = chunks * width
             n = len(todo)
             grid = torch.full((n, total), self.pad_id, dtype=torch.long)
@@ -327,6 +333,44 @@ class Engine:
                 S = len(keep_slots)
                 all_slots = torch.arange(S, device=device)
         return requests
+
+
+PREFILL_FORWARD_COST = 16
+"""A forward's fixed cost (its per-layer kernels' overheads), in tokens of padding: what a
+prefill split into one more group must save."""
+
+
+def _chunks(longest: int, chunk: int) -> tuple[int, int]:
+    """(forwards, width) of a prefill whose longest row has ``longest`` tokens."""
+    width = min(chunk, longest)
+    return math.ceil(longest / width), width
+
+
+def prefill_groups(lengths: Sequence[int], chunk: int,
+                   forward_cost: int = PREFILL_FORWARD_COST) -> list[list[int]]:
+    """The rows (by their token counts) split into groups prefilled by forwards of their own:
+    a group pads every row to its longest, so rows sorted by length are cut into the runs
+    that cost the fewest tokens, padding included, plus ``forward_cost`` a forward
+    (dynamic programming over the cut points: a batch of rows, at most a few hundred)."""
+    order = sorted(range(len(lengths)), key=lambda k: lengths[k])
+    m = [lengths[k] for k in order]
+
+    def cost(i: int, j: int) -> int:  # rows i..j-1 of `order` in one group
+        forwards, width = _chunks(m[j - 1], chunk)
+        return forwards * ((j - i) * width + forward_cost)
+
+    best: list[float] = [0.0] + [math.inf] * len(m)
+    cut = [0] * (len(m) + 1)
+    for j in range(1, len(m) + 1):
+        for i in range(j):
+            c = best[i] + cost(i, j)
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    runs, j = [], len(m)
+    while j > 0:
+        runs.append(order[cut[j]:j])
+        j = cut[j]
+    return runs[::-1]
 
 
 def _num_layers(model: nn.Module) -> int:
