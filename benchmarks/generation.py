@@ -15,8 +15,9 @@ head's rate (generous).
 Rates are per CPU second of this process (the 2-core machine is shared: one thread's CPU time
 is its wall time on an idle core); each generator runs ``--repeats`` times, interleaved, and
 the medians are shown, and the share of each generator's best run in the best roofline round
-(at a load that moves between seconds, each figure's least disturbed measurement). To compare another tree's engine, run this file with that tree's
-``src`` first on ``PYTHONPATH``.
+(at a load that moves between seconds, each figure's least disturbed measurement). To
+compare another tree's engine, run this file with that tree's ``src`` first on
+``PYTHONPATH``.
 
     PYTHONPATH=src:. python -m benchmarks.generation [--shape 40m|42m] [--repeats 3]
         [--ours-only]
