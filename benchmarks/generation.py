@@ -14,20 +14,23 @@ head's rate (generous).
 
 Rates are per CPU second of this process (the 2-core machine is shared: one thread's CPU time
 is its wall time on an idle core); each generator runs ``--repeats`` times, interleaved, and
-the medians are shown, and the share of each generator's best run in the best roofline round
-(at a load that moves between seconds, each figure's least disturbed measurement). To
-compare another tree's engine, run this file with that tree's ``src`` first on
-``PYTHONPATH``.
+the medians are shown, with the share of each one's best run in the best roofline round (at
+a load that moves between seconds, each figure's least disturbed measurement).
+``--against REV`` adds REV's generator (its `gangtrain.rl` modules from git), interleaved in
+the same process.
 
     PYTHONPATH=src:. python -m benchmarks.generation [--shape 40m|42m] [--repeats 3]
-        [--ours-only]
+        [--ours-only] [--against main]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import subprocess
+import sys
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -154,23 +157,48 @@ def roofline_seconds(model: LlamaForCausalLM, prompts: list[list[int]], new: int
             + per_token * contexts / bandwidth)
 
 
-def measure(shape: str, batch: int, repeats: int, ours_only: bool) -> None:
+ENGINE_MODULES = ("sampling", "slot_cache", "engine", "generation")
+"""`gangtrain.rl`'s generator modules, in import order."""
+
+
+def generator_at(rev: str) -> type:
+    """``rev``'s `HFGenerator`: its generator modules read from git, loaded as a package of
+    their own (``rev_rl``) so that both trees' engines run interleaved in one process."""
+    package = types.ModuleType("rev_rl")
+    package.__path__ = []
+    sys.modules["rev_rl"] = package
+    for name in ENGINE_MODULES:
+        source = subprocess.run(["git", "show", f"{rev}:src/gangtrain/rl/{name}.py"],
+                                capture_output=True, text=True, check=True).stdout
+        module = types.ModuleType(f"rev_rl.{name}")
+        sys.modules[module.__name__] = module
+        source = source.replace("from gangtrain.rl.", "from rev_rl.")
+        exec(compile(source, f"{rev}:{name}.py", "exec"), module.__dict__)
+    return sys.modules["rev_rl.generation"].HFGenerator
+
+
+def measure(shape: str, batch: int, repeats: int, ours_only: bool, against: str | None
+            ) -> None:
     vocab, hidden, layers, inter, _, new = SHAPES[shape]
     model = build(shape)
     prompts = make_prompts(batch, vocab)
     seeds = list(range(batch))
 
-    def ours(temperature: float) -> Callable[[], int]:
-        generator = HFGenerator(model, stop_ids=[10 ** 9], pad_id=0, max_new_tokens=new,
-                                temperature=temperature)
+    def ours(temperature: float, kind: type = HFGenerator) -> Callable[[], int]:
+        generator = kind(model, stop_ids=[10 ** 9], pad_id=0, max_new_tokens=new,
+                         temperature=temperature)
         return lambda: sum(len(c.ids) for c in generator.generate(prompts, seeds))
 
     runs = {"ours sampled": ours(1.0),
             "HF generate sampled": lambda: hf_generate(model, prompts, new, True),
             "ours greedy": ours(0.0),
             "HF generate greedy": lambda: hf_generate(model, prompts, new, False)}
+    if against is not None:
+        theirs = generator_at(against)
+        runs[f"{against}'s sampled"] = ours(1.0, theirs)
+        runs[f"{against}'s greedy"] = ours(0.0, theirs)
     if ours_only:
-        runs = {name: run for name, run in runs.items() if name.startswith("ours")}
+        runs = {name: run for name, run in runs.items() if not name.startswith("HF")}
     runs["ours sampled"]()  # warm-up: the allocator, first-call costs
     # each generator `repeats` times, interleaved (the machine's load moves between them),
     # and both rooflines measured in every round; the median of each
@@ -214,11 +242,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ours-only", action="store_true",
-                        help="leave transformers' generate out (an A/B of two trees' engines)")
+                        help="leave transformers' generate out")
+    parser.add_argument("--against", default=None, metavar="REV",
+                        help="also REV's generator (a git revision, e.g. main), interleaved")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for shape in list(SHAPES) if args.shape == "both" else [args.shape]:
-        measure(shape, args.batch, args.repeats, args.ours_only)
+        measure(shape, args.batch, args.repeats, args.ours_only, args.against)
 
 
 if __name__ == "__main__":
