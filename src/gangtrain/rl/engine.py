@@ -38,7 +38,7 @@ from gangs import Gang, ReduceOperation
 from gangtrain.rl.sampling import sample_tokens
 from gangtrain.rl.slot_cache import SlotCache
 
-__all__ = ["Engine", "OnStop", "Request", "Turn", "prefill_groups"]
+__all__ = ["Engine", "OnStop", "Request", "Turn", "forward_cost", "prefill_groups"]
 
 
 @dataclass
@@ -84,6 +84,7 @@ class Engine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._work: Tensor | None = None
         self.forwards = 0
+        self.forward_cost = forward_cost(model)
 
     # -- one forward ------------------------------------------------------------------
     def _forward(self, cache: SlotCache, rows: Tensor | None, ids: Tensor, positions: Tensor,
@@ -189,7 +190,8 @@ class Engine:
 
         def groups(todo: list[int]) -> list[list[int]]:
             lengths = [len(pending[s]) for s in todo]
-            return [[todo[k] for k in g] for g in prefill_groups(lengths, self.prefill_chunk)]
+            return [[todo[k] for k in g] for g in prefill_groups(lengths, self.prefill_chunk,
+                                                                   self.forward_cost)]
 
         def prefill_forwards(todo: list[int]) -> int:
             """The forwards `prefill(todo)` will run: its groups' chunks."""
@@ -335,9 +337,20 @@ class Engine:
         return requests
 
 
-PREFILL_FORWARD_COST = 16
-"""A forward's fixed cost (its per-layer kernels' overheads), in tokens of padding: what a
-prefill split into one more group must save."""
+def forward_cost(model: nn.Module) -> int:
+    """A forward's fixed cost in tokens of prefill: what splitting a prefill into one more
+    forward must save. A forward reads every weight once (4 bytes a parameter) and a token
+    costs 2 FLOPs a parameter it passes through (the decoder's, not the embedding's nor, at
+    prefill, the head's); at ~8 FLOPs a byte (a CPU's matmul rate over its memory bandwidth)
+    that is 16 x all parameters / the decoder's, e.g. 27 tokens for a 40M Llama of 8 layers,
+    164 for one of 4 layers with a 151,936-token head, 22 at Qwen2.5-0.5B's shape."""
+    total = sum(p.numel() for p in model.parameters())
+    tables = {}  # the embedding and the head (once when tied)
+    for name in ("get_input_embeddings", "get_output_embeddings"):
+        table = getattr(model, name, lambda: None)()
+        if table is not None:
+            tables[id(table.weight)] = table.weight.numel()
+    return math.ceil(16 * total / max(total - sum(tables.values()), 1))
 
 
 def _chunks(longest: int, chunk: int) -> tuple[int, int]:
@@ -346,8 +359,8 @@ def _chunks(longest: int, chunk: int) -> tuple[int, int]:
     return math.ceil(longest / width), width
 
 
-def prefill_groups(lengths: Sequence[int], chunk: int,
-                   forward_cost: int = PREFILL_FORWARD_COST) -> list[list[int]]:
+def prefill_groups(lengths: Sequence[int], chunk: int, forward_cost: int
+                   ) -> list[list[int]]:
     """The rows (by their token counts) split into groups prefilled by forwards of their own:
     a group pads every row to its longest, so rows sorted by length are cut into the runs
     that cost the fewest tokens, padding included, plus ``forward_cost`` a forward
