@@ -1,19 +1,32 @@
 """Tokens/s of `gangtrain.rl.generation.HFGenerator` against transformers' `model.generate`
 on the same random Llama, prompts and lengths, one process, one thread, batch 32, every row
 running to the limit (no stop token; `generate` with ``min_new_tokens``), temperature 1, no
-top-k, at issue #69's two shapes; and the roofline: the decode step's matmul FLOPs at the
-one-thread matmul rate measured in the same run at the step's shapes. Rates are per CPU
-second of this process (the 2-core machine is shared: one thread's CPU time is its wall time
-on an idle core); each generator runs ``--repeats`` times, interleaved with one measurement
-of the matmul rate, and the medians are shown. ``--today`` adds main's generator (its source
-from git) for comparison.
+top-k, at issue #69's two shapes; and the roofline of the run.
 
-    PYTHONPATH=src:. python -m benchmarks.generation [--shape 40m|42m] [--today] [--repeats 3]
+The roofline is the least time the run's unavoidable work takes on this machine, measured in
+the same rounds: the linear layers alone (every ``nn.Linear`` of the model applied by
+``F.linear`` to its own weight: the prompts' real tokens once, then one batch row per new
+token) plus the attention's reads of K and V at the read bandwidth of a buffer the KV cache's
+size; norms, rotary, sampling, padding and cache writes count as free. Last round's figure
+(the decode step's FLOPs only, every matmul at the slower of two shapes' ``a @ b`` rate) is
+printed beside it: it left the prefill out (unreachable) and charged the small matmuls at the
+head's rate (generous).
+
+Rates are per CPU second of this process (the 2-core machine is shared: one thread's CPU time
+is its wall time on an idle core); each generator runs ``--repeats`` times, interleaved, and
+the medians are shown, with the share of each one's best run in the best roofline round (at
+a load that moves between seconds, each figure's least disturbed measurement).
+``--against REV`` adds REV's generator (its `gangtrain.rl` modules from git), interleaved in
+the same process.
+
+    PYTHONPATH=src:. python -m benchmarks.generation [--shape 40m|42m] [--repeats 3]
+        [--ours-only] [--against main]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 import time
@@ -21,6 +34,8 @@ import types
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gangtrain.rl.generation import HFGenerator
@@ -75,6 +90,7 @@ def timed(fn: Callable[[], int]) -> float:
 
 
 def matmul_rate(m: int, k: int, n: int, reps: int = 5) -> float:
+    """FLOP/s of one [m, k] @ [k, n] product repeated (its operands stay in cache)."""
     a, b = torch.randn(m, k), torch.randn(k, n)
     a @ b
     start = time.process_time()
@@ -83,69 +99,156 @@ def matmul_rate(m: int, k: int, n: int, reps: int = 5) -> float:
     return 2 * m * k * n * reps / (time.process_time() - start)
 
 
-def todays_generator() -> type:
-    """main's HFGenerator, its source read from git (a one-file module)."""
-    source = subprocess.run(["git", "show", "main:src/gangtrain/rl/generation.py"],
-                            capture_output=True, text=True, check=True).stdout
-    module = types.ModuleType("todays_generation")
-    sys.modules[module.__name__] = module
-    exec(compile(source, "main:generation.py", "exec"), module.__dict__)
-    return module.HFGenerator
+def linear_seconds(model: LlamaForCausalLM, rows: int, head_rows: int, reps: int = 3) -> float:
+    """CPU seconds of a forward's linear layers alone: every ``nn.Linear`` of the model applied
+    to ``rows`` rows (the head to ``head_rows``), each its own weight (so the weights stream
+    through the caches as in the real forward), in the faster of two layouts: ``F.linear``
+    as the model calls it, and ``x @ w`` over a transposed copy (this machine's GEMM is ~10%
+    faster so at batch 32). The median of ``reps``, each layout's best."""
+    calls = [(m.weight, head_rows if m is model.lm_head else rows)
+             for m in model.modules() if isinstance(m, nn.Linear)]
+    xs = {(r, w.shape[1]): torch.randn(r, w.shape[1]) for w, r in calls}
+    transposed = [w.detach().t().contiguous() for w, _ in calls]
+
+    def as_model() -> None:
+        for w, r in calls:
+            F.linear(xs[(r, w.shape[1])], w)
+
+    def pre_transposed() -> None:
+        for (w, r), wt in zip(calls, transposed, strict=True):
+            xs[(r, w.shape[1])] @ wt
+
+    times = []
+    for _ in range(reps + 1):  # the first: warm-up
+        best = math.inf
+        for replay in (as_model, pre_transposed):
+            start = time.process_time()
+            replay()
+            best = min(best, time.process_time() - start)
+        times.append(best)
+    return median(times[1:])
 
 
-def measure(shape: str, batch: int, today: bool, repeats: int) -> None:
+def read_bandwidth(nbytes: int, reps: int = 5) -> float:
+    """Bytes/s of reading a float32 buffer of ``nbytes`` (a sum over it), repeated: the
+    cache level such a buffer lives in, as the KV cache of that size does."""
+    buf = torch.randn(max(nbytes // 4, 1024))
+    buf.sum()
+    start = time.process_time()
+    for _ in range(reps):
+        buf.sum()
+    return buf.numel() * 4 * reps / (time.process_time() - start)
+
+
+def roofline_seconds(model: LlamaForCausalLM, prompts: list[list[int]], new: int) -> float:
+    """The least CPU time the run's work can take here: the prefill's linear layers over the
+    prompts' real tokens (the head at each row's last one), then ``new`` decode steps of the
+    whole batch, each its linear layers' time plus its attention's reads of K and V (the
+    rows' contexts, at the read bandwidth of a buffer the KV cache's size). Everything else
+    (norms, rotary, sampling, the cache writes, padding) counts as free."""
+    cfg = model.config
+    batch, real = len(prompts), sum(map(len, prompts))
+    kv_width = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    # K and V bytes per context token and layer; the contexts the decode steps attend to
+    per_token = 2 * cfg.num_hidden_layers * kv_width * 4
+    contexts = sum(len(p) + t for p in prompts for t in range(1, new + 1))
+    bandwidth = read_bandwidth(per_token * (real + batch * new))
+    return (linear_seconds(model, real, batch) + new * linear_seconds(model, batch, batch)
+            + per_token * contexts / bandwidth)
+
+
+ENGINE_MODULES = ("sampling", "slot_cache", "engine", "generation")
+"""`gangtrain.rl`'s generator modules, in import order."""
+
+
+def generator_at(rev: str) -> type:
+    """``rev``'s `HFGenerator`: its generator modules read from git, loaded as a package of
+    their own (``rev_rl``) so that both trees' engines run interleaved in one process."""
+    package = types.ModuleType("rev_rl")
+    package.__path__ = []
+    sys.modules["rev_rl"] = package
+    for name in ENGINE_MODULES:
+        source = subprocess.run(["git", "show", f"{rev}:src/gangtrain/rl/{name}.py"],
+                                capture_output=True, text=True, check=True).stdout
+        module = types.ModuleType(f"rev_rl.{name}")
+        sys.modules[module.__name__] = module
+        source = source.replace("from gangtrain.rl.", "from rev_rl.")
+        exec(compile(source, f"{rev}:{name}.py", "exec"), module.__dict__)
+    return sys.modules["rev_rl.generation"].HFGenerator
+
+
+def measure(shape: str, batch: int, repeats: int, ours_only: bool, against: str | None
+            ) -> None:
     vocab, hidden, layers, inter, _, new = SHAPES[shape]
     model = build(shape)
     prompts = make_prompts(batch, vocab)
     seeds = list(range(batch))
 
-    def ours(kind: type, temperature: float) -> Callable[[], int]:
+    def ours(temperature: float, kind: type = HFGenerator) -> Callable[[], int]:
         generator = kind(model, stop_ids=[10 ** 9], pad_id=0, max_new_tokens=new,
                          temperature=temperature)
         return lambda: sum(len(c.ids) for c in generator.generate(prompts, seeds))
 
-    runs = {"ours sampled": ours(HFGenerator, 1.0),
+    runs = {"ours sampled": ours(1.0),
             "HF generate sampled": lambda: hf_generate(model, prompts, new, True),
-            "ours greedy": ours(HFGenerator, 0.0),
+            "ours greedy": ours(0.0),
             "HF generate greedy": lambda: hf_generate(model, prompts, new, False)}
-    if today:
-        old = todays_generator()
-        runs["today's HFGenerator sampled"] = ours(old, 1.0)
-        runs["today's HFGenerator greedy"] = ours(old, 0.0)
+    if against is not None:
+        theirs = generator_at(against)
+        runs[f"{against}'s sampled"] = ours(1.0, theirs)
+        runs[f"{against}'s greedy"] = ours(0.0, theirs)
+    if ours_only:
+        runs = {name: run for name, run in runs.items() if not name.startswith("HF")}
     runs["ours sampled"]()  # warm-up: the allocator, first-call costs
-    # each generator `repeats` times, interleaved (the machine's load moves between them);
-    # the median of each
+    # each generator `repeats` times, interleaved (the machine's load moves between them),
+    # and both rooflines measured in every round; the median of each
     seen: dict[str, list[float]] = {name: [] for name in runs}
-    matmul: list[float] = []  # the step's matmul rate, measured in every round too
+    roof: list[float] = []
+    matmul: list[float] = []
     for _ in range(repeats):
         for name, run in runs.items():
             seen[name].append(timed(run))
+        roof.append(batch * new / roofline_seconds(model, prompts, new))
         matmul.append(min(matmul_rate(batch, hidden, vocab), matmul_rate(batch, hidden, inter)))
-    rates = {name: sorted(r)[len(r) // 2] for name, r in seen.items()}
+    rates = {name: median(r) for name, r in seen.items()}
+    roofline = median(roof)
+    # last round's figure: decode FLOPs only, all at the slower of two shapes' a @ b rates
     per_token = 2 * (layers * (4 * hidden * hidden + 3 * hidden * inter) + hidden * vocab)
-    rate = sorted(matmul)[len(matmul) // 2]
-    roofline = rate / per_token
-    hf = rates["HF generate sampled"]
+    flops_roofline = median(matmul) / per_token
+    hf = rates.get("HF generate sampled", math.nan)
     print(f"\n## {shape}: vocab {vocab}, hidden {hidden}, {layers} layers, batch {batch}, "
-          f"{new} new tokens, prompts 16-48 tokens")
-    print(f"matmul rate {rate / 1e9:.1f} GFLOP/s -> roofline {roofline:.0f} tokens/s "
-          f"({per_token / 1e6:.1f} MFLOP/token)")
-    print("| generator | tokens/s | / HF generate sampled | share of roofline |")
-    print("|---|---|---|---|")
+          f"{new} new tokens, prompts 16-48 tokens ({sum(map(len, prompts))} in all)")
+    print(f"roofline {roofline:.0f} tokens/s (the run's linear layers alone + its K/V reads, "
+          f"rounds: {', '.join(f'{r:.0f}' for r in roof)}); decode-FLOPs-only figure "
+          f"{flops_roofline:.0f} ({median(matmul) / 1e9:.1f} GFLOP/s, "
+          f"{per_token / 1e6:.1f} MFLOP/token)")
+    # the best run of each over the best roofline round too: at a load that moves between
+    # seconds, each figure's least disturbed run
+    print("| generator | tokens/s | / HF generate sampled | share of roofline | "
+          "best run / best roofline | share of decode-FLOPs figure |")
+    print("|---|---|---|---|---|---|")
     for name, r in rates.items():
-        print(f"| {name} | {r:.0f} | {r / hf:.2f}x | {r / roofline:.0%} |")
+        print(f"| {name} | {r:.0f} | {r / hf:.2f}x | {r / roofline:.0%} | "
+              f"{max(seen[name]) / max(roof):.0%} | {r / flops_roofline:.0%} |")
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--today", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ours-only", action="store_true",
+                        help="leave transformers' generate out")
+    parser.add_argument("--against", default=None, metavar="REV",
+                        help="also REV's generator (a git revision, e.g. main), interleaved")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for shape in list(SHAPES) if args.shape == "both" else [args.shape]:
-        measure(shape, args.batch, args.today, args.repeats)
+        measure(shape, args.batch, args.repeats, args.ours_only, args.against)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,14 @@ whole context."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gangtrain.rl.engine import Engine, Request
+from gangtrain.rl.engine import Engine, Request, prefill_groups
 from gangtrain.rl.generation import HFGenerator
 from gangtrain.rl.sampling import mix64, sample_tokens
 
@@ -165,4 +166,27 @@ def test_long_prompts_are_prefilled_in_chunks():
     chunked, whole = HFGenerator(model, **kw, prefill_chunk=16), HFGenerator(model, **kw)
     assert [c.ids for c in chunked.generate(rows, [1, 2])] == \
         [c.ids for c in whole.generate(rows, [1, 2])]
-    assert chunked.engine.forwards >= whole.engine.forwards + math.ceil(90 / 16) - 1
+    # the same decode steps; prefill: 6 chunks of 16 (both rows in them) against 2 forwards
+    # (rows of 90 and 33 tokens are prefilled apart when whole: `prefill_groups`)
+    assert chunked.engine.forwards - whole.engine.forwards == math.ceil(90 / 16) - 2
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prefill_groups_cost_the_fewest_tokens(seed):
+    """Against every split of the length-sorted rows into consecutive runs (2^7 for 8 rows):
+    the groups cover each row once and cost the least padded tokens + 16 a forward."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 60, (8,), generator=g).tolist()
+    chunk = 20
+
+    def cost(group: list[int]) -> int:
+        longest = max(lengths[k] for k in group)
+        width = min(chunk, longest)
+        return math.ceil(longest / width) * (len(group) * width + 16)
+
+    groups = prefill_groups(lengths, chunk, forward_cost=16)
+    assert sorted(k for grp in groups for k in grp) == list(range(8))
+    order = sorted(range(8), key=lambda k: lengths[k])
+    best = min(sum(cost(order[a:b]) for a, b in zip([0, *cuts], [*cuts, 8], strict=True))
+               for r in range(8) for cuts in map(list, itertools.combinations(range(1, 8), r)))
+    assert sum(map(cost, groups)) == best

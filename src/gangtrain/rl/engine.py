@@ -1,21 +1,23 @@
 """`Engine`: runs requests (a context to prefill, a seed, a token budget) over a fixed number
 of slots of a preallocated KV cache (`SlotCache`), the model's own forward each step.
 
-- Continuous batching: the host reads the slots' state once every ``sync_every`` decode steps
-  (stop tokens, budgets and the capacity are checked on the device in between; a finished
+- Continuous batching: the host reads the slots' state once every ``sync_every`` decode steps,
+  or sooner when no row has that many tokens of budget left (stop tokens, budgets and the
+  capacity are checked on the device in between; a finished
   row writes to scratch columns until the sync); finished rows leave their slot and waiting
   rows are prefilled into it, long contexts in chunks of ``prefill_chunk`` tokens (chunks are
-  right-aligned so every row's last token is in the last column: ``logits_to_keep=1``).
+  right-aligned so every row's last token is in the last column: ``logits_to_keep=1``), rows
+  of very different lengths in separate forwards (`prefill_groups`: less padding computed).
   When nothing waits and at most half the slots are busy the cache is compacted once.
 - Continued rows (multi-turn): when a row stops, ``on_stop`` may return tokens to append (a
   tool's result) and the next turn's budget; the turn's last sampled token (never fed) and
   those tokens are prefilled into the same slot: nothing it already holds is encoded again.
 - Sampling: `gangtrain.rl.sampling.sample_tokens`, keyed by (seed, absolute position), so a
   row's tokens do not depend on its slot, its batch or its rank.
-- FSDP2 lockstep (``gang`` given): a forward is a collective there, so every rank does
-  ``sync_every`` decode forwards between syncs and, at a sync, the same number of prefill
-  forwards, agreed by one all-reduce MAX that also says whether any rank has rows left (a
-  rank with fewer does 1-token dummy forwards on a scratch column).
+- FSDP2 lockstep (``gang`` given): a forward is a collective there, so every rank does the
+  same number of prefill and decode forwards between syncs, agreed by all-reduces MAX (one
+  also says whether any rank has rows left; a rank with fewer prefill chunks does 1-token
+  dummy forwards on a scratch column, a rank with no live row decodes its idle slots).
 
 Each forward passes a 4D boolean-derived additive mask, which transformers uses as is
 (``masking_utils``: "If the mask is already 4D, simply return as-is"), per-row RoPE
@@ -36,7 +38,7 @@ from gangs import Gang, ReduceOperation
 from gangtrain.rl.sampling import sample_tokens
 from gangtrain.rl.slot_cache import SlotCache
 
-__all__ = ["Engine", "OnStop", "Request", "Turn"]
+__all__ = ["Engine", "OnStop", "Request", "Turn", "forward_cost", "prefill_groups"]
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Engine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._work: Tensor | None = None
         self.forwards = 0
+        self.forward_cost = forward_cost(model)
 
     # -- one forward ------------------------------------------------------------------
     def _forward(self, cache: SlotCache, rows: Tensor | None, ids: Tensor, positions: Tensor,
@@ -153,6 +156,8 @@ class Engine:
         owner: list[int | None] = [None] * S    # request index in each slot
         pending: dict[int, list[int]] = {}      # slot -> tokens to prefill
         cached = [0] * S                        # host copy of `length` at the last sync
+        # host copies of `budget` and `count`: a round decodes no more steps than a row needs
+        budget_h, count_h = [0] * S, [0] * S
         steps_since = 0
         waiting = list(range(len(requests)))[::-1]
 
@@ -162,7 +167,7 @@ class Engine:
                     i = waiting.pop()
                     r = requests[i]
                     owner[s], pending[s], cached[s] = i, list(r.ids), 0
-                    budget[s] = r.max_new_tokens
+                    budget[s] = budget_h[s] = r.max_new_tokens
                     seeds[s] = r.seed
 
         def grow(width: int) -> None:
@@ -193,24 +198,29 @@ class Engine:
             return [r.inputs for r in (requests[owner[s]] for s in todo  # type: ignore[index]
                                        if cached[s] == 0) if r.inputs]
 
+        def groups(todo: list[int]) -> list[list[int]]:
+            lengths = [len(pending[s]) for s in todo]
+            return [[todo[k] for k in g] for g in prefill_groups(lengths, self.prefill_chunk,
+                                                                   self.forward_cost)]
+
         def prefill_forwards(todo: list[int]) -> int:
-            """The forwards `prefill(todo)` will run: its chunks."""
-            longest = max((len(pending[s]) for s in todo), default=0)
-            if inputs_of(todo):
-                return 1 if longest else 0
-            return math.ceil(longest / min(self.prefill_chunk, longest)) if longest else 0
+            """The forwards `prefill(todo)` will run: its groups' chunks (one with images)."""
+            return sum(1 if inputs_of(g) else
+                       _chunks(max(len(pending[s]) for s in g), self.prefill_chunk)[0]
+                       for g in groups(todo))
 
         def prefill(todo: list[int]) -> None:
+            for group in groups(todo):
+                prefill_group(group)
+
+        def prefill_group(todo: list[int]) -> None:
             """Prefill ``todo`` slots' pending tokens in chunks; sample each one's first
             token."""
-            if not todo:
-                return
             m = [len(pending[s]) for s in todo]
-            given = inputs_of(todo)
+            given = inputs_of(todo)  # a row's images go in with its whole prompt
             inputs = {k: torch.cat([g[k] for g in given]).to(device) for k in given[0]} \
                 if given else {}
-            width = max(m) if given else min(self.prefill_chunk, max(m))
-            chunks = math.ceil(max(m) / width)
+            chunks, width = (1, max(m)) if given else _chunks(max(m), self.prefill_chunk)
             total = chunks * width
             n = len(todo)
             grid = torch.full((n, total), self.pad_id, dtype=torch.long)
@@ -257,12 +267,13 @@ class Engine:
             accept(all_slots, tok, lp)
             steps_since += 1
 
-        def agree(left: int, forwards: int) -> tuple[int, int]:
+        def agree(*counts: int) -> list[int]:
+            """The ranks' largest value of each count (one all-reduce MAX)."""
             if self.gang is None or getattr(self.gang, "size", 1) == 1:
-                return left, forwards
-            v = torch.tensor([left, forwards], dtype=torch.float64, device=device)
+                return list(counts)
+            v = torch.tensor(counts, dtype=torch.float64, device=device)
             self.gang.all_reduce(v, ReduceOperation.MAX)
-            return int(v[0]), int(v[1])
+            return [int(x) for x in v.tolist()]
 
         all_slots = torch.arange(S, device=device)
         admit()
@@ -272,19 +283,25 @@ class Engine:
             # number of forwards first: under FSDP2 each is a collective, so a rank with
             # fewer chunks (a tool result continued one of its rows) pads with dummy ones.
             mine = prefill_forwards(todo)
-            _, want = agree(0, mine)
+            # decode steps: sync_every, or fewer when no row has that many tokens left
+            # (the rows a prefill starts have their first token: budget - 1 left)
+            for s in todo:
+                count_h[s] = 1
+            need = max((budget_h[s] - count_h[s] for s in range(S) if owner[s] is not None),
+                       default=0)
+            want, steps = agree(mine, min(self.sync_every, max(need, 0)))
             prefill(todo)
             for _ in range(want - mine):
                 self._dummy_forward(cache, device)
             steps_since = 0
-            # decode sync_every steps without asking the host
-            for _ in range(self.sync_every):
+            # decode without asking the host
+            for _ in range(steps):
                 decode()
             # sync: one read of the slots' state
             state = torch.stack([live.long(), length, count, stopped.long()]).cpu()
             todo = []
             for s in range(S):
-                cached[s] = int(state[1, s])
+                cached[s], count_h[s] = int(state[1, s]), int(state[2, s])
                 i = owner[s]
                 if i is None or s in pending or bool(state[0, s]):
                     continue
@@ -305,12 +322,12 @@ class Engine:
                     del pending[s]
                     owner[s] = None
                     continue
-                budget[s] = next_budget
+                budget[s] = budget_h[s] = next_budget
                 grow(next_budget)
             admit()
             todo = [s for s in range(S) if s in pending]
             busy = sum(o is not None for o in owner)
-            left, _ = agree(int(busy > 0 or bool(waiting)), 0)
+            (left,) = agree(int(busy > 0 or bool(waiting)))
             if left == 0:
                 break
             # compact: nothing waits and at most half the slots are busy
@@ -326,10 +343,61 @@ class Engine:
                 owner = [owner[s] for s in keep_slots]
                 pending = {remap[s]: v for s, v in pending.items()}
                 cached = [cached[s] for s in keep_slots]
+                budget_h = [budget_h[s] for s in keep_slots]
+                count_h = [count_h[s] for s in keep_slots]
                 todo = [remap[s] for s in todo]
                 S = len(keep_slots)
                 all_slots = torch.arange(S, device=device)
         return requests
+
+
+def forward_cost(model: nn.Module) -> int:
+    """A forward's fixed cost in tokens of prefill: what splitting a prefill into one more
+    forward must save. A forward reads every weight once (4 bytes a parameter) and a token
+    costs 2 FLOPs a parameter it passes through (the decoder's, not the embedding's nor, at
+    prefill, the head's); at ~8 FLOPs a byte (a CPU's matmul rate over its memory bandwidth)
+    that is 16 x all parameters / the decoder's, e.g. 27 tokens for a 40M Llama of 8 layers,
+    164 for one of 4 layers with a 151,936-token head, 22 at Qwen2.5-0.5B's shape."""
+    total = sum(p.numel() for p in model.parameters())
+    tables = {}  # the embedding and the head (once when tied)
+    for name in ("get_input_embeddings", "get_output_embeddings"):
+        table = getattr(model, name, lambda: None)()
+        if table is not None:
+            tables[id(table.weight)] = table.weight.numel()
+    return math.ceil(16 * total / max(total - sum(tables.values()), 1))
+
+
+def _chunks(longest: int, chunk: int) -> tuple[int, int]:
+    """(forwards, width) of a prefill whose longest row has ``longest`` tokens."""
+    width = min(chunk, longest)
+    return math.ceil(longest / width), width
+
+
+def prefill_groups(lengths: Sequence[int], chunk: int, forward_cost: int
+                   ) -> list[list[int]]:
+    """The rows (by their token counts) split into groups prefilled by forwards of their own:
+    a group pads every row to its longest, so rows sorted by length are cut into the runs
+    that cost the fewest tokens, padding included, plus ``forward_cost`` a forward
+    (dynamic programming over the cut points: a batch of rows, at most a few hundred)."""
+    order = sorted(range(len(lengths)), key=lambda k: lengths[k])
+    m = [lengths[k] for k in order]
+
+    def cost(i: int, j: int) -> int:  # rows i..j-1 of `order` in one group
+        forwards, width = _chunks(m[j - 1], chunk)
+        return forwards * ((j - i) * width + forward_cost)
+
+    best: list[float] = [0.0] + [math.inf] * len(m)
+    cut = [0] * (len(m) + 1)
+    for j in range(1, len(m) + 1):
+        for i in range(j):
+            c = best[i] + cost(i, j)
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    runs, j = [], len(m)
+    while j > 0:
+        runs.append(order[cut[j]:j])
+        j = cut[j]
+    return runs[::-1]
 
 
 def _num_layers(model: nn.Module) -> int:

@@ -2,15 +2,17 @@
 from a counter-based hash (splitmix64's finaliser on int64 tensors, the whole batch in one
 call), and the token drawn by inverse CDF over ``softmax(logits / T)``.
 
-Why it is exact: with z = (logits - max) / T and e = exp(z), the first k whose cumulative sum
-C_k exceeds u * C_V has probability (C_k - C_{k-1}) / C_V = e_k / sum(e). The cumulative sum
-is done in two levels so that no float64 vector of the vocabulary is made (55 ms for 32 x
-151,936 on one CPU thread): float32 sums of blocks of `BLOCK` entries, a float64 CDF over the
-block sums picks block b with probability S_b / sum(S); the part of u inside b's interval,
-rescaled to (0, 1), is uniform and independent of the block choice and picks inside the block
-by its float64 CDF. P(k) = p_k * (S_b / sum of the block's e), the ratio 1 up to the float32
-rounding of one block sum (~1e-7 relative, the logits' own precision). A token with e_k = 0
-has an empty interval (``searchsorted(right=True)``) and is never drawn.
+Why it is exact: with p = softmax(logits / T) (float32), the first k whose cumulative sum C_k
+exceeds u * C_V has probability (C_k - C_{k-1}) / C_V = p_k / sum(p). The cumulative sum is
+done in two levels so that no float64 vector of the vocabulary is made (55 ms for 32 x 151,936
+on one CPU thread): float32 sums of blocks of `BLOCK` entries, a float64 CDF over the block
+sums picks block b with probability S_b / sum(S); the part of u inside b's interval, rescaled
+to (0, 1), is uniform and independent of the block choice and picks inside the block by its
+float64 CDF. P(k) = p_k / sum(p) * (S_b / sum of the block's p), the ratio 1 up to the float32
+rounding of one block sum (~1e-7 relative, the logits' own precision). A token with p_k = 0
+has an empty interval (``searchsorted(right=True)``) and is never drawn. The softmax is
+torch's: its kernel takes a row's max, exponentials and sum while the row is in cache, one
+pass over the batch's logits where a max, a shift and an exp would make three.
 
 Why it is layout-independent: a row's draw depends on its logits, its seed and the absolute
 position of the drawn token only (every reduction is along the row's own vocabulary): any
@@ -18,7 +20,8 @@ rank, batch, slot or refill order gives the same token, and a continued row draw
 generation of its whole context draws.
 
 Log-probabilities are those of ``log_softmax(logits / T)`` before top-p (what the trained
-forward computes), computed from the logits, not from the exponentiated buffer.
+forward computes): log p_k less the log of the float64 total of the p the draw used (p_k's
+float32 rounding: ~1e-7 absolute); greedy and top-p compute them from the logits.
 """
 
 from __future__ import annotations
@@ -89,30 +92,28 @@ def sample_tokens(logits: Tensor, seeds: Tensor, positions: Tensor, temperature:
     logits = logits.float()
     n = logits.shape[0]
     fits = work is not None and work.shape[0] >= n and work.shape[1] == logits.shape[1]
-    z = work[:n] if fits else torch.empty_like(logits)  # type: ignore[index]
+    buffer = work[:n] if fits else torch.empty_like(logits)  # type: ignore[index]
     if temperature == 0:
         top, arg = logits.max(-1, keepdim=True)
-        lse = top[:, 0] + torch.sub(logits, top, out=z).exp_().sum(-1).log()
+        lse = top[:, 0] + torch.sub(logits, top, out=buffer).exp_().sum(-1).log()
         return arg[:, 0], top[:, 0] - lse
-    top = logits.amax(-1, keepdim=True)
-    inv_t = 1.0 / temperature
-    torch.sub(logits, top, out=z)
-    if temperature != 1:
-        z.mul_(inv_t)
+    z = logits if temperature == 1 else logits * (1.0 / temperature)
     u = uniform_noise(seeds, positions)
     if top_p >= 1:
-        token, total = _inverse_cdf(z.exp_(), u)
-        lse = total.log().float()
-    else:
-        # sorted descending (stable: ties resolve alike in every batch); kept = the prefix
-        # whose preceding mass is < top_p; the draw is the inverse CDF over that prefix
-        ordered, order = z.sort(dim=-1, descending=True, stable=True)
-        cdf = ordered.exp().cumsum(-1, dtype=torch.float64)
-        lse = cdf[:, -1].log().float()
-        before = torch.cat([torch.zeros_like(cdf[:, :1]), cdf[:, :-1]], 1)
-        kept = (before / cdf[:, -1:] < top_p).sum(-1, keepdim=True)
-        mass = cdf.gather(-1, kept - 1)
-        index = torch.searchsorted(cdf, u[:, None] * mass, right=True).clamp(max=kept - 1)
-        token = order.gather(-1, index)[:, 0]
-    chosen = (logits.gather(-1, token[:, None])[:, 0] - top[:, 0]) * inv_t
+        p = torch.softmax(z, -1, out=buffer)
+        token, total = _inverse_cdf(p, u)
+        chosen = p.gather(-1, token[:, None])[:, 0].double().log()
+        return token, (chosen - total.log()).float()
+    # sorted descending (stable: ties resolve alike in every batch); kept = the prefix whose
+    # preceding mass is < top_p; the draw is the inverse CDF over that prefix
+    top = z.amax(-1, keepdim=True)
+    ordered, order = z.sort(dim=-1, descending=True, stable=True)
+    cdf = (ordered - top).exp().cumsum(-1, dtype=torch.float64)
+    lse = cdf[:, -1].log().float()
+    before = torch.cat([torch.zeros_like(cdf[:, :1]), cdf[:, :-1]], 1)
+    kept = (before / cdf[:, -1:] < top_p).sum(-1, keepdim=True)
+    mass = cdf.gather(-1, kept - 1)
+    index = torch.searchsorted(cdf, u[:, None] * mass, right=True).clamp(max=kept - 1)
+    token = order.gather(-1, index)[:, 0]
+    chosen = z.gather(-1, token[:, None])[:, 0] - top[:, 0]
     return token, chosen - lse
