@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from gangtrain.rl.agents import AgentLoop
 from gangtrain.rl.engine import Engine
 from gangtrain.rl.tool_process import ToolProcess
-from gangtrain.rl.tools import ToolCall, load_tools, run_tool, tool_of
+from gangtrain.rl.tools import ToolCall, load_tools, result_of, run_tool, tool_of
 from gangtrain.tiny.chat import make_tiny_chat_model
 from gangtrain.tiny.tools import TOOL_TEMPLATE
 
@@ -25,7 +25,7 @@ TIMEOUT = 0.5
 def test_a_tool_that_ignores_the_timeout_is_killed():
     tools = {t.name: t for t in load_tools(["agent_tools:forever", "gangtrain.tiny.tools:multiply",
                                             "agent_tools:boom", "agent_tools:vanish"])}
-    process = ToolProcess()
+    process = ToolProcess(result_of)
     try:
         assert run_tool(tools, ToolCall("multiply", {"a": 2, "b": 3}), timeout=TIMEOUT,
                         process=process).content == "6"

@@ -23,7 +23,7 @@ from typing import Any
 from gangtrain.rl.engine import Engine, Request, Turn
 from gangtrain.rl.generation import Completion
 from gangtrain.rl.tool_process import ToolProcess
-from gangtrain.rl.tools import Tool, ToolResult, parse_tool_calls, run_tool, tool_of
+from gangtrain.rl.tools import Tool, ToolResult, parse_tool_calls, result_of, run_tool, tool_of
 
 __all__ = ["AgentLoop", "TemplateSuffix", "Trajectory", "environment_tools", "metrics"]
 
@@ -106,7 +106,7 @@ def isolated_process(tools: Sequence[Tool], environment_factory: Any, isolation:
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise ValueError(f"tool {tool.name!r} cannot run in a worker process (it must be "
                              f"a module-level function): {e}") from None
-    return ToolProcess()
+    return ToolProcess(result_of)
 
 
 class AgentLoop:

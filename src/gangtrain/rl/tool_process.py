@@ -34,10 +34,9 @@ class ToolRaised(Exception):
     """The tool raised in the worker: ``args`` are its type's name and its message."""
 
 
-def _serve(conn: Any) -> None:
-    """The worker's loop: (fn, arguments) in, ("ok", text) or ("raised", type, message) out."""
-    from gangtrain.rl.tools import call_tool, result_text
-
+def _serve(conn: Any, run: Callable[[Callable[..., Any], dict[str, Any]], str]) -> None:
+    """The worker's loop: (fn, arguments) in, ("ok", run(fn, arguments)) or ("raised", type,
+    message) out."""
     conn.send("ready")
     while True:
         try:
@@ -45,16 +44,18 @@ def _serve(conn: Any) -> None:
         except EOFError:  # the trainer closed its end
             return
         try:
-            conn.send(("ok", result_text(call_tool(fn, arguments))))
+            conn.send(("ok", run(fn, arguments)))
         except Exception as e:  # noqa: BLE001 - any tool error is the policy's result
             conn.send(("raised", type(e).__name__, str(e)))
 
 
 class ToolProcess:
     """One worker process (started on first use, ``spawn``: nothing of the trainer's threads
-    or CUDA state is inherited) running calls one at a time."""
+    or CUDA state is inherited) running calls one at a time through ``run(fn, arguments)``,
+    a module-level function returning the result's text."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: Callable[[Callable[..., Any], dict[str, Any]], str]) -> None:
+        self._run = run
         self._context = multiprocessing.get_context("spawn")
         self._process: Any = None
         self._conn: Any = None
@@ -62,7 +63,7 @@ class ToolProcess:
 
     def _start(self) -> None:
         parent, child = self._context.Pipe()
-        self._process = self._context.Process(target=_serve, args=(child,), daemon=True,
+        self._process = self._context.Process(target=_serve, args=(child, self._run), daemon=True,
                                               name="gangtrain-tool")
         self._process.start()
         child.close()

@@ -200,6 +200,11 @@ def result_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
+def result_of(fn: Callable[..., Any], args: dict[str, Any]) -> str:
+    """The text of ``fn(**args)`` (what a `ToolProcess` worker runs)."""
+    return result_text(call_tool(fn, args))
+
+
 def run_tool(tools: dict[str, Tool], call: ToolCall, *, timeout: float | None = 10.0,
              max_chars: int = 2000, process: ToolProcess | None = None) -> ToolResult:
     """Run one call; nothing it does raises here: an unknown tool, bad arguments, an
