@@ -84,14 +84,7 @@ def make_tiny_chat_model(directory: Path | str, hidden_size: int = 64, num_layer
                          ) -> Path:
     """Save a tiny Llama with a ChatML BPE tokenizer in ``directory`` (as `save_pretrained`
     does) and return it. The same arguments give the same files."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -104,12 +97,28 @@ def make_tiny_chat_model(directory: Path | str, hidden_size: int = 64, num_layer
         trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                             special_tokens=list(SPECIAL),
                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer: Any = PreTrainedTokenizerFast(
+    tokenizer = chatml_tokenizer(bpe)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return save_tiny_llama(directory, tokenizer, hidden_size, num_layers, max_positions, seed)
+
+
+def chatml_tokenizer(bpe: Any) -> Any:
+    """A `tokenizers` BPE wrapped with ChatML's special tokens (``<|im_end|>`` ends a turn)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"])
-    tokenizer.chat_template = CHATML_TEMPLATE
-    tokenizer.save_pretrained(directory)
 
+
+def save_tiny_llama(directory: Path, tokenizer: Any, hidden_size: int, num_layers: int,
+                    max_positions: int, seed: int) -> Path:
+    """Save ``tokenizer`` and a Llama drawn from ``seed`` sized to it in ``directory``;
+    generation stops at ``<|im_end|>`` or ``<|endoftext|>``."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer.save_pretrained(directory)
     endoftext, im_end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>",
                                                                        "<|im_end|>"))
     torch.manual_seed(seed)

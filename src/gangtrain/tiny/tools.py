@@ -27,6 +27,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from gangtrain.tiny.chat import chatml_tokenizer, save_tiny_llama
+
 __all__ = ["TOOL_TEMPLATE", "final_answer_match", "make_multiply_model", "multiply",
            "multiply_records", "tools_system_message", "write_multiply_demonstrations",
            "write_multiply_prompts", "write_tool_template"]
@@ -146,14 +148,7 @@ def make_multiply_model(directory: Path | str, hidden_size: int = 128, num_layer
     digit its own token (copying a number is then copying tokens), Qwen2.5's tool tags as
     added tokens, `TOOL_TEMPLATE` its chat template; stop tokens as `gangtrain.tiny.chat`'s.
     The same arguments give the same files."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
     from transformers.utils import get_json_schema
 
     directory = Path(directory)
@@ -165,9 +160,7 @@ def make_multiply_model(directory: Path | str, hidden_size: int = 128, num_layer
     bpe.decoder = decoders.ByteLevel()
     bpe.add_special_tokens(list(SPECIAL))
     bpe.add_tokens(list(TAGS))
-    tokenizer: Any = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"])
+    tokenizer = chatml_tokenizer(bpe)
     tokenizer.chat_template = TOOL_TEMPLATE
     schemas = [get_json_schema(multiply)]
     texts = [tokenizer.apply_chat_template(demonstration(r, "")[1:], tools=schemas,
@@ -176,22 +169,6 @@ def make_multiply_model(directory: Path | str, hidden_size: int = 128, num_layer
     bpe.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=vocab_size, show_progress=False, special_tokens=list(SPECIAL),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"])
+    tokenizer = chatml_tokenizer(bpe)
     tokenizer.chat_template = TOOL_TEMPLATE
-    tokenizer.save_pretrained(directory)
-
-    endoftext, im_end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>",
-                                                                       "<|im_end|>"))
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size,
-                         intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_positions, tie_word_embeddings=False,
-                         bos_token_id=None, eos_token_id=endoftext, pad_token_id=endoftext)
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=[im_end, endoftext],
-                                               pad_token_id=endoftext, do_sample=False)
-    model.save_pretrained(directory)
-    return directory
+    return save_tiny_llama(directory, tokenizer, hidden_size, num_layers, max_positions, seed)
