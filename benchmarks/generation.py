@@ -1,7 +1,10 @@
 """Tokens/s of `gangtrain.rl.generation.HFGenerator` against transformers' `model.generate`
-on the same random Llama, prompts and lengths, one process, one thread, batch 32, every row
-running to the limit (no stop token; `generate` with ``min_new_tokens``), temperature 1, no
-top-k, at issue #69's two shapes; and the roofline of the run.
+and its continuous batching (`model.generate_batch`, a paged KV cache; it runs on the CPU in
+transformers 5.25, left out with the reason printed where it fails) on the same random
+Llama, prompts and lengths, one process, one thread, batch 8 and 32, every row running to the
+limit (no stop token; `generate` with ``min_new_tokens``), temperature 1, no top-k, at issue
+#69's two shapes and Qwen2.5-0.5B's (`benchmarks.real_size.QWEN_05B`: hidden 896, 24 layers,
+14/2 heads, MLP 4864, a tied 151,936-row embedding); and the roofline of the run.
 
 The roofline is the least time the run's unavoidable work takes on this machine, measured in
 the same rounds: the linear layers alone (every ``nn.Linear`` of the model applied by
@@ -19,8 +22,10 @@ a load that moves between seconds, each figure's least disturbed measurement).
 ``--against REV`` adds REV's generator (its `gangtrain.rl` modules from git), interleaved in
 the same process.
 
-    PYTHONPATH=src:. python -m benchmarks.generation [--shape 40m|42m] [--repeats 3]
-        [--ours-only] [--against main]
+    PYTHONPATH=src:. python -m benchmarks.generation [--shapes 40m 42m 0.5b] [--batches 8 32]
+        [--new N] [--repeats 3] [--ours-only] [--against main]
+
+``--new`` overrides each shape's new tokens (16 at 0.5B, to keep its run short).
 """
 
 from __future__ import annotations
@@ -36,22 +41,26 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+from benchmarks.real_size import QWEN_05B
 from gangtrain.rl.generation import HFGenerator
 
-SHAPES = {  # vocab, hidden, layers, intermediate, heads, new tokens
-    "40m": (32_000, 512, 8, 1376, 8, 64),
-    "42m": (151_936, 256, 4, 1024, 4, 32),
+SHAPES = {  # vocab, hidden, layers, intermediate, heads, key/value heads, new tokens
+    "40m": (32_000, 512, 8, 1376, 8, 8, 64),
+    "42m": (151_936, 256, 4, 1024, 4, 4, 32),
+    "0.5b": (QWEN_05B["vocab"], QWEN_05B["hidden"], QWEN_05B["layers"],
+             QWEN_05B["intermediate"], QWEN_05B["heads"], QWEN_05B["kv_heads"], 16),
 }
 
 
 def build(shape: str) -> LlamaForCausalLM:
-    vocab, hidden, layers, inter, heads, _ = SHAPES[shape]
+    vocab, hidden, layers, inter, heads, kv_heads, _ = SHAPES[shape]
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                          intermediate_size=inter, num_attention_heads=heads,
-                         num_key_value_heads=heads, tie_word_embeddings=True,
+                         num_key_value_heads=kv_heads, tie_word_embeddings=True,
                          max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
                          pad_token_id=0)
     model = LlamaForCausalLM(config).eval()
@@ -80,6 +89,29 @@ def hf_generate(model: LlamaForCausalLM, prompts: list[list[int]], new: int, sam
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                              min_new_tokens=new, **kw)
     return (out.shape[1] - width) * len(prompts)
+
+
+def hf_generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], new: int,
+                      sample: bool) -> int:
+    """transformers' continuous batching: `generate_batch` over a paged cache sized to the run
+    (its default sizes the cache from a GPU's free memory: on the CPU ~10x slower here), all
+    prompts prefilled in one batch, every row to ``new`` tokens (no end-of-sequence id)."""
+    page = 64
+    blocks = len(prompts) * math.ceil((max(map(len, prompts)) + new + 1) / page) + 1
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks,
+                                  max_batch_tokens=max(512, sum(map(len, prompts))))
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample \
+        else dict(do_sample=False)
+    config = GenerationConfig(max_new_tokens=new, eos_token_id=-1, pad_token_id=0, **kw)
+    with torch.no_grad():
+        out = model.generate_batch(prompts, generation_config=config,
+                                   continuous_batching_config=cb, progress_bar=False,
+                                   warmup=False)
+    lengths = [len(o.generated_tokens) for o in out.values()]
+    if len(lengths) != len(prompts) or set(lengths) != {new}:
+        raise RuntimeError(f"generate_batch returned {len(lengths)} rows of lengths "
+                           f"{sorted(set(lengths))}, not {len(prompts)} of {new}")
+    return sum(lengths)
 
 
 def timed(fn: Callable[[], int]) -> float:
@@ -177,10 +209,10 @@ def generator_at(rev: str) -> type:
     return sys.modules["rev_rl.generation"].HFGenerator
 
 
-def measure(shape: str, batch: int, repeats: int, ours_only: bool, against: str | None
-            ) -> None:
-    vocab, hidden, layers, inter, _, new = SHAPES[shape]
-    model = build(shape)
+def measure(shape: str, model: LlamaForCausalLM, batch: int, new: int | None, repeats: int,
+            ours_only: bool, against: str | None) -> None:
+    vocab, hidden, layers, inter, heads, kv_heads, default_new = SHAPES[shape]
+    new = new or default_new
     prompts = make_prompts(batch, vocab)
     seeds = list(range(batch))
 
@@ -192,7 +224,9 @@ def measure(shape: str, batch: int, repeats: int, ours_only: bool, against: str 
     runs = {"ours sampled": ours(1.0),
             "HF generate sampled": lambda: hf_generate(model, prompts, new, True),
             "ours greedy": ours(0.0),
-            "HF generate greedy": lambda: hf_generate(model, prompts, new, False)}
+            "HF generate greedy": lambda: hf_generate(model, prompts, new, False),
+            "HF generate_batch sampled": lambda: hf_generate_batch(model, prompts, new, True),
+            "HF generate_batch greedy": lambda: hf_generate_batch(model, prompts, new, False)}
     if against is not None:
         theirs = generator_at(against)
         runs[f"{against}'s sampled"] = ours(1.0, theirs)
@@ -200,6 +234,13 @@ def measure(shape: str, batch: int, repeats: int, ours_only: bool, against: str 
     if ours_only:
         runs = {name: run for name, run in runs.items() if not name.startswith("HF")}
     runs["ours sampled"]()  # warm-up: the allocator, first-call costs
+    for name in [n for n in runs if "generate_batch" in n]:
+        try:
+            runs[name]()  # warm-up, and whether it runs here at all
+        except Exception as error:  # noqa: BLE001 -- any failure: say why, measure the rest
+            print(f"{name}: left out, it fails on this machine: {type(error).__name__}: "
+                  f"{str(error)[:200]}")
+            del runs[name]
     # each generator `repeats` times, interleaved (the machine's load moves between them),
     # and both rooflines measured in every round; the median of each
     seen: dict[str, list[float]] = {name: [] for name in runs}
@@ -213,10 +254,13 @@ def measure(shape: str, batch: int, repeats: int, ours_only: bool, against: str 
     rates = {name: median(r) for name, r in seen.items()}
     roofline = median(roof)
     # last round's figure: decode FLOPs only, all at the slower of two shapes' a @ b rates
-    per_token = 2 * (layers * (4 * hidden * hidden + 3 * hidden * inter) + hidden * vocab)
+    kv_width = kv_heads * (hidden // heads)
+    attention = 2 * hidden * hidden + 2 * hidden * kv_width  # q and o; k and v (GQA)
+    per_token = 2 * (layers * (attention + 3 * hidden * inter) + hidden * vocab)
     flops_roofline = median(matmul) / per_token
     hf = rates.get("HF generate sampled", math.nan)
-    print(f"\n## {shape}: vocab {vocab}, hidden {hidden}, {layers} layers, batch {batch}, "
+    print(f"\n## {shape}: vocab {vocab}, hidden {hidden}, {layers} layers, {heads}/{kv_heads} "
+          f"heads, batch {batch}, "
           f"{new} new tokens, prompts 16-48 tokens ({sum(map(len, prompts))} in all)")
     print(f"roofline {roofline:.0f} tokens/s (the run's linear layers alone + its K/V reads, "
           f"rounds: {', '.join(f'{r:.0f}' for r in roof)}); decode-FLOPs-only figure "
@@ -238,8 +282,11 @@ def median(xs: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--shapes", "--shape", nargs="+", choices=[*SHAPES, "both"],
+                        default=["40m", "42m"], help="both: 40m and 42m (issue #69's two)")
+    parser.add_argument("--batches", "--batch", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--new", type=int, default=None,
+                        help="new tokens a row (default: the shape's, 64/32/16)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ours-only", action="store_true",
                         help="leave transformers' generate out")
@@ -247,8 +294,11 @@ def main() -> None:
                         help="also REV's generator (a git revision, e.g. main), interleaved")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    for shape in list(SHAPES) if args.shape == "both" else [args.shape]:
-        measure(shape, args.batch, args.repeats, args.ours_only, args.against)
+    shapes = [s for name in args.shapes for s in (("40m", "42m") if name == "both" else (name,))]
+    for shape in dict.fromkeys(shapes):
+        model = build(shape)
+        for batch in args.batches:
+            measure(shape, model, batch, args.new, args.repeats, args.ours_only, args.against)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ estimate ``kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1``:
           sum_t old_t)                                                          (rloo, TRL's
           RLOOTrainer: the KL enters the reward instead, r - beta sum_t (old_t - ref_t))
 
+``sampler_correction`` (`SamplerCorrection`, off by default): each l_t's clipped term is
+multiplied by pi_train / pi_sampler of its token or completion, truncated or masked, as TRL's
+``vllm_importance_sampling_*``, for samples drawn by another engine than the trained forward.
+
 ``mask_truncated_completions``: a completion cut at max_new_tokens is left out of the sum AND
 of num_targets (TRL's grpo and dr_grpo still count it in their denominator; its dapo did
 until TRL PR 6439). Metrics (TRL's names, token means exact over DP as totals):
@@ -40,14 +44,22 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveInt,
+    field_validator,
+)
 from torch import Tensor
 
 from gangtrain.rl.advantages import ScaleRewards, group_advantages, leave_one_out_advantages
+from units.online_rl.sampler_correction import SamplerCorrection
 
 __all__ = ["DAPOLoss", "DrGRPOLoss", "GRPOKindLoss", "GRPOLoss", "GRPOLossKind",
-           "GRPOLossSettings", "GRPO_LOSS_KINDS", "LossKind", "RLOOLoss", "TokenScores",
-           "loss_and_targets"]
+           "GRPOLossSettings", "GRPO_LOSS_KINDS", "LossKind", "RLOOLoss", "SamplerCorrection",
+           "TokenScores", "loss_and_targets"]  # SamplerCorrection: a loss setting, re-exported
 
 Metrics = dict[str, tuple[Tensor, Tensor]]
 
@@ -62,6 +74,7 @@ class TokenScores:
     row: Tensor  # [n] the completion (0..b-1) of each token
     advantages: Tensor  # [b]
     kept: Tensor  # [b] bool: counted (False: a masked truncated completion)
+    sampling_ratio: Tensor | None = None  # [n] the sampler correction's weight, or None
 
 
 def _segment_sum(values: Tensor, row: Tensor, rows: int) -> Tensor:
@@ -89,6 +102,10 @@ class GRPOLossKind(BaseModel):
     """The std advantages are divided by: the group's, the window's (``batch``), none."""
     mask_truncated_completions: bool = False
     """Leave completions cut at max_new_tokens out of the loss and of its denominator."""
+    sampler_correction: SamplerCorrection | None = None
+    """Weight each token's loss by pi_train / pi_sampler (TRL's
+    ``vllm_importance_sampling_*``); None (the default): the sampler is the trained forward
+    (the ``hf`` engine), no correction."""
     max_new_tokens: PositiveInt | None = None
     """dr_grpo's constant (TRL's max_completion_length); None: the generation's
     max_new_tokens, filled in by whoever builds the unit (`with_max_new_tokens`)."""
@@ -119,7 +136,8 @@ class GRPOLossKind(BaseModel):
         ratio is exactly 1, TRL's shortcut): some micro-batch of the window is trained after
         an optimizer step, i.e. more than one update per window, or a window that outlives
         the step it opens in."""
-        return self.num_iterations > 1 or window_outlives_step
+        return (self.num_iterations > 1 or window_outlives_step
+                or self.sampler_correction is not None)
 
     def needs_sequence_kl(self) -> bool:
         """Whether the advantages need each completion's summed k1 KL to the reference
@@ -150,6 +168,8 @@ class GRPOLossKind(BaseModel):
         ratio = torch.exp(s.logp - old)
         clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.upper)
         per_token = -torch.minimum(ratio * advantage, clipped * advantage)
+        if s.sampling_ratio is not None:  # before the KL term, as TRL
+            per_token = per_token * s.sampling_ratio
         metrics: Metrics = {}
         if s.ref is not None and self.beta > 0:
             delta = s.ref - s.logp
@@ -228,6 +248,14 @@ class RLOOLoss(GRPOLossKind):
             raise ValueError("loss.kind=rloo takes its baseline from the group's other "
                              "rewards: set loss.scale_rewards to none (or batch, TRL's "
                              "normalize_advantages)")
+        return value
+
+    @field_validator("sampler_correction")
+    @classmethod
+    def _no_correction(cls, value: SamplerCorrection | None) -> SamplerCorrection | None:
+        if value is not None:
+            raise ValueError("loss.kind=rloo takes no sampler_correction (TRL's RLOOTrainer "
+                             "has none): use kind grpo, dapo or dr_grpo")
         return value
 
     def needs_old_logps(self, window_outlives_step: bool) -> bool:

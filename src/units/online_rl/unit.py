@@ -32,7 +32,9 @@ every rank; token and completion statistics are totals, exact over DP): ``reward
 publishes, ``rewards/<source>/<metric>``),
 ``completions/mean_length``, ``completions/min_length``, ``completions/max_length``,
 ``completions/clipped_ratio``, ``kl``, ``entropy``, ``clip_ratio/*``,
-``generation/completions_per_s``, ``generation/tokens_per_s``.
+``generation/completions_per_s``, ``generation/tokens_per_s``; with
+``loss.sampler_correction``, ``sampling/sampling_logp_difference/*`` and
+``sampling/importance_sampling_ratio/*``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from units.linear_cross_entropy import captured_head, linear_log_probs_and_entro
 from units.metrics import MetricBag
 from units.online_rl.losses import GRPOLossKind, TokenScores
 from units.online_rl.multi_turn import replayed_completion, roll_out
+from units.online_rl.sampler_correction import weigh_slices
 from units.online_rl.window import Slice, WindowBuffer, local_indices, slice_tensors
 from units.reference import ReferenceModel
 from units.unit import TrainUnit
@@ -241,7 +244,7 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
                                     chunk_size=self.logps_chunk_size)
         row = s.row
         assert row is not None
-        scores = TokenScores(logp, s.old, s.ref, row, s.advantages, s.kept)
+        scores = TokenScores(logp, s.old, s.ref, row, s.advantages, s.kept, s.sampling_ratio)
         loss, num_targets, values = self.loss.loss(scores)
         weight = s.kept[row].double()
         assert entropy is not None
@@ -282,6 +285,9 @@ class GRPOUnit(TrainUnit[dict[str, Any]]):
                             join_inputs(images[m * b:(m + 1) * b]).items()}
         needs_old = self.loss.needs_old_logps(self._window_outlives_step())
         kl_sequence = self._score_old_and_reference(slices, needs_old)
+        if self.loss.sampler_correction is not None:
+            weigh_slices(self.loss.sampler_correction, slices, completions,
+                         self.B // self.dp.size, metrics)
         self._count_flops(prompt_ids, completions, needs_old)
         advantages = self._advantages(values, kl_sequence, names, metrics)
         local = advantages[torch.tensor(mine)]

@@ -40,6 +40,7 @@ class Slice:
     targets: Tensor | None = None  # [n] the completion tokens, row by row
     old: Tensor | None = None  # [n] the policy's log-probs when generated (flattened)
     ref: Tensor | None = None  # [n] the reference's
+    sampling_ratio: Tensor | None = None  # [n] loss.sampler_correction's weight
     inputs: dict[str, Tensor] | None = None  # the rows' images (pixel_values ...), row order
 
     def state(self) -> dict[str, Any]:
@@ -49,7 +50,7 @@ class Slice:
     def of_state(cls, state: dict[str, Any]) -> Slice:
         return cls(**{k: state.get(k) for k in ("input_ids", "attention_mask", "scored",
                                                 "advantages", "kept", "row", "targets", "old",
-                                                "ref", "inputs")})
+                                                "ref", "sampling_ratio", "inputs")})
 
     def __post_init__(self) -> None:
         if self.row is None:  # found once, on the host, when the window is built
