@@ -25,7 +25,7 @@ TIMEOUT = 0.5
 def test_a_tool_that_ignores_the_timeout_is_killed():
     tools = {t.name: t for t in load_tools(["agent_tools:forever", "gangtrain.tiny.tools:multiply",
                                             "agent_tools:boom", "agent_tools:vanish"])}
-    process = ToolProcess(result_of)
+    process = ToolProcess(result_of, [tool.fn for tool in tools.values()])
     try:
         assert run_tool(tools, ToolCall("multiply", {"a": 2, "b": 3}), timeout=TIMEOUT,
                         process=process).content == "6"

@@ -106,7 +106,7 @@ def isolated_process(tools: Sequence[Tool], environment_factory: Any, isolation:
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise ValueError(f"tool {tool.name!r} cannot run in a worker process (it must be "
                              f"a module-level function): {e}") from None
-    return ToolProcess(result_of)
+    return ToolProcess(result_of, [tool.fn for tool in tools])
 
 
 class AgentLoop:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["ToolCrashed", "ToolProcess", "ToolRaised", "ToolTimedOut"]
@@ -34,9 +34,11 @@ class ToolRaised(Exception):
     """The tool raised in the worker: ``args`` are its type's name and its message."""
 
 
-def _serve(conn: Any, run: Callable[[Callable[..., Any], dict[str, Any]], str]) -> None:
+def _serve(conn: Any, run: Callable[[Callable[..., Any], dict[str, Any]], str],
+           tools: Sequence[Callable[..., Any]]) -> None:
     """The worker's loop: (fn, arguments) in, ("ok", run(fn, arguments)) or ("raised", type,
-    message) out."""
+    message) out. ``tools`` arrive with the process, so their modules are imported before it
+    says it is ready: a call's timeout is the call's, not its first import's."""
     conn.send("ready")
     while True:
         try:
@@ -52,10 +54,13 @@ def _serve(conn: Any, run: Callable[[Callable[..., Any], dict[str, Any]], str]) 
 class ToolProcess:
     """One worker process (started on first use, ``spawn``: nothing of the trainer's threads
     or CUDA state is inherited) running calls one at a time through ``run(fn, arguments)``,
-    a module-level function returning the result's text."""
+    a module-level function returning the result's text; ``tools``: the functions it will
+    call, imported when it starts."""
 
-    def __init__(self, run: Callable[[Callable[..., Any], dict[str, Any]], str]) -> None:
+    def __init__(self, run: Callable[[Callable[..., Any], dict[str, Any]], str],
+                 tools: Sequence[Callable[..., Any]] = ()) -> None:
         self._run = run
+        self._tools = list(tools)
         self._context = multiprocessing.get_context("spawn")
         self._process: Any = None
         self._conn: Any = None
@@ -63,7 +68,7 @@ class ToolProcess:
 
     def _start(self) -> None:
         parent, child = self._context.Pipe()
-        self._process = self._context.Process(target=_serve, args=(child, self._run), daemon=True,
+        self._process = self._context.Process(target=_serve, args=(child, self._run, self._tools), daemon=True,
                                               name="gangtrain-tool")
         self._process.start()
         child.close()
