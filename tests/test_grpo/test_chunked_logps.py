@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from units.causal_lm import auto_loss_chunk_size
-from units.online_rl.unit import token_logps
+from units.online_rl.token_logps import token_logps
 from units.online_rl.window import Slice, slice_tensors
 
 VOCAB = 301

@@ -24,7 +24,7 @@ from gangtrain.tiny.vision import make_tiny_vlm
 from gangtrain.tiny.vision_tasks import make_colour_prompts
 from recipes.grpo.recipe import cli
 from trainer.observe.recorders import read_jsonl
-from units.online_rl.unit import token_logps
+from units.online_rl.token_logps import token_logps
 from units.online_rl.window import Slice, slice_tensors
 
 REWARD = "gangtrain.tiny.vision_tasks:colour_reward"
@@ -56,7 +56,7 @@ def generate(model, processor, path: Path, max_new_tokens: int = 6):  # noqa: AN
 
 def trained_logps(model, processor, prompts, completions, with_images: bool = True):  # noqa: ANN001, ANN201
     """The completions' token log-probs from one forward of the whole rows, as the GRPO
-    unit trains them (`token_logps` on a `Slice`)."""
+    unit trains them (`token_logps` of `units.online_rl.token_logps` on a `Slice`)."""
     ids, mask, scored = slice_tensors([p.ids for p in prompts.prompts],
                                       [c.ids for c in completions],
                                       processor.tokenizer.pad_token_id)

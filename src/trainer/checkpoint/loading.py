@@ -21,7 +21,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import CheckpointException
+from torch.optim import Optimizer
 
 from gangs import Gang, Gangs
 from trainer.checkpoint.directory import CheckpointDir
@@ -36,10 +38,11 @@ from trainer.checkpoint.manifest import (
     rank_file,
     verify,
 )
+from trainer.checkpoint.state import set_model_optim_state, tied_aliases, without_unsaved_states
 from trainer.errors import UserError
 
-__all__ = ["best_step_dir", "find_step_dir", "load_dcp", "read_rank_state", "require_verified",
-           "resolve_step_dir", "verified_while"]
+__all__ = ["best_step_dir", "find_step_dir", "load_dcp", "load_model_optim", "read_rank_state",
+           "require_verified", "resolve_step_dir", "verified_while"]
 
 T = TypeVar("T")
 
@@ -84,6 +87,23 @@ def load_dcp(
             then()
     except (Exception, CheckpointException) as ex:  # the latter is a BaseException
         raise UserError(f"checkpoint {step_dir} does not fit {fits}: {describe(ex)}") from ex
+
+
+def load_model_optim(step_dir: Path, model: nn.Module, optimizer: Optimizer | None,
+                     state: dict[str, Any], *, process_group: dist.ProcessGroup | None,
+                     no_dist: bool, pp: Gang) -> None:
+    """Load the verified `step_dir` into `model` and `optimizer` in place through `state`
+    (`model_optim_state`'s, resharding through DCP); a parameter saved without optimizer
+    state (no gradient yet) stays without it, as in the run never stopped. Collective."""
+    reader = SafeFileSystemReader(step_dir / MODEL_OPTIM)
+    unsaved = [] if optimizer is None else without_unsaved_states(
+        model, optimizer, state, reader.read_metadata().state_dict_metadata)
+    load_dcp(step_dir, state, reader=reader, process_group=process_group, no_dist=no_dist,
+             then=lambda: set_model_optim_state(model, optimizer, state, unsaved),
+             fits="the model or optimizer",
+             # a checkpoint from before tied weights were stored once holds the aliases
+             held_elsewhere=entries_held_elsewhere(state["model"], pp)
+             | frozenset(tied_aliases(model)))
 
 
 def entries_held_elsewhere(model_state: dict[str, Any], split_over: Gang) -> frozenset[str]:

@@ -48,15 +48,9 @@ from gangs import FakeGang, Gangs, first_error, on_rank0
 from trainer.checkpoint.directory import CheckpointDir, scores_of
 from trainer.checkpoint.disk_space import DiskFullError, needed_bytes
 from trainer.checkpoint.failures import CheckpointError, DamagedCheckpoint, rank_cause
-from trainer.checkpoint.loading import (
-    entries_held_elsewhere,
-    load_dcp,
-    read_rank_state,
-    verified_while,
-)
+from trainer.checkpoint.loading import load_model_optim, read_rank_state, verified_while
 from trainer.checkpoint.manifest import (
     MODEL_OPTIM,
-    SafeFileSystemReader,
     fsync_dir,
     gang_sizes,
     new_manifest,
@@ -68,13 +62,7 @@ from trainer.checkpoint.model_files import ModelFiles, model_files_for
 from trainer.checkpoint.retention import steps_to_keep
 from trainer.checkpoint.run_config import config_text, sha256_of
 from trainer.checkpoint.staging import HostStaging
-from trainer.checkpoint.state import (
-    check_plain,
-    model_optim_state,
-    set_model_optim_state,
-    tied_aliases,
-    without_unsaved_states,
-)
+from trainer.checkpoint.state import check_plain, model_optim_state, tied_aliases
 from trainer.checkpoint.writer import BackgroundWriter, PendingSave, collect_checksums, write_shard
 from trainer.run_dir import CONFIG_FILE
 
@@ -344,15 +332,8 @@ class CheckpointManager:
         assert manifest is not None  # verified above
 
         self._files(model).check_base(step_dir, model, self.gangs.root)  # adapters: the base?
-        reader = SafeFileSystemReader(step_dir / MODEL_OPTIM)
-        unsaved = [] if optimizer is None else without_unsaved_states(
-            model, optimizer, state, reader.read_metadata().state_dict_metadata)
-        load_dcp(step_dir, state, reader=reader, process_group=self._pg, no_dist=self._no_dist,
-                 then=lambda: set_model_optim_state(model, optimizer, state, unsaved),
-                 fits="the model or optimizer",
-                 # a checkpoint from before tied weights were stored once holds the aliases
-                 held_elsewhere=entries_held_elsewhere(state["model"], self.gangs.pp)
-                 | frozenset(tied_aliases(model)))
+        load_model_optim(step_dir, model, optimizer, state, process_group=self._pg,
+                         no_dist=self._no_dist, pp=self.gangs.pp)
         rank_state = read_rank_state(step_dir, manifest, self._rank, self.gangs)
         for name, component in (states or {}).items():
             if name in rank_state:

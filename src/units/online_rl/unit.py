@@ -64,17 +64,16 @@ from gangtrain.rl.rewards import (
     with_weights,
 )
 from gangtrain.rl.rollouts import write_rollouts
-from units.causal_lm import auto_loss_chunk_size, chunked_loss_head, output_logits
-from units.linear_cross_entropy import captured_head, linear_log_probs_and_entropy
 from units.metrics import MetricBag
 from units.online_rl.losses import GRPOLossKind, TokenScores
 from units.online_rl.multi_turn import replayed_completion, roll_out
 from units.online_rl.sampler_correction import weigh_slices
+from units.online_rl.token_logps import token_logps
 from units.online_rl.window import Slice, WindowBuffer, local_indices, slice_tensors
 from units.reference import ReferenceModel
 from units.unit import TrainUnit
 
-__all__ = ["GRPOUnit", "Rollouts", "token_logps"]
+__all__ = ["GRPOUnit", "Rollouts"]
 
 
 @dataclass
@@ -89,54 +88,6 @@ class Rollouts:
     decode: Callable[[Sequence[int]], str] | None = None
     agent: AgentLoop | None = None
     """Multi-turn rollouts with tools or environments (in place of ``generator``)."""
-
-
-def token_logps(model: nn.Module, s: Slice, temperature: float, with_entropy: bool = False,
-                chunk_size: int | None | Literal["auto"] = "auto"
-                ) -> tuple[Tensor, Tensor | None]:
-    """(log-probability of each completion token [n], flattened row by row; its entropy
-    [n] or None) under ``logits / temperature``, float32. `chunk_size`: ``"auto"`` takes the
-    chunked head where `auto_loss_chunk_size` does (a plain linear head of a large
-    vocabulary), an int forces it (refused by name where the head cannot take it), None
-    the plain path (the whole [n, vocab] log-softmax). Both give the same values and
-    gradients to float32 rounding."""
-    if chunk_size == "auto":
-        chunk_size = auto_loss_chunk_size(model)
-    keep = torch.nn.functional.pad(s.scored, (0, 1), value=False)
-    if chunk_size is not None:
-        return _chunked_token_logps(model, s, keep, temperature, with_entropy, chunk_size)
-    out = model(input_ids=s.input_ids, attention_mask=s.attention_mask, use_cache=False,
-                logits_to_keep=keep, **(s.inputs or {}))
-    logits = out.logits if hasattr(out, "logits") else out
-    if logits.ndim == 3:  # a model that ignored the mask
-        logits = logits[keep]
-    scaled = logits.float() / temperature
-    logp_all = scaled.log_softmax(-1)
-    logp = logp_all.gather(-1, s.targets[:, None])[:, 0]
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
-
-def _chunked_token_logps(model: nn.Module, s: Slice, keep: Tensor, temperature: float,
-                         with_entropy: bool, chunk_size: int) -> tuple[Tensor, Tensor | None]:
-    """`token_logps` with the head skipped in the model (`captured_head`) and computed
-    `chunk_size` completion tokens at a time (`linear_log_probs_and_entropy`)."""
-    head = chunked_loss_head(model)
-    with captured_head(head) as seen:
-        logits = output_logits(model(input_ids=s.input_ids, attention_mask=s.attention_mask,
-                                     use_cache=False, logits_to_keep=keep,
-                                     **(s.inputs or {})))
-    unchanged = getattr(seen, "output_unchanged", None)  # the in-place check, where known
-    if seen.hidden is None or logits is not seen.output or (unchanged and not unchanged(logits)):
-        raise ValueError(f"{type(unwrapped(model)).__name__} changes its logits after its head, "
-                         "which the chunked head would skip: pass chunk_size=None")
-    hidden = seen.hidden.reshape(-1, seen.hidden.shape[-1])
-    assert s.targets is not None
-    return linear_log_probs_and_entropy(hidden, head.weight, head.bias, s.targets, chunk_size,
-                                        temperature, entropy=with_entropy)
 
 
 class GRPOUnit(TrainUnit[dict[str, Any]]):
