@@ -39,12 +39,8 @@ def launched(tmp_path_factory):
          str(HERE / "torchrun_defaults.py"), str(out)],
         capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    reports = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT rank "):
-            rank, text = line.removeprefix("RESULT rank ").split(" ", 1)
-            reports[int(rank)] = json.loads(text)
-    assert sorted(reports) == [0, 1], proc.stdout
+    reports = {rank: json.loads((out / f"report_rank_{rank}.json").read_text())
+               for rank in (0, 1)}
     return out, reports, proc.stdout + proc.stderr
 
 

@@ -1,6 +1,6 @@
 """Run by `test_torchrun_defaults.py` under `torchrun --nproc-per-node 2`: a Trainer and an
-`evaluate` built without `gangs=`, in a script that configures no logging. Prints one
-`RESULT rank <r> <json>` line per rank; rank 0 saves the trained parameters."""
+`evaluate` built without `gangs=`, in a script that configures no logging. Writes one
+`report_rank_<r>.json` per rank; rank 0 saves the trained parameters."""
 
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def main(out: Path) -> None:
     fresh = make_model(seed=9)
     report["evaluated"] = evaluate([TokenEval(fresh)], [valid], output_dir=out / "run",
                                    checkpoint="last")
-    print(f"RESULT rank {rank} {json.dumps(report)}", flush=True)
+    # a file per rank: two ranks' long lines on one stdout pipe can interleave
+    (out / f"report_rank_{rank}.json").write_text(json.dumps(report))
     # As torch asks of a script: its groups' threads stopped before the interpreter exits
     # (an exit under load once aborted in Gloo's teardown).
     dist.barrier()
