@@ -4,7 +4,8 @@ and on policy.
 
     PYTHONPATH=DIR_WITH_TRL .venv/bin/python -m benchmarks.distill_trl [--rounds 4]
         [--steps 16] [--batch 8] [--prompts 256] [--hidden 256] [--layers 4]
-        [--teacher-hidden 384] [--max-new-tokens 16] [--work DIR]
+        [--teacher-hidden 384] [--max-new-tokens 16] [--head-share 0.275] [--sft-steps 100]
+        [--work DIR]
 
 Step 1: the tiny chat model as the student, a wider one of its tokenizer as the teacher,
 8 conversational prompts each with a completion, `lmbda` 0 (the records' own completions:
@@ -22,8 +23,14 @@ draw is Python's `random` per micro-batch and process, ours a function of the se
 and micro-batch.
 
 Throughput: student ``--hidden`` x ``--layers``, teacher ``--teacher-hidden`` x
-``--layers``, ``--prompts`` prompts with completions, ``--batch`` a step in one
-micro-batch, float32 on the CPU, one intra-op thread, AdamW at a constant 1e-4, no
+``--layers``, their vocabulary the tokenizer's 320 tokens padded to the rows at which the
+student's head holds ``--head-share`` of its matmul parameters (Qwen2-0.5B's by default,
+3,520 rows; 0: 320, where the head is 3% and the loss's softmax costs nothing:
+`benchmarks.trl_common.padded_vocab`), the student first SFT-trained ``--sft-steps`` on the
+records (on-policy distillation starts from an instruction-tuned student: its samples then
+stop at ``<|im_end|>`` after 6-8 tokens as the records' do; 0: a random student, whose
+samples run to ``--max-new-tokens``), ``--prompts`` prompts with completions, ``--batch`` a
+step in one micro-batch, float32 on the CPU, one intra-op thread, AdamW at a constant 1e-4, no
 clipping, TRL's gradient checkpointing and bf16 off; `lmbda` 0 (the records' completions)
 and 1 (the student samples up to ``--max-new-tokens`` at temperature 1 with its KV cache:
 our generator, TRL's `model.generate`); each run its own process, alternated
@@ -37,15 +44,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
 
 from benchmarks.trl_common import (
+    QWEN2_HEAD_SHARE,
     arguments,
     child,
     our_step_s,
     our_train_records,
+    padded_vocab,
     print_gaps,
     require_trl,
     step_timer,
@@ -175,25 +185,50 @@ def trl_rate(a: argparse.Namespace) -> dict[str, float]:
             "tokens_per_loop_s": statistics.median(loops)}
 
 
+def warm_start(work: Path, steps: int) -> None:
+    """Replace ``work/student`` by itself SFT-trained ``steps`` steps (`recipes.sft`, 16
+    records a step) on the records' prompts and completions."""
+    from recipes.sft.recipe import cli
+
+    records = [json.loads(line) for line in (work / "train.jsonl").read_text().splitlines()]
+    sft = work / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"messages": [*r["prompt"], *r["completion"]]}) + "\n"
+                           for r in records))
+    assert cli([str(work / "sft"), "--overwrite", "--preset", "tiny",
+                "--set", f"model.path={work / 'student'}", "--set", f"data.files=[{sft}]",
+                "--set", "data.seq_len=64", "--set", "data.batch_size=16",
+                "--set", f"trainer.max_num_steps={steps}",
+                "--set", f"trainer.checkpoint_every_n_steps={steps}",
+                "--set", f"trainer.validate_every_n_steps={steps}"]) == 0
+    shutil.rmtree(work / "student")
+    shutil.copytree(work / "sft" / "hf", work / "student")
+
+
 def main() -> None:
     a = arguments(__doc__, steps=16, prompts=256, teacher_hidden=384, max_new_tokens=16,
-                  lmbda=0.0)
+                  lmbda=0.0, head_share=QWEN2_HEAD_SHARE, sft_steps=100)
     if a.child is not None:
         child(a, ours_rate, trl_rate)
         return
     version = require_trl()
     work = a.work = a.work or Path(tempfile.mkdtemp(prefix="distill_trl_"))
+    work.mkdir(parents=True, exist_ok=True)
     step_one(work)
 
     from gangtrain.tiny.pairs import make_tiny_chat_model
 
-    make_tiny_chat_model(work / "student", hidden_size=a.hidden, num_layers=a.layers)
+    vocab = padded_vocab(a.hidden, a.layers, a.head_share)  # the student's share
+    make_tiny_chat_model(work / "student", hidden_size=a.hidden, num_layers=a.layers,
+                         padded_vocab=vocab)
     make_tiny_chat_model(work / "teacher", hidden_size=a.teacher_hidden, num_layers=a.layers,
-                         seed=1)
+                         seed=1, padded_vocab=vocab)
     write_data(work / "train.jsonl", a.prompts, seed=0)
-    print(f"throughput: trl {version}; student {a.hidden} x {a.layers}, teacher "
-          f"{a.teacher_hidden} x {a.layers}; {a.prompts} prompts, batch {a.batch}, {a.steps} "
-          f"steps, up to {a.max_new_tokens} new tokens; work dir {work}")
+    if a.sft_steps:
+        warm_start(work, a.sft_steps)
+    print(f"throughput: trl {version}; student {a.hidden} x {a.layers} (SFT {a.sft_steps} "
+          f"steps), teacher {a.teacher_hidden} x {a.layers}, vocabulary {vocab or 320} (the "
+          f"student's head share {a.head_share}); {a.prompts} prompts, batch {a.batch}, "
+          f"{a.steps} steps, up to {a.max_new_tokens} new tokens; work dir {work}")
     for lmbda in (0.0, 1.0):
         print(f"lmbda {lmbda}:")
         throughput_rounds("benchmarks.distill_trl", a, ("tokens_per_s", "tokens_per_loop_s"),

@@ -2,7 +2,8 @@
 steps 1 and 2 equal, then throughput.
 
     PYTHONPATH=DIR_WITH_TRL .venv/bin/python -m benchmarks.kto_trl [--rounds 4]
-        [--steps 24] [--batch 8] [--examples 256] [--hidden 256] [--layers 4] [--work DIR]
+        [--steps 24] [--batch 8] [--examples 256] [--hidden 256] [--layers 4]
+        [--head-share 0.275] [--work DIR]
 
 Steps 1 and 2: the tiny chat model (`gangtrain.tiny.chat`), 16 unpaired examples in TRL's
 text form (`gangtrain.tiny.pairs.unpaired_examples(form="text")`: with it both sides score
@@ -20,7 +21,10 @@ step; TRL estimates the KL per micro-batch on each device (the mean of the devic
 ours over the optimizer step's examples on all devices, so they part under gradient
 accumulation or unequal device batches.
 
-Throughput: a tiny ChatML Llama of ``--hidden`` x ``--layers``, ``--examples``
+Throughput: a tiny ChatML Llama of ``--hidden`` x ``--layers`` (its vocabulary the
+tokenizer's 320 tokens padded to the rows at which its head holds ``--head-share`` of its
+matmul parameters: Qwen2-0.5B's by default, 3,520 rows; 0: 320, a head of 3%;
+`benchmarks.trl_common.padded_vocab`), ``--examples``
 conversational examples, ``--batch`` a step in one micro-batch, float32 on the CPU, one
 intra-op thread, AdamW at a constant 1e-4, no clipping, max_length 128, TRL's gradient
 checkpointing and bf16 off, the reference a frozen copy on both; each run its own process,
@@ -40,8 +44,10 @@ from pathlib import Path
 
 from benchmarks import trl_common
 from benchmarks.trl_common import (
+    QWEN2_HEAD_SHARE,
     our_step_s,
     our_train_records,
+    padded_vocab,
     print_gaps,
     step_timer,
 )
@@ -152,16 +158,20 @@ def prepare(a: argparse.Namespace, version: str) -> None:
 
     from gangtrain.tiny.pairs import make_tiny_chat_model, write_unpaired_data
 
-    make_tiny_chat_model(work / "rate_model", hidden_size=a.hidden, num_layers=a.layers)
+    vocab = padded_vocab(a.hidden, a.layers, a.head_share)
+    make_tiny_chat_model(work / "rate_model", hidden_size=a.hidden, num_layers=a.layers,
+                         padded_vocab=vocab)
     write_unpaired_data(work / "train.jsonl", a.examples)
     write_unpaired_data(work / "valid.jsonl", 16, seed=1)
-    print(f"throughput: trl {version}; model {a.hidden} x {a.layers}; {a.examples} examples, "
+    print(f"throughput: trl {version}; model {a.hidden} x {a.layers}, vocabulary "
+          f"{vocab or 320} (head share {a.head_share}); {a.examples} examples, "
           f"batch {a.batch}, {a.steps} steps; work dir {work}")
 
 
 def main() -> None:
     trl_common.main(__doc__, "benchmarks.kto_trl", ("examples_per_s", "examples_per_loop_s"),
-                    ours_rate, trl_rate, prepare, examples=256)
+                    ours_rate, trl_rate, prepare, examples=256,
+                    head_share=QWEN2_HEAD_SHARE)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,22 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
+QWEN2_HEAD_SHARE = 0.275
+"""The LM head's share of a token's matmul parameters in Qwen2-0.5B-Instruct (TRL's GKD
+example student): 136.1M (896 x 151,936) of 494.0M."""
+
+
+def padded_vocab(hidden: int, layers: int, head_share: float) -> int | None:
+    """The vocabulary rows at which a tiny Llama's head (hidden x rows) holds ``head_share``
+    of its matmul parameters (a layer of `gangtrain.tiny.chat` holds 9 hidden^2: attention
+    3, the MLP of 2 x hidden 6), rounded up to 64; None at 0 (the tokenizer's 320). At 320
+    rows the head is 3%: the loss's head and softmax, which a framework may run on the
+    trained tokens only, are then no part of the step, as they are in every real model."""
+    if head_share == 0:
+        return None
+    return max(320, math.ceil(head_share / (1 - head_share) * 9 * layers * hidden / 64) * 64)
+
+
 def require_trl() -> str:
     """TRL's version, or exit with how to get it (a benchmark dependency only)."""
     try:
@@ -180,7 +196,7 @@ def throughput_rounds(module: str, a: argparse.Namespace, rate: str | Sequence[s
 def main(doc: str, module: str, rate: str | Sequence[str],
          ours: Callable[[argparse.Namespace], dict[str, Any]],
          trl: Callable[[argparse.Namespace], dict[str, Any]],
-         prepare: Callable[[argparse.Namespace, str], None], **extra: int) -> None:
+         prepare: Callable[[argparse.Namespace, str], None], **extra: float) -> None:
     """A comparison's command line: as a child, `child`; else TRL's version checked, the
     work directory made, ``prepare(a, trl_version)`` (the equal-step checks, the rate runs'
     model and data), then `throughput_rounds`."""
@@ -190,5 +206,6 @@ def main(doc: str, module: str, rate: str | Sequence[str],
         return
     version = require_trl()
     a.work = a.work or Path(tempfile.mkdtemp(prefix=module.rsplit(".", 1)[-1] + "_"))
+    a.work.mkdir(parents=True, exist_ok=True)
     prepare(a, version)
     throughput_rounds(module, a, rate)

@@ -183,6 +183,15 @@ def lm_logits(model: nn.Module, batch: LMBatch, pad_idx: int,
     return logits, targets
 
 
+def kept_logits(model: nn.Module, input_ids: Tensor, keep: Tensor, **keywords: Any) -> Tensor:
+    """The logits [n, vocab] at the n true positions of `keep` [b, t] (row-major): the head
+    runs there only where the model `keeps_trained_logits`, else everywhere, then indexed."""
+    if keeps_trained_logits(model):
+        keywords["logits_to_keep"] = keep
+    logits = output_logits(model(input_ids, **keywords))
+    return logits[keep] if logits.ndim == 3 else logits
+
+
 def lm_loss(model: nn.Module, batch: LMBatch, pad_idx: int, use_cache_keyword: bool = False,
             trained_only: bool = False) -> tuple[Tensor, Tensor]:
     """(summed NLL in nats, number of targets), targets equal to `pad_idx` (the ignore

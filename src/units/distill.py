@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from gangtrain.rl.generation import Generator, sample_seed
+from units.causal_lm import kept_logits
 from units.metrics import MetricBag
 from units.online_rl.window import slice_tensors
 from units.unit import EvalUnit, TrainUnit
@@ -94,19 +95,26 @@ class _Distiller:
     def model(self) -> nn.Module:
         return self._model
 
-    def divergence(self, prompts: list[tuple[int, ...]], completions: list[tuple[int, ...]],
-                   beta: float, temperature: float) -> tuple[Tensor, Tensor]:
-        """(summed divergence, completion tokens) of rows prompt + completion."""
+    def logits(self, prompts: list[tuple[int, ...]], completions: list[tuple[int, ...]]
+               ) -> tuple[Tensor, Tensor]:
+        """(student's, teacher's) logits [n, vocab] at the n positions predicting a
+        completion token of rows prompt + completion: the heads run there only (where the
+        models take a `logits_to_keep` mask), so a prompt costs no head, no softmax."""
         ids, mask, scored = slice_tensors(prompts, completions, self.pad_id)
         device = next(self._model.parameters()).device
-        ids, mask, scored = ids.to(device), mask.to(device), scored.to(device)
-        student = self._model(input_ids=ids, attention_mask=mask, use_cache=False)
+        ids, mask = ids.to(device), mask.to(device)
+        keep = F.pad(scored.to(device)[:, :ids.shape[1] - 1], (0, 1), value=False)
+        student = kept_logits(self._model, ids, keep, attention_mask=mask, use_cache=False)
         with torch.no_grad():
-            teacher = self.teacher(input_ids=ids, attention_mask=mask, use_cache=False)
-        at = scored[:, :ids.shape[1] - 1]
-        per_token = generalized_jsd(student.logits[:, :-1][at], teacher.logits[:, :-1][at],
-                                    beta, temperature)
-        return per_token.sum(), at.sum()
+            teacher = kept_logits(self.teacher, ids, keep, attention_mask=mask,
+                                  use_cache=False)
+        return student, teacher
+
+    def divergence(self, prompts: list[tuple[int, ...]], completions: list[tuple[int, ...]],
+                   beta: float, temperature: float) -> tuple[Tensor, int]:
+        """(summed divergence, completion tokens) of rows prompt + completion."""
+        per_token = generalized_jsd(*self.logits(prompts, completions), beta, temperature)
+        return per_token.sum(), per_token.shape[0]
 
     def sample(self, batch: dict[str, Any], window: int) -> list[tuple[int, ...]]:
         seeds = [sample_seed(self.seed, window, i, 0) for i in batch["indices"]]
@@ -127,7 +135,7 @@ class DistillUnit(_Distiller, TrainUnit[dict[str, Any]]):
     def set_micro_batch(self, index: int, num_micro_batches: int) -> None:
         self.micro_batch = index
 
-    def __call__(self, batch: dict[str, Any], metrics: MetricBag) -> tuple[Tensor, Tensor]:
+    def __call__(self, batch: dict[str, Any], metrics: MetricBag) -> tuple[Tensor, int]:
         sampled = on_policy(self.seed, self.step_nr, self.micro_batch, self.loss.lmbda)
         completions = (self.sample(batch, self.step_nr) if sampled
                        else [tuple(c) for c in batch["completions"]])
@@ -135,7 +143,7 @@ class DistillUnit(_Distiller, TrainUnit[dict[str, Any]]):
         loss, count = self.divergence(batch["prompts"], completions, self.loss.beta,
                                       self.loss.temperature)
         metrics.update_total("on_policy", float(sampled), 1)
-        metrics.update_total("completions/mean_length", count.double(), len(completions))
+        metrics.update_total("completions/mean_length", float(count), len(completions))
         return loss, count
 
 
@@ -154,9 +162,10 @@ class DistillEvalUnit(_Distiller, EvalUnit[dict[str, Any]]):
     def __call__(self, batch: dict[str, Any], metrics: MetricBag) -> None:
         with torch.inference_mode(False), torch.no_grad():
             completions = self.sample(batch, 0)
-            loss, count = self.divergence(batch["prompts"], completions, self.loss.beta,
-                                          self.loss.temperature)
-            kl, _ = self.divergence(batch["prompts"], completions, 0.0, 1.0)
+            student, teacher = self.logits(batch["prompts"], completions)
+            loss = generalized_jsd(student, teacher, self.loss.beta, self.loss.temperature)
+            kl = generalized_jsd(student, teacher, 0.0, 1.0)
+            loss, kl, count = loss.sum(), kl.sum(), loss.shape[0]
         metrics.update_total("loss", loss.double(), count)
         metrics.update_total("kl", kl.double(), count)
-        metrics.update_total("completions/mean_length", count.double(), len(completions))
+        metrics.update_total("completions/mean_length", float(count), len(completions))

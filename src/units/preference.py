@@ -51,8 +51,11 @@ from units.causal_lm import (
     LMBatch,
     auto_loss_chunk_size,
     head_inputs,
-    lm_logits,
+    kept_logits,
+    lm_targets,
+    model_keywords,
     takes_use_cache,
+    trained_mask,
 )
 from units.directions import HIGHER_BETTER_METRICS
 from units.linear_cross_entropy import linear_log_probs
@@ -324,54 +327,50 @@ def PreferenceLoss(kind: str = "dpo", *args: Any, **settings: Any  # noqa: N802
 def side_logps(model: nn.Module, batch: LMBatch, use_cache_keyword: bool = False
                ) -> tuple[Tensor, Tensor]:
     """(summed log-probability of each row's answer tokens [rows], their count [rows]),
-    float32 at least. A model whose head is large (`auto_loss_chunk_size`: 32,768 rows or
-    more) and can take a chunked head (`head_inputs`) runs it on the answer tokens only,
-    `auto_loss_chunk_size` of them at a time (`linear_log_probs`): neither the prompt's
-    logits nor the answers' whole [answer tokens, vocab] logits are ever held. At a small
-    vocabulary the gather costs what it saves (measured: the same time within 5%). Where
+    float32 at least. The head runs on the answer tokens only (a prompt's logits are never
+    computed): where it is large (`auto_loss_chunk_size`: 32,768 rows or more) and can be
+    chunked (`head_inputs`), `auto_loss_chunk_size` of them at a time
+    (`linear_log_probs`), so the answers' whole [answer tokens, vocab] logits are never held
+    either; else at once (`kept_logits`, all of them where the model takes no mask). Where
     the model and the batch allow it, each pair's prompt runs once (`units.shared_prompt`);
     a model that attends per document runs the rows packed (`units.packed_rows`)."""
     chunk_size = auto_loss_chunk_size(model)
     if packable(model, batch):  # (its attention takes no key/value cache: no shared prompt)
-        return _packed_side_logps(model, batch, chunk_size, use_cache_keyword)
+        num_rows = batch["input_ids"].shape[0]
+        packed, owners = pack_rows(batch)
+        log_probs, trained = _answer_log_probs(model, packed, chunk_size, use_cache_keyword)
+        rows = owners[trained[0]]  # the packed row's trained positions, in order
+        sums = torch.zeros(num_rows, dtype=log_probs.dtype, device=log_probs.device)
+        return sums.index_add(0, rows, log_probs), torch.bincount(rows, minlength=num_rows)
     shared = shared_prompt_length(model, batch)
     if shared:
         return shared_prompt_logps(model, batch, shared, chunk_size or AUTO_CHUNK)
+    log_probs, trained = _answer_log_probs(model, batch, chunk_size, use_cache_keyword)
+    rows = trained.nonzero()[:, 0]  # row-major, as the kept positions are
+    sums = torch.zeros(trained.shape[0], dtype=log_probs.dtype, device=log_probs.device)
+    return sums.index_add(0, rows, log_probs), trained.sum(-1)
+
+
+def _answer_log_probs(model: nn.Module, batch: LMBatch, chunk_size: int | None,
+                      use_cache_keyword: bool) -> tuple[Tensor, Tensor]:
+    """(each answer token's log-probability [n], row-major; the answer mask [b, t']): the
+    head runs at the answer positions only, chunked (`linear_log_probs`) or whole
+    (`kept_logits`)."""
     if chunk_size is not None:
         hidden, head, targets, trained = head_inputs(model, batch, IGNORE_INDEX,
                                                      use_cache_keyword)
-        log_probs = linear_log_probs(hidden, head.weight, head.bias, targets, chunk_size)
-        rows = trained.nonzero()[:, 0]  # row-major, as the kept positions are
-        sums = torch.zeros(trained.shape[0], dtype=log_probs.dtype, device=log_probs.device)
-        return sums.index_add(0, rows, log_probs), trained.sum(-1)
-    logits, targets = lm_logits(model, batch, IGNORE_INDEX, use_cache_keyword)
-    return -_token_nll(logits, targets).view(targets.shape).sum(-1), \
-        (targets != IGNORE_INDEX).sum(-1)
+        return linear_log_probs(hidden, head.weight, head.bias, targets, chunk_size), trained
+    targets, shift = lm_targets(batch, IGNORE_INDEX)
+    trained, keep = trained_mask(targets, shift, IGNORE_INDEX)
+    logits = kept_logits(model, batch["input_ids"], keep,
+                         **model_keywords(batch, use_cache_keyword))
+    return -_token_nll(logits, targets[trained]), trained
 
 
 def _token_nll(logits: Tensor, targets: Tensor) -> Tensor:
     # float32 at least: a float64 model's log-probabilities stay float64.
-    return F.cross_entropy(logits.flatten(0, -2).to(torch.promote_types(logits.dtype,
-                                                                        torch.float32)),
-                           targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-
-
-def _packed_side_logps(model: nn.Module, batch: LMBatch, chunk_size: int | None,
-                       use_cache_keyword: bool) -> tuple[Tensor, Tensor]:
-    """`side_logps` of the rows run as one packed row (`units.packed_rows`)."""
-    num_rows = batch["input_ids"].shape[0]
-    packed, owners = pack_rows(batch)
-    if chunk_size is not None:
-        hidden, head, targets, trained = head_inputs(model, packed, IGNORE_INDEX,
-                                                     use_cache_keyword)
-        log_probs = linear_log_probs(hidden, head.weight, head.bias, targets, chunk_size)
-    else:
-        logits, targets = lm_logits(model, packed, IGNORE_INDEX, use_cache_keyword)
-        trained = targets != IGNORE_INDEX
-        log_probs = -_token_nll(logits, targets)[trained.flatten()]
-    rows = owners[trained[0]]  # the packed row's trained positions, in order
-    sums = torch.zeros(num_rows, dtype=log_probs.dtype, device=log_probs.device)
-    return sums.index_add(0, rows, log_probs), torch.bincount(rows, minlength=num_rows)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                           targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def pair_losses(config: PreferenceLossKind, policy: Tensor, counts: Tensor,

@@ -127,6 +127,12 @@ def test_unit_step_equals_the_hand_computation(tiny, settings):
     generator = HFGenerator(student, stop_ids=stop_ids(str(student_dir), tokenizer),
                             pad_id=tokenizer.pad_token_id, max_new_tokens=10)
     unit = DistillUnit(student, teacher, loss, generator, tokenizer.pad_token_id, seed=2)
+    head_rows = {"student": 0, "teacher": 0}  # the positions each head computed to train
+    for name, model in (("student", student), ("teacher", teacher)):
+        model.get_output_embeddings().register_forward_hook(
+            lambda _, inputs, __, name=name: head_rows.update(
+                {name: head_rows[name] + inputs[0].shape[:-1].numel()})
+            if name == "teacher" or torch.is_grad_enabled() else None)  # (not sampling)
     batches, trained = iter(reader), []
     total, count = 0.0, 0
     for index in range(2):  # one step of two micro-batches
@@ -136,6 +142,8 @@ def test_unit_step_equals_the_hand_computation(tiny, settings):
         value.backward()
         total, count = total + float(value), count + int(n)
         trained.append((batch["prompts"], unit.last_completions))
+    # both heads ran at the completion tokens only: a prompt costs no head, no softmax
+    assert head_rows == {"student": count, "teacher": count}
     if settings["lmbda"] == 0.0:  # the records' own completions, not samples
         assert all(c in reader.data.completions for _, cs in trained for c in cs)
     ours = {k: p.grad / count for k, p in student.named_parameters()}

@@ -82,12 +82,23 @@ def test_unit_step_equals_the_hand_computation(tiny, positive, packed):
     if packed:
         assert use_document_attention(policy) and use_document_attention(reference)
     unit = PreferenceUnit(policy, PreferenceLoss("kto", **SETTINGS), reference)
-    metrics, total, count = MetricBag(), 0.0, 0
+    head_rows = {"policy": 0, "reference": 0}  # the positions each head computed
+    for name, model in (("policy", policy), ("reference", reference)):
+        model.get_output_embeddings().register_forward_hook(
+            lambda _, inputs, __, name=name: head_rows.update(
+                {name: head_rows[name] + inputs[0].shape[:-1].numel()}))
+    metrics, total, count, answers = MetricBag(), 0.0, 0, 0
     batches = iter(reader)
     for _ in range(ACC):
-        loss, n = unit(next(batches), metrics)
+        batch = next(batches)
+        answers += sum(int((rows["labels"][:, 1:] != -100).sum())  # the step's, at its start
+                       for b in batch.get("window", []) for rows in (b["completions"], b["kl"]))
+        loss, n = unit(batch, metrics)
         loss.backward()
         total, count = total + float(loss), count + n
+    # each model scores the completions and the mismatched rows once, its head at their
+    # answer tokens only: a prompt costs no head
+    assert head_rows == {"policy": answers, "reference": answers}
     ours = {k: p.grad / count for k, p in policy.named_parameters()}
     hand = step_by_hand(float64(first), float64(second),
                         AutoTokenizer.from_pretrained(tiny[0]), step_examples(tiny, tiny[2], 1),

@@ -80,10 +80,12 @@ def write_chat_data(path: Path | str, num: int, seed: int = 0) -> Path:
 
 
 def make_tiny_chat_model(directory: Path | str, hidden_size: int = 64, num_layers: int = 2,
-                         max_positions: int = 256, vocab_size: int = 320, seed: int = 0
-                         ) -> Path:
-    """Save a tiny Llama with a ChatML BPE tokenizer in ``directory`` (as `save_pretrained`
-    does) and return it. The same arguments give the same files."""
+                         max_positions: int = 256, vocab_size: int = 320, seed: int = 0,
+                         padded_vocab: int | None = None) -> Path:
+    """Save a tiny Llama with a ChatML BPE tokenizer of ``vocab_size`` tokens in ``directory``
+    (as `save_pretrained` does) and return it. ``padded_vocab``: the model's embedding and
+    head rows, the tokenizer's padded with rows no text encodes to (as Qwen2 pads 151,665
+    tokens to 151,936); None: the tokenizer's. The same arguments give the same files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     directory = Path(directory)
@@ -99,7 +101,8 @@ def make_tiny_chat_model(directory: Path | str, hidden_size: int = 64, num_layer
                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tokenizer = chatml_tokenizer(bpe)
     tokenizer.chat_template = CHATML_TEMPLATE
-    return save_tiny_llama(directory, tokenizer, hidden_size, num_layers, max_positions, seed)
+    return save_tiny_llama(directory, tokenizer, hidden_size, num_layers, max_positions, seed,
+                           padded_vocab)
 
 
 def chatml_tokenizer(bpe: Any) -> Any:
@@ -112,9 +115,10 @@ def chatml_tokenizer(bpe: Any) -> Any:
 
 
 def save_tiny_llama(directory: Path, tokenizer: Any, hidden_size: int, num_layers: int,
-                    max_positions: int, seed: int) -> Path:
-    """Save ``tokenizer`` and a Llama drawn from ``seed`` sized to it in ``directory``;
-    generation stops at ``<|im_end|>`` or ``<|endoftext|>``."""
+                    max_positions: int, seed: int, padded_vocab: int | None = None) -> Path:
+    """Save ``tokenizer`` and a Llama drawn from ``seed`` sized to it (or with
+    ``padded_vocab`` rows) in ``directory``; generation stops at ``<|im_end|>`` or
+    ``<|endoftext|>``."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -122,7 +126,9 @@ def save_tiny_llama(directory: Path, tokenizer: Any, hidden_size: int, num_layer
     endoftext, im_end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>",
                                                                        "<|im_end|>"))
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size,
+    if padded_vocab is not None and padded_vocab < len(tokenizer):
+        raise ValueError(f"padded_vocab {padded_vocab}: below the tokenizer's {len(tokenizer)}")
+    config = LlamaConfig(vocab_size=padded_vocab or len(tokenizer), hidden_size=hidden_size,
                          intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
                          num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=max_positions, tie_word_embeddings=False,

@@ -10,7 +10,12 @@ import torch
 from torch import Tensor, nn
 
 from gangtrain.layers.wrappers import unwrapped
-from units.causal_lm import auto_loss_chunk_size, chunked_loss_head, output_logits
+from units.causal_lm import (
+    auto_loss_chunk_size,
+    chunked_loss_head,
+    kept_logits,
+    output_logits,
+)
 from units.linear_cross_entropy import captured_head, linear_log_probs_and_entropy
 from units.online_rl.window import Slice
 
@@ -31,11 +36,8 @@ def token_logps(model: nn.Module, s: Slice, temperature: float, with_entropy: bo
     keep = torch.nn.functional.pad(s.scored, (0, 1), value=False)
     if chunk_size is not None:
         return _chunked_token_logps(model, s, keep, temperature, with_entropy, chunk_size)
-    out = model(input_ids=s.input_ids, attention_mask=s.attention_mask, use_cache=False,
-                logits_to_keep=keep, **(s.inputs or {}))
-    logits = out.logits if hasattr(out, "logits") else out
-    if logits.ndim == 3:  # a model that ignored the mask
-        logits = logits[keep]
+    logits = kept_logits(model, s.input_ids, keep, attention_mask=s.attention_mask,
+                         use_cache=False, **(s.inputs or {}))
     scaled = logits.float() / temperature
     logp_all = scaled.log_softmax(-1)
     logp = logp_all.gather(-1, s.targets[:, None])[:, 0]
