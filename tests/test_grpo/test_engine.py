@@ -133,6 +133,23 @@ def test_a_completion_depends_on_its_seed_not_on_slots_syncs_or_chunks():
     assert len({c.ids for c in together}) == 10
 
 
+def test_on_the_cpu_sampling_ends_when_the_last_row_stops():
+    """By default on the CPU the engine reads the slots after every decode step (a host
+    read costs nothing there): a batch costs one prefill and one decode forward a token of
+    its longest completion, as `generate` does; every 8 steps it runs on to the next read."""
+    model = tiny_llama()
+    rows, seeds = [p[:3] for p in random_prompts(8)], list(range(8))  # one prefill forward
+    kw = dict(stop_ids=STOPS, pad_id=0, max_new_tokens=100, temperature=1.0)
+    each = HFGenerator(model, **kw)
+    out = each.generate(rows, seeds)
+    longest = max(len(c.ids) for c in out)
+    assert not any(c.truncated for c in out) and longest % 8 != 1  # a read in 8 overshoots
+    assert each.engine.forwards == 1 + (longest - 1)
+    eight = HFGenerator(model, **kw, sync_every=8)
+    assert [c.ids for c in eight.generate(rows, seeds)] == [c.ids for c in out]
+    assert eight.engine.forwards == 1 + math.ceil((longest - 1) / 8) * 8
+
+
 def test_a_continued_row_equals_a_fresh_generation_of_its_whole_context():
     """Turn 1, then tokens appended (a tool's result, of unequal lengths), then turn 2 in the
     same slot = a fresh generation from prompt + turn 1 + the tokens, with the same seed:

@@ -1,8 +1,10 @@
 """`Engine`: runs requests (a context to prefill, a seed, a token budget) over a fixed number
 of slots of a preallocated KV cache (`SlotCache`), the model's own forward each step.
 
-- Continuous batching: the host reads the slots' state once every ``sync_every`` decode steps,
-  or sooner when no row has that many tokens of budget left (stop tokens, budgets and the
+- Continuous batching: the host reads the slots' state once every ``sync_every`` decode steps
+  (by default 8 on an accelerator, whose queue a read would drain; every step on the CPU,
+  where a read costs nothing and a row's stop is seen at once), or sooner when no row has
+  that many tokens of budget left (stop tokens, budgets and the
   capacity are checked on the device in between; a finished
   row writes to scratch columns until the sync); finished rows leave their slot and waiting
   rows are prefilled into it, long contexts in chunks of ``prefill_chunk`` tokens (chunks are
@@ -38,7 +40,8 @@ from gangs import Gang, ReduceOperation
 from gangtrain.rl.sampling import sample_tokens
 from gangtrain.rl.slot_cache import SlotCache
 
-__all__ = ["Engine", "OnStop", "Request", "Turn", "forward_cost", "prefill_groups"]
+__all__ = ["Engine", "OnStop", "Request", "Turn", "default_sync_every", "forward_cost",
+           "prefill_groups"]
 
 
 @dataclass
@@ -76,7 +79,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, *, stop_ids: Sequence[int], pad_id: int,
                  temperature: float = 1.0, top_p: float = 1.0, max_batch: int = 32,
-                 sync_every: int = 8, prefill_chunk: int = 512, compact: bool = True,
+                 sync_every: int | None = None, prefill_chunk: int = 512, compact: bool = True,
                  gang: Gang | None = None) -> None:
         self.model = model
         self.stop_ids = sorted(set(int(t) for t in stop_ids))
@@ -141,6 +144,7 @@ class Engine:
         L = capacity + 1  # + the scratch column
         cache = SlotCache(num_layers, S, L)
         stops = torch.tensor(self.stop_ids or [-1], dtype=torch.long, device=device)
+        sync_every = self.sync_every or default_sync_every(device, self.gang)
         T = max(r.max_new_tokens for r in requests) if requests else 1
         # device state, one entry per slot
         length = torch.zeros(S, dtype=torch.long, device=device)   # tokens in the cache
@@ -289,7 +293,7 @@ class Engine:
                 count_h[s] = 1
             need = max((budget_h[s] - count_h[s] for s in range(S) if owner[s] is not None),
                        default=0)
-            want, steps = agree(mine, min(self.sync_every, max(need, 0)))
+            want, steps = agree(mine, min(sync_every, max(need, 0)))
             prefill(todo)
             for _ in range(want - mine):
                 self._dummy_forward(cache, device)
@@ -298,16 +302,17 @@ class Engine:
             for _ in range(steps):
                 decode()
             # sync: one read of the slots' state
-            state = torch.stack([live.long(), length, count, stopped.long()]).cpu()
+            live_h, length_h, counts, stopped_h = torch.stack(
+                [live.long(), length, count, stopped.long()]).tolist()
             todo = []
             for s in range(S):
-                cached[s], count_h[s] = int(state[1, s]), int(state[2, s])
+                cached[s], count_h[s] = length_h[s], counts[s]
                 i = owner[s]
-                if i is None or s in pending or bool(state[0, s]):
+                if i is None or s in pending or live_h[s]:
                     continue
-                n = int(state[2, s])
+                n = counts[s]
                 turn = Turn(out_ids[s, :n].tolist(), out_lp[s, :n].tolist(),
-                            truncated=not bool(state[3, s]))
+                            truncated=not stopped_h[s])
                 r = requests[i]
                 r.turns.append(turn)
                 more = on_stop(i, turn, r) if on_stop is not None else None
@@ -349,6 +354,14 @@ class Engine:
                 S = len(keep_slots)
                 all_slots = torch.arange(S, device=device)
         return requests
+
+
+def default_sync_every(device: torch.device, gang: Gang | None) -> int:
+    """Decode steps between host reads when none is given: 1 on the CPU (the read is a
+    copy of four small tensors; a stopped row ends its turn at once), unless ranks step
+    together (each read is an all-reduce there); else 8."""
+    alone = gang is None or getattr(gang, "size", 1) == 1
+    return 1 if device.type == "cpu" and alone else 8
 
 
 def forward_cost(model: nn.Module) -> int:

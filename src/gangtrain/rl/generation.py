@@ -78,11 +78,12 @@ class HFGenerator:
     """Samples from ``model`` (see the module docstring). ``stop_ids``: the tokens that end
     a completion; ``pad_id`` fills unused prefill columns; ``gang``: the FSDP2 gang whose
     ranks step together (None: no collective in a forward). ``max_batch``, ``sync_every``,
-    ``prefill_chunk``: the engine's slots, decode steps between host reads, prefill chunk."""
+    ``prefill_chunk``: the engine's slots, decode steps between host reads (None: the
+    device's, `engine.default_sync_every`), prefill chunk."""
 
     def __init__(self, model: nn.Module, *, stop_ids: Sequence[int], pad_id: int,
                  max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 gang: Gang | None = None, max_batch: int = 32, sync_every: int = 8,
+                 gang: Gang | None = None, max_batch: int = 32, sync_every: int | None = None,
                  prefill_chunk: int = 512) -> None:
         self.model = model
         self.max_new_tokens = max_new_tokens
