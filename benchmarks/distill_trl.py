@@ -5,7 +5,7 @@ and on policy.
     PYTHONPATH=DIR_WITH_TRL .venv/bin/python -m benchmarks.distill_trl [--rounds 4]
         [--steps 16] [--batch 8] [--prompts 256] [--hidden 256] [--layers 4]
         [--teacher-hidden 384] [--max-new-tokens 16] [--head-share 0.275] [--sft-steps 100]
-        [--work DIR]
+        [--qwen-shape 1] [--work DIR]
 
 Step 1: the tiny chat model as the student, a wider one of its tokenizer as the teacher,
 8 conversational prompts each with a completion, `lmbda` 0 (the records' own completions:
@@ -23,7 +23,9 @@ draw is Python's `random` per micro-batch and process, ours a function of the se
 and micro-batch.
 
 Throughput: student ``--hidden`` x ``--layers``, teacher ``--teacher-hidden`` x
-``--layers``, their vocabulary the tokenizer's 320 tokens padded to the rows at which the
+``--layers`` (``--qwen-shape 1``: both random Llamas of Qwen2.5-0.5B's shape, 151,936
+rows, no warm start; one step there takes ~20 s a side on one CPU thread), their
+vocabulary the tokenizer's 320 tokens padded to the rows at which the
 student's head holds ``--head-share`` of its matmul parameters (Qwen2-0.5B's by default,
 3,520 rows; 0: 320, where the head is 3% and the loss's softmax costs nothing:
 `benchmarks.trl_common.padded_vocab`), the student first SFT-trained ``--sft-steps`` on the
@@ -204,9 +206,27 @@ def warm_start(work: Path, steps: int) -> None:
     shutil.copytree(work / "sft" / "hf", work / "student")
 
 
+def qwen_shaped(work: Path) -> None:
+    """``work/student`` and ``work/teacher``: random Llamas of Qwen2.5-0.5B's shape
+    (`benchmarks.real_size_workers.make_inputs`, the tiny tokenizer), drawn from seeds 0
+    and 1."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.real_size import QWEN_05B
+    from benchmarks.real_size_workers import make_inputs
+
+    make_inputs(work / "qwen", QWEN_05B, 256, "fp32")
+    shutil.copytree(work / "qwen" / "model", work / "student")
+    shutil.copytree(work / "qwen" / "model", work / "teacher")
+    torch.manual_seed(1)
+    teacher = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(work / "teacher"))
+    teacher.save_pretrained(work / "teacher")
+
+
 def main() -> None:
     a = arguments(__doc__, steps=16, prompts=256, teacher_hidden=384, max_new_tokens=16,
-                  lmbda=0.0, head_share=QWEN2_HEAD_SHARE, sft_steps=100)
+                  lmbda=0.0, head_share=QWEN2_HEAD_SHARE, sft_steps=100, qwen_shape=0)
     if a.child is not None:
         child(a, ours_rate, trl_rate)
         return
@@ -217,18 +237,26 @@ def main() -> None:
 
     from gangtrain.tiny.pairs import make_tiny_chat_model
 
-    vocab = padded_vocab(a.hidden, a.layers, a.head_share)  # the student's share
-    make_tiny_chat_model(work / "student", hidden_size=a.hidden, num_layers=a.layers,
-                         padded_vocab=vocab)
-    make_tiny_chat_model(work / "teacher", hidden_size=a.teacher_hidden, num_layers=a.layers,
-                         seed=1, padded_vocab=vocab)
     write_data(work / "train.jsonl", a.prompts, seed=0)
-    if a.sft_steps:
-        warm_start(work, a.sft_steps)
-    print(f"throughput: trl {version}; student {a.hidden} x {a.layers} (SFT {a.sft_steps} "
-          f"steps), teacher {a.teacher_hidden} x {a.layers}, vocabulary {vocab or 320} (the "
-          f"student's head share {a.head_share}); {a.prompts} prompts, batch {a.batch}, "
-          f"{a.steps} steps, up to {a.max_new_tokens} new tokens; work dir {work}")
+    if a.qwen_shape:
+        qwen_shaped(work)
+        print(f"throughput: trl {version}; student and teacher random Llamas of "
+              f"Qwen2.5-0.5B's shape (494M parameters, 151,936 rows); {a.prompts} prompts, "
+              f"batch {a.batch}, {a.steps} steps, up to {a.max_new_tokens} new tokens; work "
+              f"dir {work}")
+    else:
+        vocab = padded_vocab(a.hidden, a.layers, a.head_share)  # the student's share
+        make_tiny_chat_model(work / "student", hidden_size=a.hidden, num_layers=a.layers,
+                             padded_vocab=vocab)
+        make_tiny_chat_model(work / "teacher", hidden_size=a.teacher_hidden,
+                             num_layers=a.layers, seed=1, padded_vocab=vocab)
+        if a.sft_steps:
+            warm_start(work, a.sft_steps)
+        print(f"throughput: trl {version}; student {a.hidden} x {a.layers} (SFT "
+              f"{a.sft_steps} steps), teacher {a.teacher_hidden} x {a.layers}, vocabulary "
+              f"{vocab or 320} (the student's head share {a.head_share}); {a.prompts} "
+              f"prompts, batch {a.batch}, {a.steps} steps, up to {a.max_new_tokens} new "
+              f"tokens; work dir {work}")
     for lmbda in (0.0, 1.0):
         print(f"lmbda {lmbda}:")
         throughput_rounds("benchmarks.distill_trl", a, ("tokens_per_s", "tokens_per_loop_s"),
