@@ -335,20 +335,19 @@ def side_logps(model: nn.Module, batch: LMBatch, use_cache_keyword: bool = False
     the model and the batch allow it, each pair's prompt runs once (`units.shared_prompt`);
     a model that attends per document runs the rows packed (`units.packed_rows`)."""
     chunk_size = auto_loss_chunk_size(model)
+    num_rows = batch["input_ids"].shape[0]
     if packable(model, batch):  # (its attention takes no key/value cache: no shared prompt)
-        num_rows = batch["input_ids"].shape[0]
         packed, owners = pack_rows(batch)
         log_probs, trained = _answer_log_probs(model, packed, chunk_size, use_cache_keyword)
         rows = owners[trained[0]]  # the packed row's trained positions, in order
-        sums = torch.zeros(num_rows, dtype=log_probs.dtype, device=log_probs.device)
-        return sums.index_add(0, rows, log_probs), torch.bincount(rows, minlength=num_rows)
-    shared = shared_prompt_length(model, batch)
-    if shared:
-        return shared_prompt_logps(model, batch, shared, chunk_size or AUTO_CHUNK)
-    log_probs, trained = _answer_log_probs(model, batch, chunk_size, use_cache_keyword)
-    rows = trained.nonzero()[:, 0]  # row-major, as the kept positions are
-    sums = torch.zeros(trained.shape[0], dtype=log_probs.dtype, device=log_probs.device)
-    return sums.index_add(0, rows, log_probs), trained.sum(-1)
+    else:
+        shared = shared_prompt_length(model, batch)
+        if shared:
+            return shared_prompt_logps(model, batch, shared, chunk_size or AUTO_CHUNK)
+        log_probs, trained = _answer_log_probs(model, batch, chunk_size, use_cache_keyword)
+        rows = trained.nonzero()[:, 0]  # row-major, as the kept positions are
+    sums = torch.zeros(num_rows, dtype=log_probs.dtype, device=log_probs.device)
+    return sums.index_add(0, rows, log_probs), torch.bincount(rows, minlength=num_rows)
 
 
 def _answer_log_probs(model: nn.Module, batch: LMBatch, chunk_size: int | None,
